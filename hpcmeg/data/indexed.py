@@ -1,0 +1,463 @@
+"""Megatron's indexed dataset on disk: the MMIDIDX `.idx` + raw `.bin` pair, byte for byte.
+
+Owns the format (docs/megatron-interop.md §1): writer (`IndexedDatasetBuilder`), reader
+(`IndexedDataset`), merge (`merge_datasets`, what Megatron's tools/merge_datasets.py does) and a
+read-only reader for the pre-2023 TNTIDX "lazy"/"cached" format (`LegacyIndexedDataset`).
+
+Contract
+- A dataset is a path prefix P: tokens in `P.bin` (all sequences concatenated, no header), index in
+  `P.idx`. `.idx` = 34-byte header (magic b"MMIDIDX\\0\\0", uint64 version 1, uint8 dtype code,
+  uint64 sequence count S, uint64 document-index length D) then int32[S] lengths (tokens),
+  int64[S] pointers (BYTE offsets into .bin), int64[D] document indices (0, ..., S). Little-endian,
+  no padding.
+- Token dtype: uint16 when the (unpadded) vocabulary is < 65,500, else int32 (`DType.optimal`).
+- Writing is streaming: token bytes go straight to disk; RAM holds only the int32 lengths and the
+  int64 document indices (4-8 bytes per sequence). Both files are written under temporary names and
+  renamed by `finalize`, `.idx` last, so an interrupted run never leaves a pair that loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import enum
+import glob
+import os
+import shutil
+import struct
+import sys
+from typing import Sequence
+
+import numpy as np
+
+MMIDIDX_MAGIC = b"MMIDIDX\x00\x00"
+TNTIDX_MAGIC = b"TNTIDX\x00\x00"
+HEADER_BYTES = 34  # 9 magic + 8 version + 1 dtype code + 8 sequence count + 8 document count
+_COPY_CHUNK = 64 << 20  # bytes per read when appending another .bin (bounded memory)
+_POINTER_CHUNK = 1 << 20  # sequences per slab when writing pointers at finalize
+
+
+class DType(enum.IntEnum):
+    """Token dtype codes stored in byte 17 of `.idx` (same table for MMIDIDX and TNTIDX)."""
+
+    uint8 = 1
+    int8 = 2
+    int16 = 3
+    int32 = 4
+    int64 = 5
+    float64 = 6
+    float32 = 7
+    uint16 = 8
+
+    @classmethod
+    def code_of(cls, dtype) -> int:
+        """numpy dtype (or type) -> code; raises ValueError for dtypes Megatron cannot store."""
+        name = np.dtype(dtype).name
+        if name not in cls.__members__:
+            raise ValueError(f"dtype {name} has no Megatron code; use one of {list(cls.__members__)}")
+        return int(cls[name])
+
+    @classmethod
+    def dtype_of(cls, code: int) -> type:
+        """code -> numpy scalar type (np.uint16, np.int32, ...)."""
+        try:
+            return getattr(np, cls(int(code)).name)
+        except ValueError:
+            raise ValueError(f"unknown token dtype code {code}; valid codes are 1..8") from None
+
+    @staticmethod
+    def optimal(vocab_size: int | None) -> type:
+        """Smallest dtype Megatron would pick: uint16 below 65,500 ids, else int32 (also when unknown)."""
+        if vocab_size is not None and vocab_size < 65500:
+            return np.uint16
+        return np.int32
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def dataset_exists(prefix: str) -> bool:
+    return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
+
+
+def _tmp_name(path: str) -> str:
+    # the pid keeps concurrent writers of the same prefix (e.g. a rerun while a dead job's files
+    # linger) from clobbering each other's partial files
+    return f"{path}.tmp{os.getpid()}"
+
+
+class IndexedDatasetBuilder:
+    """Streaming writer. `add_item` = one sequence; `end_document` closes a document.
+
+    Usage: b = IndexedDatasetBuilder("x.bin", np.uint16); b.add_document(ids, [len(ids)]); ...;
+    b.finalize("x.idx"). Until finalize nothing exists under the final names.
+    """
+
+    def __init__(self, bin_path: str, dtype=np.int32):
+        self.bin_path = bin_path
+        self.dtype = np.dtype(dtype)
+        DType.code_of(self.dtype)  # validate early
+        self._tmp_bin = _tmp_name(bin_path)
+        self._bin = open(self._tmp_bin, "wb")
+        self._lengths = array.array("i")  # int32 tokens per sequence
+        self._doc_idx = array.array("q", [0])  # int64 cumulative sequence counts
+        self._closed = False
+
+    # -- adding data -------------------------------------------------------------------------------
+    def _write_tokens(self, tokens) -> int:
+        arr = np.asarray(tokens)
+        if arr.dtype != self.dtype:
+            arr = arr.astype(self.dtype)
+        arr = np.ascontiguousarray(arr.reshape(-1))
+        self._bin.write(arr.tobytes(order="C"))
+        return arr.size
+
+    def add_item(self, tokens) -> None:
+        """Append one sequence (no document boundary)."""
+        self._lengths.append(self._write_tokens(tokens))
+
+    def end_document(self) -> None:
+        self._doc_idx.append(len(self._lengths))
+
+    def add_document(self, tokens, lengths: Sequence[int]) -> None:
+        """Append a whole document: `tokens` holds its sequences back to back, `lengths` their sizes."""
+        n = self._write_tokens(tokens)
+        lengths = [int(x) for x in lengths]
+        if sum(lengths) != n:
+            raise ValueError(f"document lengths sum to {sum(lengths)} but {n} tokens were given")
+        self._lengths.extend(lengths)
+        self._doc_idx.append(len(self._lengths))
+
+    def add_index(self, prefix: str) -> None:
+        """Append every sequence and document of the finished dataset at `prefix` (dtypes must match)."""
+        other = IndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"{prefix}: token dtype {other.dtype} differs from builder dtype {self.dtype}")
+        offset = len(self._lengths)
+        self._lengths.extend(other.sequence_lengths.astype(np.int32).tolist())
+        self._doc_idx.extend((other.document_indices[1:] + offset).tolist())
+        other.close()
+        with open(data_file_path(prefix), "rb") as f:
+            shutil.copyfileobj(f, self._bin, _COPY_CHUNK)
+
+    # -- finishing ---------------------------------------------------------------------------------
+    def finalize(self, idx_path: str) -> None:
+        """Close .bin, write .idx, then rename both into place (.idx last: it is the commit marker)."""
+        self._bin.close()
+        lengths = np.frombuffer(self._lengths, dtype=np.int32)
+        doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
+        tmp_idx = _tmp_name(idx_path)
+        with open(tmp_idx, "wb") as f:
+            write_mmidx_index(f, self.dtype, lengths, doc_idx)
+        # remove a stale .idx first so that a crash between the two renames cannot pair old index + new bin
+        if os.path.exists(idx_path):
+            os.remove(idx_path)
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(tmp_idx, idx_path)
+        self._closed = True
+
+    def abort(self) -> None:
+        """Drop the partial output (called on errors)."""
+        if not self._bin.closed:
+            self._bin.close()
+        if os.path.exists(self._tmp_bin):
+            os.remove(self._tmp_bin)
+        self._closed = True
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._lengths)
+
+
+def write_mmidx_index(f, dtype, lengths: np.ndarray, doc_idx: np.ndarray) -> None:
+    """Write a complete MMIDIDX index to the binary file object `f`."""
+    dtype = np.dtype(dtype)
+    lengths = np.asarray(lengths, dtype=np.int32)
+    doc_idx = np.asarray(doc_idx, dtype=np.int64)
+    if doc_idx.size == 0 or doc_idx[0] != 0 or doc_idx[-1] != lengths.size:
+        raise ValueError("document indices must start at 0 and end at the sequence count")
+    f.write(MMIDIDX_MAGIC)
+    f.write(struct.pack("<Q", 1))
+    f.write(struct.pack("<B", DType.code_of(dtype)))
+    f.write(struct.pack("<Q", lengths.size))
+    f.write(struct.pack("<Q", doc_idx.size))
+    f.write(lengths.astype("<i4").tobytes())
+    # pointers = exclusive cumulative sum of byte lengths, in int64, written in slabs to bound memory
+    start = 0
+    for lo in range(0, lengths.size, _POINTER_CHUNK):
+        nbytes = lengths[lo:lo + _POINTER_CHUNK].astype(np.int64) * dtype.itemsize
+        ends = np.cumsum(nbytes) + start
+        f.write((ends - nbytes).astype("<i8").tobytes())
+        start = int(ends[-1])
+    f.write(doc_idx.astype("<i8").tobytes())
+
+
+class IndexedDataset:
+    """Reader for `<prefix>.idx/.bin` (MMIDIDX). len() = number of sequences.
+
+    mmap=True maps both files (pages shared between processes on a node); mmap=False loads the
+    index into RAM and reads tokens with seek+read (for filesystems where mmap is slow or unsafe).
+    """
+
+    def __init__(self, prefix: str, mmap: bool = True):
+        self.prefix = prefix
+        self.mmap = mmap
+        idx_path = index_file_path(prefix)
+        with open(idx_path, "rb") as f:
+            header = f.read(HEADER_BYTES)
+        if header[:8] == TNTIDX_MAGIC:
+            raise ValueError(f"{idx_path}: legacy TNTIDX (lazy/cached) index; open it with LegacyIndexedDataset")
+        if len(header) < HEADER_BYTES or header[:9] != MMIDIDX_MAGIC:
+            raise ValueError(f"{idx_path}: not a Megatron MMIDIDX index (bad magic); rerun preprocessing")
+        (version,) = struct.unpack("<Q", header[9:17])
+        if version != 1:
+            raise ValueError(f"{idx_path}: index version {version}, only version 1 exists")
+        self.dtype = np.dtype(DType.dtype_of(header[17]))
+        seq_count, doc_count = struct.unpack("<QQ", header[18:34])
+        expected = HEADER_BYTES + 4 * seq_count + 8 * seq_count + 8 * doc_count
+        size = os.path.getsize(idx_path)
+        if size not in (expected, expected + seq_count):  # + int8 modes for multimodal datasets
+            raise ValueError(f"{idx_path}: {size} bytes but the header promises {expected}; the file is truncated or corrupt")
+
+        if mmap:
+            self._idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
+            buf = self._idx
+        else:
+            buf = np.fromfile(idx_path, dtype=np.uint8)
+            self._idx = None
+        off = HEADER_BYTES
+        self.sequence_lengths = np.frombuffer(buf, dtype="<i4", count=seq_count, offset=off)
+        off += 4 * seq_count
+        self.sequence_pointers = np.frombuffer(buf, dtype="<i8", count=seq_count, offset=off)
+        off += 8 * seq_count
+        self.document_indices = np.frombuffer(buf, dtype="<i8", count=doc_count, offset=off)
+        off += 8 * doc_count
+        self.sequence_modes = (np.frombuffer(buf, dtype=np.int8, count=seq_count, offset=off)
+                               if size > expected else None)
+        if doc_count == 0 or self.document_indices[-1] != seq_count:
+            raise ValueError(f"{idx_path}: last document index != sequence count {seq_count}; corrupt index")
+
+        bin_path = data_file_path(prefix)
+        if seq_count:
+            need = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            if os.path.getsize(bin_path) < need:
+                raise ValueError(f"{bin_path}: shorter than its index says ({need} bytes); rerun preprocessing")
+        if mmap:
+            self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if os.path.getsize(bin_path) else np.zeros(0, np.uint8)
+            self._file = None
+        else:
+            self._bin = None
+            self._file = open(bin_path, "rb")
+
+    # Megatron's legacy attribute names, so code written against MMapIndexedDataset reads naturally
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.sequence_lengths
+
+    @property
+    def doc_idx(self) -> np.ndarray:
+        return self.document_indices
+
+    def __len__(self) -> int:
+        return self.sequence_lengths.shape[0]
+
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset+length) of sequence `idx` (a view when mmapped)."""
+        size = int(self.sequence_lengths[idx])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"sequence {idx} has {size} tokens; asked for [{offset}, {offset + length})")
+        start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
+        if self._bin is not None:
+            return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+        self._file.seek(start)
+        data = self._file.read(length * self.dtype.itemsize)
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError("only contiguous slices are supported")
+            if stop <= start:
+                return []
+            total = int(self.sequence_lengths[start:stop].sum(dtype=np.int64))
+            flat = self._read_span(int(self.sequence_pointers[start]), total)
+            return np.split(flat, np.cumsum(self.sequence_lengths[start:stop - 1], dtype=np.int64))
+        idx = int(idx)
+        if idx < 0:
+            idx += len(self)
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sequence {idx} out of range for {len(self)} sequences")
+        return self.get(idx)
+
+    def _read_span(self, byte_start: int, count: int) -> np.ndarray:
+        if self._bin is not None:
+            return np.frombuffer(self._bin, dtype=self.dtype, count=count, offset=byte_start)
+        self._file.seek(byte_start)
+        return np.frombuffer(self._file.read(count * self.dtype.itemsize), dtype=self.dtype)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._bin = self._idx = self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class LegacyIndexedDataset:
+    """Read-only reader for the pre-Oct-2023 TNTIDX format (`--dataset-impl lazy|cached`).
+
+    Items may be multi-dimensional (shape from `sizes[dim_offsets[i]:dim_offsets[i+1]]`); GPT data is
+    1-D. `data_offsets` count ELEMENTS, not bytes. cached=True reads the whole .bin into RAM once
+    (Megatron's IndexedCachedDataset); otherwise each item is a seek+read (IndexedDataset "lazy").
+    """
+
+    def __init__(self, prefix: str, cached: bool = False):
+        self.prefix = prefix
+        idx_path = index_file_path(prefix)
+        with open(idx_path, "rb") as f:
+            if f.read(8) != TNTIDX_MAGIC:
+                raise ValueError(f"{idx_path}: not a TNTIDX (legacy lazy/cached) index")
+            version, code, elem = struct.unpack("<QQQ", f.read(24))
+            if version != 1:
+                raise ValueError(f"{idx_path}: TNTIDX version {version}, only version 1 exists")
+            self.dtype = np.dtype(DType.dtype_of(code))
+            if elem != self.dtype.itemsize:
+                raise ValueError(f"{idx_path}: element size {elem} does not match dtype {self.dtype}")
+            n, s = struct.unpack("<QQ", f.read(16))
+            (doc_count,) = struct.unpack("<Q", f.read(8))
+            self.dim_offsets = np.fromfile(f, dtype="<i8", count=n + 1)
+            self.data_offsets = np.fromfile(f, dtype="<i8", count=n + 1)
+            self.sizes = np.fromfile(f, dtype="<i8", count=s)
+            self.doc_idx = np.fromfile(f, dtype="<i8", count=doc_count)
+        if self.doc_idx.size != doc_count or self.sizes.size != s:
+            raise ValueError(f"{idx_path}: truncated TNTIDX index")
+        self._n = int(n)
+        self._cache = np.fromfile(data_file_path(prefix), dtype=self.dtype) if cached else None
+        self._file = None if cached else open(data_file_path(prefix), "rb")
+
+    # names matching IndexedDataset for 1-D token data
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return (self.data_offsets[1:] - self.data_offsets[:-1]).astype(np.int32)
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        return self.doc_idx
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _shape(self, i: int) -> tuple:
+        return tuple(int(x) for x in self.sizes[self.dim_offsets[i]:self.dim_offsets[i + 1]])
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Flat elements [offset, offset+length) of item `idx`."""
+        lo, hi = int(self.data_offsets[idx]), int(self.data_offsets[idx + 1])
+        if length is None:
+            length = hi - lo - offset
+        if offset < 0 or length < 0 or lo + offset + length > hi:
+            raise IndexError(f"item {idx} has {hi - lo} elements; asked for [{offset}, {offset + length})")
+        if self._cache is not None:
+            return self._cache[lo + offset: lo + offset + length]
+        self._file.seek((lo + offset) * self.dtype.itemsize)
+        return np.frombuffer(self._file.read(length * self.dtype.itemsize), dtype=self.dtype)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return [self[i] for i in range(*idx.indices(len(self)))]
+        idx = int(idx)
+        if idx < 0:
+            idx += self._n
+        if not 0 <= idx < self._n:
+            raise IndexError(f"item {idx} out of range for {self._n} items")
+        return self.get(idx).reshape(self._shape(idx))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def open_indexed_dataset(prefix: str, mmap: bool = True):
+    """Open either format by sniffing the magic bytes (Megatron's old `--data-impl infer`)."""
+    with open(index_file_path(prefix), "rb") as f:
+        magic = f.read(9)
+    if magic[:8] == TNTIDX_MAGIC:
+        return LegacyIndexedDataset(prefix, cached=not mmap)
+    return IndexedDataset(prefix, mmap=mmap)
+
+
+def merge_datasets(prefixes: Sequence[str], out_prefix: str) -> None:
+    """Concatenate datasets in the given order into `out_prefix` (documents and sequences kept)."""
+    if not prefixes:
+        raise ValueError("merge_datasets: no input datasets")
+    for p in prefixes:
+        if not dataset_exists(p):
+            raise FileNotFoundError(f"{p}: missing {p}.idx or {p}.bin")
+    first = IndexedDataset(prefixes[0])
+    dtype = first.dtype
+    first.close()
+    builder = IndexedDatasetBuilder(data_file_path(out_prefix), dtype)
+    try:
+        for p in prefixes:
+            builder.add_index(p)
+        builder.finalize(index_file_path(out_prefix))
+    except BaseException:
+        builder.abort()
+        raise
+
+
+def find_prefixes(inputs: Sequence[str]) -> list[str]:
+    """Expand directories (all `*.idx` with a `.bin`, sorted, like Megatron's merge tool), globs and
+    plain prefixes, keeping the given order between arguments."""
+    out: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(p[:-4] for p in glob.glob(os.path.join(item, "*.idx")))
+            out.extend(p for p in found if os.path.isfile(data_file_path(p)))
+        elif any(c in item for c in "*?["):
+            found = sorted(p[:-4] for p in glob.glob(item if item.endswith(".idx") else item + ".idx"))
+            out.extend(found)
+        else:
+            out.append(item[:-4] if item.endswith((".idx", ".bin")) else item)
+    return out
+
+
+def merge_main(argv: Sequence[str] | None = None) -> int:
+    """`hpcmeg merge-datasets --input DIR|PREFIX|GLOB... --output-prefix OUT`."""
+    ap = argparse.ArgumentParser(prog="hpcmeg merge-datasets",
+                                 description="Merge Megatron .bin/.idx datasets (tools/merge_datasets.py).")
+    ap.add_argument("--input", nargs="+", required=True,
+                    help="a directory (every *.idx/.bin pair in it, sorted by name), prefixes, or globs")
+    ap.add_argument("--output-prefix", required=True, help="output dataset prefix (writes .bin/.idx)")
+    ap.add_argument("--multimodal", action="store_true", help="accepted for compatibility; not supported")
+    args = ap.parse_args(argv)
+    if args.multimodal:
+        print("merge-datasets: --multimodal datasets are not supported by hpcmeg", file=sys.stderr)
+        return 2
+    prefixes = [p for p in find_prefixes(args.input) if os.path.abspath(p) != os.path.abspath(args.output_prefix)]
+    if not prefixes:
+        print(f"merge-datasets: no datasets found in {args.input}", file=sys.stderr)
+        return 2
+    try:
+        merge_datasets(prefixes, args.output_prefix)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"merge-datasets: {e}", file=sys.stderr)
+        return 1
+    print(f"merged {len(prefixes)} datasets into {args.output_prefix}", file=sys.stderr)
+    return 0
