@@ -1,0 +1,190 @@
+"""The ``hpcmeg`` command: argument parsing and dispatch only.
+
+Each subcommand's work is a function in the package that a library user can call too; this
+file maps subcommands to them (imported lazily, so ``hpcmeg --help`` and ``submit --dry-run``
+stay fast and never import torch). Recipe problems exit with status 2 and one line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommands that are drop-ins for existing tools keep their own parser (same flags as
+# Megatron's scripts), so their arguments are passed through untouched.
+PASSTHROUGH = {
+    "preprocess": ("hpcmeg.data.preprocess", "main",
+                   "tokenize JSONL into Megatron .bin/.idx (drop-in for tools/preprocess_data.py)"),
+    "merge-datasets": ("hpcmeg.data.preprocess", "merge_main",
+                       "merge several .bin/.idx datasets into one (tools/merge_datasets.py)"),
+    "tokenizer": ("hpcmeg.data.tokenizer_train", "main", "train a byte-level BPE tokenizer: hpcmeg tokenizer train ..."),
+    "corpus": ("hpcmeg.data.corpus", "main", "write the Python standard library as a JSONL code corpus"),
+}
+
+# subcommand -> (module, function taking the parsed args and returning an exit code)
+HANDLERS = {
+    "submit": ("hpcmeg.launch.submit", "cli_submit"),
+    "train": ("hpcmeg.train.entry", "cli_train"),
+    "prepare-cache": ("hpcmeg.train.entry", "cli_prepare_cache"),
+    "convert": ("hpcmeg.convert.hf", "cli_convert"),
+    "reshard": ("hpcmeg.convert.reshard", "cli_reshard"),
+    "import-hf": ("hpcmeg.convert.import_hf", "cli_import_hf"),
+    "status": ("hpcmeg.launch.status", "cli_status"),
+    "logs": ("hpcmeg.launch.status", "cli_logs"),
+    "cancel": ("hpcmeg.launch.status", "cli_cancel"),
+    "plot": ("hpcmeg.train.plot", "cli_plot"),
+    "doctor": ("hpcmeg.doctor", "cli_doctor"),
+    "validate": ("hpcmeg.cli", "cli_validate"),
+    "demo": ("hpcmeg.demo", "cli_demo"),
+}
+
+DESCRIPTION = """\
+hpcmeg: pretrain GPT models the Megatron-LM way on Slurm clusters.
+
+A recipe YAML goes in; a chain of Slurm jobs comes out:
+  preprocess (array over shards) -> train (N nodes x G GPUs, requeued on preemption)
+  -> convert (array job, to Hugging Face format).
+
+Typical use:
+  hpcmeg submit recipes/codeparrot_small.yaml --dry-run    # see the scripts, submit nothing
+  hpcmeg submit recipes/codeparrot_small.yaml              # submit the chain
+  hpcmeg status runs/codeparrot-small                      # watch it
+  hpcmeg logs runs/codeparrot-small -f --stage train       # tail it
+"""
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one recipe value, e.g. --set train.lr=3e-4 (repeatable)")
+    p.add_argument("--profile", default=None, metavar="NAME",
+                   help="cluster profile name or YAML path (overrides cluster.profile)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpcmeg", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("submit", help="build and submit the preprocess -> train -> convert job chain",
+                       description="Validate RECIPE, write every sbatch script and the resolved recipe into the "
+                                   "run directory, and submit the chain through submitit (or run it locally "
+                                   "with the 'local' profile).")
+    _add_recipe_args(p)
+    p.add_argument("--dry-run", action="store_true", help="write and print the scripts and derived values; submit nothing")
+    p.add_argument("--stages", default="preprocess,train,convert",
+                   help="comma list of stages to run (default: all three)")
+    p.add_argument("--wait", action="store_true", help="block until the chain finishes (local profile always waits)")
+
+    p = sub.add_parser("train", help="train from a recipe on this process group (1 process, torchrun or srun)",
+                       description="Train RECIPE. Ranks come from the environment (torchrun's RANK/WORLD_SIZE or "
+                                   "Slurm's SLURM_PROCID/SLURM_NTASKS); resumes from the latest checkpoint.")
+    _add_recipe_args(p)
+
+    p = sub.add_parser("prepare-cache", help="build the GPT dataset index cache ahead of time (on a login node)")
+    _add_recipe_args(p)
+
+    p = sub.add_parser("validate", help="validate a recipe and print it resolved, with derived values")
+    _add_recipe_args(p)
+
+    p = sub.add_parser("convert", help="convert Megatron-layout checkpoints to a Hugging Face GPT-2 directory")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (with --all: one sub-directory per iteration)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: latest)")
+    g.add_argument("--all", action="store_true", help="convert every iteration found")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
+    p.add_argument("--pytorch-bin", action="store_true", help="also write pytorch_model.bin for older tools")
+    p.add_argument("--tokenizer-dir", default=None, help="take tokenizer files from here instead of the checkpoint's recipe")
+
+    p = sub.add_parser("reshard", help="split or merge a checkpoint between tensor/pipeline layouts")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR")
+    p.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
+    p.add_argument("--pp", type=int, required=True, help="target pipeline-parallel size")
+    p.add_argument("--iteration", type=int, default=None, help="iteration to reshard (default: latest)")
+
+    p = sub.add_parser("import-hf", help="write a Megatron-layout 'release' checkpoint from a Hugging Face GPT-2 dir")
+    p.add_argument("hf_dir", metavar="HF_DIR")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+    p = sub.add_parser("status", help="show the state of a run's jobs (works without Slurm accounting)")
+    p.add_argument("run", metavar="RUN", help="run directory (printed by submit)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("logs", help="print or follow a run's logs")
+    p.add_argument("run", metavar="RUN")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing as the logs grow")
+    p.add_argument("--stage", choices=["preprocess", "train", "convert"], default=None)
+    p.add_argument("--rank", type=int, default=None, help="only this task/rank's log")
+    p.add_argument("-n", "--lines", type=int, default=40, help="lines from the end of each log (default 40)")
+
+    p = sub.add_parser("cancel", help="cancel every job of a run's chain")
+    p.add_argument("run", metavar="RUN")
+
+    p = sub.add_parser("plot", help="draw loss and throughput curves of a run to a PNG")
+    p.add_argument("run", metavar="RUN", help="run directory (or a metrics.jsonl file)")
+    p.add_argument("-o", "--output", default=None, help="PNG path (default: RUN/curves.png)")
+
+    sub.add_parser("doctor", help="report the software, GPUs, Slurm and container tools, and the fast paths in use")
+
+    p = sub.add_parser("demo", help="run the whole pipeline on the embedded default (stdlib code, tiny GPT)")
+    p.add_argument("--profile", default=None, help="local-slurm or local (default: local-slurm when Slurm runs here)")
+    p.add_argument("--output-root", default="runs", help="where the demo run directory goes")
+
+    for name, (_, _, help_) in PASSTHROUGH.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    return parser
+
+
+def _call(module: str, func: str, *a) -> int:
+    fn = getattr(importlib.import_module(module), func)
+    rc = fn(*a)
+    return int(rc or 0)
+
+
+def cli_validate(args) -> int:
+    from hpcmeg.recipe import derive, dump_yaml, load_recipe
+
+    r = load_recipe(args.recipe, args.overrides, args.profile)
+    print(dump_yaml(r), end="")
+    print("# derived")
+    for k, v in vars(derive(r)).items():
+        print(f"#   {k}: {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from hpcmeg.recipe import RecipeError
+
+    try:
+        if argv and argv[0] in PASSTHROUGH:
+            module, func, _ = PASSTHROUGH[argv[0]]
+            return _call(module, func, argv[1:])
+        args = build_parser().parse_args(argv)
+        if args.version:
+            from hpcmeg import __version__
+
+            print(f"hpcmeg {__version__}")
+            return 0
+        if not args.command:
+            build_parser().print_help()
+            return 2
+        module, func = HANDLERS[args.command]
+        return _call(module, func, args)
+    except RecipeError as e:
+        for line in e.problems:
+            print(f"hpcmeg: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

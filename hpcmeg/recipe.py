@@ -1,0 +1,520 @@
+"""The recipe: one typed description of a run that every stage reads.
+
+Owns the schema (nested dataclasses, one docstring per field, the only place a default lives),
+loading YAML with ``yaml.safe_load``, cluster profiles, ``--set section.key=value`` overrides,
+validation that reports every problem at once (one line each, dotted key path, YAML line when
+known), and the derived values (data-parallel size, gradient accumulation, padded vocabulary).
+
+Precedence, lowest first: dataclass defaults < cluster profile < recipe file < ``--set``.
+This module never touches torch or the process environment (profiles are searched on paths
+given explicitly or in the recipe); loading/validation is pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from hpcmeg.recipe_schema import (  # noqa: F401  (re-exported: the schema lives there)
+    CHOICES,
+    CheckpointConfig,
+    ClusterConfig,
+    ContainerConfig,
+    ConvertConfig,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    Recipe,
+    RunConfig,
+    TrainConfig,
+)
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+GPT2_VOCAB_SIZE = 50257
+
+
+class RecipeError(Exception):
+    """Raised with every problem found; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+# ----------------------------------------------------------------------------- YAML with lines
+
+
+def _line_map(text: str) -> dict[str, int]:
+    """Map dotted key paths to 1-based line numbers of the YAML text (best effort)."""
+    out: dict[str, int] = {}
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return out
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}.{k.value}" if prefix else str(k.value)
+                out[key] = k.start_mark.line + 1
+                walk(v, key)
+
+    if root is not None:
+        walk(root, "")
+    return out
+
+
+def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise RecipeError([f"{path}: cannot read: {e.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise RecipeError([f"{where}: invalid YAML: {getattr(e, 'problem', e)}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError([f"{path}: the top level must be a mapping of sections (run:, data:, ...)"])
+    return data, _line_map(text)
+
+
+# ----------------------------------------------------------------------------- typed conversion
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " (or null)"
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(tp)[:1] or (Any,)
+        return f"list of {_type_name(inner)}"
+    if origin is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value, tp, key: str, problems: list[str], where):
+    """Check/convert one YAML value against a field type; append a problem on mismatch."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is typing.Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        for a in inner:  # first alternative that accepts the value without complaint
+            trial: list[str] = []
+            out = _convert(value, a, key, trial, where)
+            if not trial:
+                return out
+        problems.append(f"{where(key)}: expected {_type_name(tp)}, got {value!r}")
+        return None
+    if origin in (list, tuple):
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # a scalar where a list is expected: a one-element list
+        if not isinstance(value, list):
+            problems.append(f"{where(key)}: expected {_type_name(tp)}, got {value!r}")
+            return []
+        (inner,) = typing.get_args(tp)[:1] or (Any,)
+        return [_convert(v, inner, f"{key}[{i}]", problems, where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{where(key)}: expected a mapping, got {value!r}")
+            return {}
+        return {str(k): ("" if v is None else str(v)) for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{where(key)}: expected true or false, got {value!r}")
+        return False
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        problems.append(f"{where(key)}: expected an integer, got {value!r}")
+        return 0
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "5e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        problems.append(f"{where(key)}: expected a number, got {value!r}")
+        return 0.0
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        problems.append(f"{where(key)}: expected a string, got {value!r}")
+        return ""
+    return value
+
+
+def _build(cls, data: dict, prefix: str, problems: list[str], where):
+    """Build dataclass ``cls`` from a mapping, collecting unknown keys and type errors."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            guess = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean '{guess[0]}'?" if guess else f"; known keys: {', '.join(fields)}"
+            problems.append(f"{where(path)}: unknown key '{key}'{hint}")
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                problems.append(f"{where(path)}: expected a mapping of {key} settings, got {value!r}")
+                continue
+            kwargs[key] = _build(tp, value, path, problems, where)
+        else:
+            kwargs[key] = _convert(value, tp, path, problems, where)
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- merging inputs
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``section.key=value`` -> (["section", "key"], value parsed as YAML: 3, 1e-4, true, [a, b])."""
+    if "=" not in item:
+        raise RecipeError([f"--set {item!r}: expected section.key=value"])
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if len(parts) < 2:
+        raise RecipeError([f"--set {item!r}: the key needs a section, e.g. train.lr=3e-4"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = json.loads(json.dumps(data))  # deep copy of plain YAML data
+    for item in overrides or []:
+        parts, value = parse_override(item)
+        node = data
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        node[parts[-1]] = value
+    return data
+
+
+def find_profile(name: str, search: list[Path]) -> Path:
+    """A profile is a YAML file: a path, or a name looked up in ``search`` then the packaged ones."""
+    p = Path(name).expanduser()
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    for d in [*search, PROFILE_DIR]:
+        for ext in (".yaml", ".yml"):
+            cand = Path(d).expanduser() / f"{name}{ext}"
+            if cand.exists():
+                return cand
+    known = sorted({q.stem for d in [*search, PROFILE_DIR] if Path(d).is_dir() for q in Path(d).glob("*.y*ml")})
+    guess = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean '{guess[0]}'?" if guess else ""
+    raise RecipeError([f"cluster.profile: no profile named '{name}' (known: {', '.join(known)}){hint}"])
+
+
+def profile_search_path(recipe_path: Optional[Path]) -> list[Path]:
+    dirs = []
+    if recipe_path is not None:
+        dirs += [recipe_path.parent / "profiles", recipe_path.parent.parent / "slurm" / "profiles"]
+    dirs += [Path("slurm/profiles"), Path("~/.config/hpcmeg/profiles")]
+    extra = os.environ.get("HPCMEG_PROFILE_PATH", "")  # the CLI's one concession to the environment
+    dirs = [Path(x) for x in extra.split(os.pathsep) if x] + dirs
+    return dirs
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None,
+                profile: str | None = None, data: dict | None = None) -> Recipe:
+    """Load, merge (defaults < profile < recipe < overrides), validate, and return a Recipe.
+
+    Raises RecipeError listing every problem found (one line each)."""
+    rpath = Path(path) if path is not None else None
+    lines: dict[str, int] = {}
+    if data is None:
+        data, lines = _read_yaml(rpath) if rpath is not None else ({}, {})
+    data = apply_overrides(data, overrides or [])
+
+    def where(key: str) -> str:
+        if rpath is not None and key in lines:
+            return f"{rpath}:{lines[key]}: {key}"
+        return key
+
+    # cluster profile: its keys fill in what the recipe leaves unset
+    prof_name = profile or (data.get("cluster") or {}).get("profile") or "local"
+    if not isinstance(prof_name, str):
+        raise RecipeError([f"{where('cluster.profile')}: expected a profile name, got {prof_name!r}"])
+    ppath = find_profile(prof_name, profile_search_path(rpath))
+    pdata, _ = _read_yaml(ppath)
+    bad = set(pdata) - {"cluster", "container", "description"}
+    problems: list[str] = [f"{ppath}: unknown section '{k}' (a profile holds cluster: and container:)" for k in sorted(bad)]
+    pdata = {k: v for k, v in pdata.items() if k in ("cluster", "container")}
+    merged = _deep_merge(pdata, data)
+    merged.setdefault("cluster", {})
+    merged["cluster"] = dict(merged["cluster"] or {}, profile=prof_name)
+
+    recipe = _build(Recipe, merged, "", problems, where)
+    recipe.source = str(rpath) if rpath is not None else None
+    problems += validate(recipe, where)
+    if problems:
+        raise RecipeError(problems)
+    return recipe
+
+
+def validate(r: Recipe, where=lambda k: k) -> list[str]:
+    """Consistency checks that span fields. Returns one line per problem."""
+    p: list[str] = []
+    m, t, par, c = r.model, r.train, r.parallel, r.cluster
+    for (sec, key), allowed in CHOICES.items():
+        val = getattr(getattr(r, sec), key)
+        if val not in allowed:
+            guess = difflib.get_close_matches(str(val), allowed, n=1)
+            hint = f"; did you mean '{guess[0]}'?" if guess else ""
+            p.append(f"{where(f'{sec}.{key}')}: '{val}' is not one of {', '.join(allowed)}{hint}")
+    if not r.run.name:
+        p.append(f"{where('run.name')}: a run needs a name")
+    elif any(ch in r.run.name for ch in "/\0") or r.run.name in (".", ".."):
+        p.append(f"{where('run.name')}: '{r.run.name}' must be a plain name (no '/'): it names the run directory")
+    for name, val in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                      ("model.num_attention_heads", m.num_attention_heads),
+                      ("model.max_position_embeddings", m.max_position_embeddings),
+                      ("data.seq_length", r.data.seq_length), ("train.micro_batch_size", t.micro_batch_size),
+                      ("train.global_batch_size", t.global_batch_size), ("parallel.tensor", par.tensor),
+                      ("parallel.pipeline", par.pipeline), ("cluster.nodes", c.nodes)]:
+        if val < 1:
+            p.append(f"{where(name)}: must be at least 1, got {val}")
+    if p:
+        return p
+    if m.hidden_size % m.num_attention_heads:
+        p.append(f"{where('model.hidden_size')}: {m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % par.tensor:
+        p.append(f"{where('model.num_attention_heads')}: {m.num_attention_heads} heads are not divisible by parallel.tensor={par.tensor}")
+    stages = par.pipeline * (par.virtual_pipeline or 1)
+    if m.num_layers % stages:
+        what = f"parallel.pipeline={par.pipeline}" + (f" x parallel.virtual_pipeline={par.virtual_pipeline}" if par.virtual_pipeline else "")
+        p.append(f"{where('model.num_layers')}: {m.num_layers} layers are not divisible by {what}")
+    if r.data.seq_length > m.max_position_embeddings:
+        p.append(f"{where('data.seq_length')}: {r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    if par.sequence_parallel and par.tensor == 1:
+        p.append(f"{where('parallel.sequence_parallel')}: needs parallel.tensor > 1")
+    if par.virtual_pipeline and par.pipeline < 2:
+        p.append(f"{where('parallel.virtual_pipeline')}: needs parallel.pipeline > 1")
+    world = c.world_size()
+    if world % (par.tensor * par.pipeline):
+        p.append(f"{where('cluster.nodes')}: {c.nodes} node(s) x {c.tasks_per_node()} task(s) per node = {world} ranks is not divisible by "
+                 f"parallel.tensor x parallel.pipeline = {par.tensor * par.pipeline}")
+    else:
+        dp = world // (par.tensor * par.pipeline)
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            p.append(f"{where('train.global_batch_size')}: {t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size} "
+                     f"x data-parallel size {dp} (= {c.nodes} node(s) x {c.tasks_per_node()} GPUs / (TP {par.tensor} x PP {par.pipeline})); "
+                     f"use a multiple of {t.micro_batch_size * dp}, e.g. {max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}")
+    if (t.train_iters is None) == (t.train_samples is None):
+        p.append(f"{where('train.train_iters')}: set exactly one of train.train_iters and train.train_samples")
+    if t.min_lr > t.lr:
+        p.append(f"{where('train.min_lr')}: {t.min_lr} is above train.lr={t.lr}")
+    if t.lr_warmup_fraction is not None and not 0 <= t.lr_warmup_fraction <= 1:
+        p.append(f"{where('train.lr_warmup_fraction')}: must be within [0, 1]")
+    if not 0 <= m.hidden_dropout < 1 or not 0 <= m.attention_dropout < 1:
+        p.append(f"{where('model.hidden_dropout')}: dropouts must be within [0, 1)")
+    try:
+        split = parse_split(r.data.split)
+        if split[0] <= 0:
+            p.append(f"{where('data.split')}: the training share of '{r.data.split}' is zero")
+    except ValueError as e:
+        p.append(f"{where('data.split')}: {e}")
+    blend = r.data.data_path
+    if blend and len(blend) > 1:
+        try:
+            parse_blend(blend)
+        except ValueError as e:
+            p.append(f"{where('data.data_path')}: {e}")
+    if not blend and not r.data.inputs:
+        p.append(f"{where('data.inputs')}: give JSONL inputs to preprocess (data.inputs) or existing datasets (data.data_path)")
+    if c.max_requeues < 0:
+        p.append(f"{where('cluster.max_requeues')}: must be >= 0")
+    if c.executor == "slurm" and c.time_limit_minutes() is None:
+        p.append(f"{where('cluster.time')}: '{c.time}' is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
+    if c.executor == "slurm" and c.time_limit_minutes() is not None and c.signal_lead_s >= c.time_limit_minutes() * 60:
+        p.append(f"{where('cluster.signal_lead_s')}: {c.signal_lead_s} s is not shorter than cluster.time={c.time}")
+    if r.container.runtime != "none" and not r.container.image:
+        p.append(f"{where('container.image')}: container.runtime={r.container.runtime} needs an image")
+    return p
+
+
+def parse_split(split: str) -> list[float]:
+    """'949,50,1' (any separators) -> normalized [0.949, 0.05, 0.001] (padded with zeros to 3)."""
+    import re
+
+    nums = [float(x) for x in re.findall(r"[.0-9]+", str(split))]
+    if not nums or len(nums) > 3:
+        raise ValueError(f"'{split}' must be up to three numbers like 949,50,1")
+    nums += [0.0] * (3 - len(nums))
+    total = sum(nums)
+    if total <= 0:
+        raise ValueError(f"'{split}' sums to zero")
+    return [x / total for x in nums]
+
+
+def parse_blend(items: list) -> list[tuple[float, str]]:
+    """Megatron --data-path: [prefix] or [w1, prefix1, w2, prefix2, ...] -> [(w, prefix)]."""
+    if len(items) == 1:
+        return [(1.0, str(items[0]))]
+    if len(items) % 2:
+        raise ValueError("a weighted blend is a list of weight, prefix pairs: [0.3, a, 0.7, b]")
+    out = []
+    for w, pref in zip(items[0::2], items[1::2]):
+        try:
+            wf = float(w)
+        except (TypeError, ValueError):
+            raise ValueError(f"weight {w!r} before '{pref}' is not a number") from None
+        if wf < 0:
+            raise ValueError(f"weight {w!r} is negative")
+        out.append((wf, str(pref)))
+    if sum(w for w, _ in out) <= 0:
+        raise ValueError("blend weights sum to zero")
+    return out
+
+
+# ----------------------------------------------------------------------------- derived values
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values computed from the recipe in exactly one place (shown by ``submit --dry-run``)."""
+
+    world_size: int
+    data_parallel_size: int
+    grad_accum_steps: int
+    orig_vocab_size: int
+    padded_vocab_size: int
+    ffn_hidden_size: int
+    train_samples: int
+    train_iters: int
+    tokens_per_iteration: int
+    run_dir: str
+    data_prefix: str
+    checkpoint_dir: str
+
+
+def vocab_size_from_files(data: DataConfig) -> int:
+    """Unpadded vocabulary size: entries of vocab.json (the embedded GPT-2 file has 50,257)."""
+    if data.vocab_file:
+        try:
+            with open(data.vocab_file) as f:
+                return len(json.load(f))
+        except (OSError, ValueError) as e:
+            raise RecipeError([f"data.vocab_file: cannot read '{data.vocab_file}': {e}"]) from None
+    if data.tokenizer_model:
+        tj = Path(data.tokenizer_model) / "tokenizer.json"
+        try:
+            with open(tj) as f:
+                tok = json.load(f)
+            return len(tok["model"]["vocab"]) + sum(1 for a in tok.get("added_tokens", []) if a["content"] not in tok["model"]["vocab"])
+        except (OSError, ValueError, KeyError) as e:
+            raise RecipeError([f"data.tokenizer_model: cannot read '{tj}': {e}"]) from None
+    return GPT2_VOCAB_SIZE
+
+
+def pad_vocab(orig: int, multiple: int, tp: int) -> int:
+    step = multiple * tp
+    return ((orig + step - 1) // step) * step
+
+
+def derive(r: Recipe, orig_vocab_size: int | None = None) -> Derived:
+    world = r.cluster.world_size()
+    dp = world // (r.parallel.tensor * r.parallel.pipeline)
+    t = r.train
+    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    orig = orig_vocab_size if orig_vocab_size is not None else (r.model.vocab_size or vocab_size_from_files(r.data))
+    samples = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
+    iters = t.train_iters if t.train_iters is not None else -(-samples // t.global_batch_size)
+    run_dir = str(Path(r.run.output_root) / r.run.name)
+    prefix = r.data.output_prefix or str(Path(run_dir) / "data" / r.run.name)
+    return Derived(
+        world_size=world, data_parallel_size=dp, grad_accum_steps=accum, orig_vocab_size=orig,
+        padded_vocab_size=pad_vocab(orig, r.model.make_vocab_size_divisible_by, r.parallel.tensor),
+        ffn_hidden_size=r.model.ffn_hidden_size or 4 * r.model.hidden_size,
+        train_samples=samples, train_iters=iters,
+        tokens_per_iteration=t.global_batch_size * r.data.seq_length,
+        run_dir=run_dir, data_prefix=prefix, checkpoint_dir=r.checkpoint.dir or str(Path(run_dir) / "checkpoints"),
+    )
+
+
+def dataset_prefixes(r: Recipe, d: Derived) -> list[tuple[float, str]]:
+    """The (weight, prefix) list training reads: data.data_path, else what preprocessing writes."""
+    if r.data.data_path:
+        return parse_blend(r.data.data_path)
+    level = "sentence" if r.data.split_sentences else "document"
+    return [(1.0, f"{d.data_prefix}_{r.data.json_keys[0]}_{level}")]
+
+
+def to_dict(r: Recipe) -> dict:
+    out = dataclasses.asdict(r)
+    out.pop("source", None)
+    return out
+
+
+def from_dict(data: dict) -> Recipe:
+    """Rebuild a Recipe from ``to_dict`` output (e.g. the copy stored in the run dir or a checkpoint)."""
+    data = {k: v for k, v in data.items() if k != "source"}
+    return load_recipe(None, data=data, profile=(data.get("cluster") or {}).get("profile"))
+
+
+def dump_yaml(r: Recipe) -> str:
+    return yaml.safe_dump(to_dict(r), sort_keys=False, default_flow_style=False)
+
+
+def write_resolved(r: Recipe, path: str | os.PathLike) -> Path:
+    """Write the resolved recipe atomically (temp name, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(dump_yaml(r))
+    os.replace(tmp, path)
+    return path
+
+
+__all__ = [
+    "Recipe", "RunConfig", "DataConfig", "ModelConfig", "TrainConfig", "ParallelConfig",
+    "CheckpointConfig", "ClusterConfig", "ContainerConfig", "ConvertConfig", "RecipeError",
+    "Derived", "load_recipe", "validate", "derive", "dataset_prefixes", "parse_split", "parse_blend",
+    "apply_overrides", "to_dict", "from_dict", "dump_yaml", "write_resolved", "pad_vocab", "field",
+]

@@ -1,0 +1,303 @@
+"""The recipe schema: nested dataclasses, one docstring per field, every default in one place.
+
+Section and field names follow Megatron-LM's flags where one exists (``--micro-batch-size`` is
+``train.micro_batch_size``), so a Megatron user can guess them; the user guide has the table.
+Loading, validation and derived values live in ``hpcmeg.recipe``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RunConfig:
+    name: str = "hpcmeg"
+    """Run name; the run directory is ``<output_root>/<name>`` (job ids, logs, resolved recipe)."""
+    output_root: str = "runs"
+    """Directory on the shared parallel filesystem under which run directories are created."""
+
+
+@dataclass
+class DataConfig:
+    inputs: list[str] = field(default_factory=list)
+    """JSONL (.jsonl / .jsonl.gz) files or globs to preprocess; each file is one array task (shard)."""
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    """JSON keys holding the text (Megatron ``--json-keys``); one dataset per key."""
+    tokenizer_type: str = "GPT2BPETokenizer"
+    """GPT2BPETokenizer (vocab.json + merges.txt) or HuggingFaceTokenizer (a local tokenizer dir)."""
+    vocab_file: Optional[str] = None
+    """GPT-2 style vocab.json; null = OpenAI's GPT-2 file embedded with hpcmeg (works offline)."""
+    merge_file: Optional[str] = None
+    """GPT-2 style merges.txt; null = the embedded GPT-2 file."""
+    tokenizer_model: Optional[str] = None
+    """Directory of a Hugging Face tokenizer (for tokenizer_type HuggingFaceTokenizer)."""
+    append_eod: bool = True
+    """Append the end-of-document token to every document (Megatron ``--append-eod``)."""
+    split_sentences: bool = False
+    """Split documents into sentences with NLTK Punkt (output level ``sentence``)."""
+    workers: int = 2
+    """Tokenizer worker processes per preprocessing task."""
+    shards: int = 0
+    """Preprocessing array size; 0 = one task per input file."""
+    output_prefix: Optional[str] = None
+    """Prefix of the tokenized dataset; null = ``<run_dir>/data/<run name>``."""
+    data_path: list[str] = field(default_factory=list)
+    """Existing datasets to train on (Megatron ``--data-path``): [prefix] or [w1, prefix1, w2, prefix2];
+    empty = the output of the preprocess stage."""
+    split: str = "949,50,1"
+    """Train/valid/test split over sequences (Megatron ``--split``)."""
+    seq_length: int = 1024
+    """Tokens per training sample (Megatron ``--seq-length``)."""
+    index_cache_dir: Optional[str] = None
+    """Where the GPT dataset index .npy files are cached; null = ``<run_dir>/index-cache``."""
+    num_workers: int = 2
+    """Data loader worker processes per rank."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 12
+    """Transformer layers (``--num-layers``)."""
+    hidden_size: int = 768
+    """Model width (``--hidden-size``)."""
+    num_attention_heads: int = 12
+    """Attention heads (``--num-attention-heads``); must divide hidden_size and be divisible by TP."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; null = 4 x hidden_size."""
+    max_position_embeddings: int = 1024
+    """Rows of the learned position table; at least data.seq_length."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this x tensor-parallel size (50257 -> 50304)."""
+    vocab_size: Optional[int] = None
+    """Unpadded vocabulary size; null = read from the tokenizer files."""
+    hidden_dropout: float = 0.1
+    """Dropout after attention and MLP outputs."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    init_method_std: float = 0.02
+    """Std of the normal weight init (output projections scaled by 1/sqrt(2 x layers))."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon."""
+    fused: str = "auto"
+    """Fused kernels: auto (on for CUDA), on, off (the plain PyTorch twins)."""
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 12
+    """Samples per rank per forward/backward (``--micro-batch-size``)."""
+    global_batch_size: int = 192
+    """Samples per optimizer step across all ranks = micro x data-parallel x accumulation."""
+    train_iters: Optional[int] = None
+    """Optimizer steps to train (``--train-iters``); set this or train_samples."""
+    train_samples: Optional[int] = None
+    """Samples to train (``--train-samples``); set this or train_iters."""
+    lr: float = 5e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_decay_style: str = "cosine"
+    """cosine, linear or constant."""
+    lr_decay_iters: Optional[int] = None
+    """Steps over which the LR decays; null = the whole run. Counted in samples internally."""
+    lr_warmup_iters: int = 0
+    """Linear warmup steps (``--lr-warmup-iters``)."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of the decay span; overrides lr_warmup_iters when set."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to biases and norm weights."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+    precision: str = "bf16"
+    """bf16, fp16 (dynamic loss scaling) or fp32."""
+    initial_loss_scale: float = 4294967296.0
+    """fp16 only: the first loss scale (Megatron's 2^32)."""
+    seed: int = 1234
+    """Seed for init, dropout and the data order."""
+    log_interval: int = 10
+    """Log a metrics line every this many steps."""
+    eval_interval: int = 200
+    """Evaluate on the validation split every this many steps (0 = never)."""
+    eval_iters: int = 10
+    """Validation batches per evaluation."""
+    compile: str = "auto"
+    """torch.compile: auto (on for CUDA), on, off."""
+    device: str = "auto"
+    """auto (CUDA when available), cuda or cpu."""
+    exit_duration_minutes: Optional[float] = None
+    """Save and exit after this many minutes of training (Megatron ``--exit-duration-in-mins``)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel size (``--tensor-model-parallel-size``); keep it within a node."""
+    pipeline: int = 1
+    """Pipeline-parallel size (``--pipeline-model-parallel-size``)."""
+    virtual_pipeline: Optional[int] = None
+    """Virtual stages per pipeline rank (interleaved schedule); null = off."""
+    sequence_parallel: bool = False
+    """Split LayerNorm/dropout activations along the sequence across TP ranks (needs TP > 1)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory (Megatron ``--save``/``--load``); null = ``<run_dir>/checkpoints``."""
+    save_interval: int = 1000
+    """Save every this many steps (0 = only at the end and on preemption)."""
+    keep_last: Optional[int] = None
+    """Keep only the newest N checkpoints; null = keep all."""
+    async_save: bool = False
+    """Write checkpoints in a background thread after a synchronous copy to CPU memory."""
+    load: Optional[str] = None
+    """Start from this checkpoint directory (e.g. an imported ``release``) when the run has none."""
+
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+@dataclass
+class ClusterConfig:
+    profile: str = "local"
+    """Cluster profile (a YAML file with cluster: and container: sections); see ``hpcmeg/profiles``."""
+    executor: str = "local"
+    """slurm (submit through submitit) or local (ranks as local processes, no Slurm)."""
+    partition: Optional[str] = None
+    """Slurm partition (``--partition``)."""
+    account: Optional[str] = None
+    """Slurm account (``--account``)."""
+    qos: Optional[str] = None
+    """Slurm QOS (``--qos``)."""
+    constraint: Optional[str] = None
+    """Slurm node features (``--constraint``)."""
+    exclusive: bool = False
+    """Whole nodes for the training job (``--exclusive``)."""
+    nodes: int = 1
+    """Nodes for the training job."""
+    gpus_per_node: int = 8
+    """GPUs per node; one training task per GPU. 0 = CPU-only (then tasks_per_node applies)."""
+    cpu_tasks_per_node: int = 1
+    """Training tasks per node when gpus_per_node is 0 (CPU ranks, gloo)."""
+    cpus_per_task: int = 8
+    """CPU cores per training task (data loader workers + tokenization)."""
+    mem: Optional[str] = None
+    """Memory per node (``--mem``), e.g. 0 (all) or 200G; null = the site default."""
+    time: str = "04:00:00"
+    """Training job time limit (``--time``)."""
+    preprocess_time: str = "02:00:00"
+    """Time limit of each preprocessing array task."""
+    convert_time: str = "01:00:00"
+    """Time limit of each conversion array task."""
+    preprocess_cpus: int = 4
+    """CPU cores per preprocessing task."""
+    signal_lead_s: int = 120
+    """Seconds before the time limit that Slurm sends the save-and-requeue signal."""
+    max_requeues: int = 3
+    """Restarts allowed after preemption/time-out before the job gives up."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run in the batch script before the job starts (module loads...). Shell by design:
+    they are NOT quoted."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for every task (e.g. NCCL_SOCKET_IFNAME); values are quoted literally."""
+    master_port: Optional[int] = None
+    """Rendezvous port; null = derived from the job id."""
+
+    def tasks_per_node(self) -> int:
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.cpu_tasks_per_node
+
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node()
+
+    def time_limit_minutes(self, value: Optional[str] = None) -> Optional[float]:
+        """Slurm time string -> minutes (None if malformed)."""
+        m = _TIME.match(str(value if value is not None else self.time).strip())
+        if not m:
+            return None
+        d, a, b, c = m.groups()
+        days = int(d or 0)
+        parts = [int(x) for x in (a, b, c) if x is not None]
+        if d is not None:  # D-HH[:MM[:SS]]
+            h, mi, s = (parts + [0, 0])[:3]
+        elif len(parts) == 1:  # MM
+            h, mi, s = 0, parts[0], 0
+        elif len(parts) == 2:  # MM:SS
+            h, mi, s = 0, parts[0], parts[1]
+        else:
+            h, mi, s = parts
+        return days * 1440 + h * 60 + mi + s / 60
+
+
+@dataclass
+class ContainerConfig:
+    runtime: str = "none"
+    """apptainer, pyxis or none."""
+    image: Optional[str] = None
+    """Apptainer .sif path, or a pyxis image (``nvcr.io#nvidia/pytorch:24.10-py3`` or a .sqsh path)."""
+    binds: list[str] = field(default_factory=list)
+    """Filesystem binds, ``/lustre`` or ``/host/path:/container/path`` (the run dir is bound automatically)."""
+    python: str = "python3"
+    """Python inside the container."""
+
+
+@dataclass
+class ConvertConfig:
+    iterations: str = "last"
+    """Which checkpoints to convert: last, all, or a comma list of iterations (one array task each)."""
+    format: str = "hf"
+    """Output format: hf (Hugging Face GPT-2 directory)."""
+    dtype: str = "fp32"
+    """Weights dtype of the converted model: fp32, bf16 or fp16."""
+    output_dir: Optional[str] = None
+    """Where converted models go; null = ``<run_dir>/hf``."""
+    enabled: bool = True
+    """Run the conversion stage after training."""
+
+
+CHOICES = {
+    ("data", "tokenizer_type"): ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
+    ("model", "fused"): ("auto", "on", "off"),
+    ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
+    ("train", "precision"): ("bf16", "fp16", "fp32"),
+    ("train", "compile"): ("auto", "on", "off"),
+    ("train", "device"): ("auto", "cuda", "cpu"),
+    ("cluster", "executor"): ("slurm", "local"),
+    ("container", "runtime"): ("apptainer", "pyxis", "none"),
+    ("convert", "format"): ("hf",),
+    ("convert", "dtype"): ("fp32", "bf16", "fp16"),
+}
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run name and output location."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Inputs, tokenizer, preprocessing, split and sequence length."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """GPT architecture."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch sizes, schedule, optimizer, precision, intervals."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor / pipeline / data parallel layout."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where and how often to save."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Slurm resources (usually from a profile)."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """Container runtime and image (usually from a profile)."""
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
+    """Conversion to Hugging Face after training."""
+    source: Optional[str] = None
+    """(set by the loader) the recipe file this came from."""
