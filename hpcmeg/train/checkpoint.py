@@ -1,0 +1,361 @@
+"""Atomic, verifiable save/load of Megatron-layout checkpoints (spec: megatron-interop.md §6-7).
+
+The format (names, dict contents, safe unpickling, RNG) lives in `ckpt_layout.py` and is re-exported
+here; this file owns the protocol. Distributed-aware through explicit arguments only: the caller passes
+its (tp, pp) coordinates, whether it writes a shard (dp_rank == 0), whether it is global rank 0, and a
+`barrier` callable (a world barrier; `lambda: None` in a single process). No process group is read.
+
+Save protocol (every rank calls save_checkpoint with the same iteration):
+  1. global rank 0 removes leftovers of crashed saves (`*.tmp`, `*.trash`), then barrier.
+  2. each shard writer writes `<save>/iter_XXXXXXX.tmp/mp_rank_../model_optim_rng.pt` via a temp name,
+     fsync, rename, plus a small sidecar `hpcmeg_shard.<mp_rank..>.json` = {size, crc32} computed while
+     writing (no re-read). The tmp name derives from the iteration, so ranks agree without talking.
+  3. barrier; rank 0 merges sidecars into `hpcmeg_manifest.json` (fails if a shard is missing), fsyncs,
+     renames the tmp dir to `iter_XXXXXXX` (a stale one is moved away first), fsyncs the parent, writes
+     the tracker via temp+rename+fsync (the commit point), rotates old iterations (keep_last); barrier.
+  A crash before the tracker write leaves the previous iteration as latest: nothing half-written is ever
+  named `iter_XXXXXXX` *and* pointed to by the tracker.
+
+Why crc32 (zlib) and not sha256: the threat is truncation/bit rot/partial writes, not tampering (unsafe
+pickles are stopped by weights_only loading). crc32 is computed in C at several GB/s as bytes stream
+to disk, so the writer never re-reads a multi-GB shard; sizes catch truncation on every rank via stat().
+
+Load: the tracker names the target; if its manifest, a listed file's size, this rank's shard crc32 or
+the unpickling fails, a CheckpointWarning names the bad file and the newest older valid iteration is
+used. Iteration dirs newer than the tracker are uncommitted and ignored. `release` loads as iteration 0.
+
+Async save (`async_save=True`): the state is copied to CPU synchronously (host memory doubles for one
+shard), files are written by a background thread, and steps 3 (barrier + commit) run in the returned
+handle's `wait()`, which the trainer must call from the main thread before the next save and before
+exit. Trade-off: training continues during the disk write, but the checkpoint is only committed at
+`wait()`; a crash before that loses it (the previous one stays latest), and the copy costs host memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hpcmeg.train.ckpt_layout import (  # noqa: F401  (re-exported: the one import for format users)
+    CHECKPOINT_VERSION, HEAD_KEY, RELEASE_DIRNAME, SHARD_FILENAME, TRACKER_FILENAME, UnsafeCheckpointError,
+    all_shard_relpaths, capture_rng_state, checkpoint_path, from_megatron_model, full_state_from_stages,
+    global_to_local_layer, iter_dirname, layers_per_stage, local_to_global_layer, make_checkpoint_dict,
+    make_megatron_args, make_scheduler_state, parse_iter_dirname, read_tracker, restore_rng_state,
+    safe_torch_load, shard_dirname, shard_relpath, shift_layers, stage_state_from_full, to_megatron_model,
+)
+
+MANIFEST_FILENAME = "hpcmeg_manifest.json"
+_TMP_SUFFIX = ".tmp"
+_TRASH_SUFFIX = ".trash"
+_SIDECAR_RE = re.compile(r"^hpcmeg_shard\.(mp_rank_[0-9_]+)\.json$")
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (partial, truncated, corrupt) or loaded unverified."""
+
+
+# ------------------------------------------------------------------------------------ file helpers
+
+def fsync_dir(path: str) -> None:
+    """Persist a directory entry change (rename/create) — POSIX needs an fsync on the directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+class _CrcWriter:
+    """File-like wrapper that crc32s bytes on their way to disk (torch.save only calls write/flush)."""
+
+    def __init__(self, f):
+        self.f, self.crc, self.size = f, 0, 0
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        self.size += len(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def file_crc32(path: str, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            crc = zlib.crc32(b, crc)
+    return crc
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """Deep copy of tensors to CPU (clone even CPU tensors: training mutates parameters in place)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.clone() if t.device.type == "cpu" else t.to("cpu")
+    if isinstance(obj, dict):
+        return type(obj)((k, _cpu_copy(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def _remove_tree(path: str) -> None:
+    """Rename away first so a half-deleted dir is never mistaken for a checkpoint."""
+    trash = path + _TRASH_SUFFIX
+    if os.path.exists(trash):
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+# -------------------------------------------------------------------------------------------- save
+
+def _write_shard(tmp_iter_dir: str, state: dict, tp_rank: int, pp_rank: int, pp_size: int) -> None:
+    shard_dir = os.path.join(tmp_iter_dir, shard_dirname(tp_rank, pp_rank, pp_size))
+    os.makedirs(shard_dir, exist_ok=True)
+    final = os.path.join(shard_dir, SHARD_FILENAME)
+    partial = final + ".partial"
+    with open(partial, "wb") as f:
+        w = _CrcWriter(f)
+        torch.save(state, w)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, final)
+    fsync_dir(shard_dir)
+    sidecar = os.path.join(tmp_iter_dir, f"hpcmeg_shard.{shard_dirname(tp_rank, pp_rank, pp_size)}.json")
+    write_text_atomic(sidecar, json.dumps({"size": w.size, "crc32": w.crc}))
+
+
+def _commit(save_dir: str, iteration: int, tp_size: int, pp_size: int, keep_last: int | None) -> None:
+    """Global rank 0 only, after all shards are on disk: manifest, rename, tracker, rotation."""
+    name = iter_dirname(iteration)
+    tmp, final = os.path.join(save_dir, name + _TMP_SUFFIX), os.path.join(save_dir, name)
+    files = {}
+    for rel in all_shard_relpaths(tp_size, pp_size):
+        sidecar = os.path.join(tmp, f"hpcmeg_shard.{rel.split('/')[0]}.json")
+        if not os.path.exists(sidecar):
+            raise RuntimeError(f"checkpoint {tmp}: shard {rel} was not written (its writer failed or the "
+                               f"tp/pp sizes disagree between ranks); iteration {iteration} not committed")
+        with open(sidecar) as f:
+            files[rel] = json.load(f)
+    manifest = {"format": "megatron-torch-legacy", "checksum": "crc32", "iteration": iteration,
+                "tp_size": tp_size, "pp_size": pp_size, "files": files}
+    write_text_atomic(os.path.join(tmp, MANIFEST_FILENAME), json.dumps(manifest, indent=1))
+    for entry in os.listdir(tmp):
+        if _SIDECAR_RE.match(entry):
+            os.remove(os.path.join(tmp, entry))
+    fsync_dir(tmp)
+    if os.path.exists(final):  # an uncommitted or older save of the same iteration
+        _remove_tree(final)
+    os.rename(tmp, final)
+    fsync_dir(save_dir)
+    write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
+    if keep_last is not None:
+        rotate_checkpoints(save_dir, keep_last, protect=iteration)
+
+
+def rotate_checkpoints(save_dir: str, keep_last: int, protect: int) -> list[int]:
+    """Delete iteration dirs older than the newest `keep_last` at or below `protect` (the tracker's
+    iteration, never deleted). Dirs newer than `protect` are left alone. Returns deleted iterations."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    iters = sorted((i for i in (parse_iter_dirname(e) for e in os.listdir(save_dir)) if i is not None
+                    and i <= protect), reverse=True)
+    doomed = [i for i in iters[keep_last:] if i != protect]
+    for i in doomed:
+        _remove_tree(os.path.join(save_dir, iter_dirname(i)))
+    return doomed
+
+
+@dataclass
+class PendingSave:
+    """Handle for a save; `wait()` (collective: every rank calls it) commits it. Idempotent."""
+    save_dir: str
+    iteration: int
+    tp_size: int
+    pp_size: int
+    is_global_rank0: bool
+    barrier: Callable[[], None]
+    keep_last: int | None
+    thread: threading.Thread | None = None
+    error: list = field(default_factory=list)
+    committed: bool = False
+
+    def wait(self) -> None:
+        if self.committed:
+            return
+        if self.thread is not None:
+            self.thread.join()
+        # Every rank reaches both barriers even on failure, so one bad writer cannot hang the rest.
+        self.barrier()
+        err = self.error[0] if self.error else None
+        if self.is_global_rank0 and err is None:
+            try:
+                _commit(self.save_dir, self.iteration, self.tp_size, self.pp_size, self.keep_last)
+            except BaseException as e:  # noqa: BLE001 - re-raised after the barrier
+                err = e
+        self.barrier()
+        self.committed = True
+        if err is not None:
+            raise err
+
+    @property
+    def writing(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+def save_checkpoint(save_dir: str, iteration: int, state: dict[str, Any], *, tp_rank: int, pp_rank: int,
+                    tp_size: int, pp_size: int, is_shard_writer: bool, barrier: Callable[[], None],
+                    is_global_rank0: bool, keep_last: int | None = None, async_save: bool = False) -> PendingSave:
+    """Collective save of `state` (the dict from make_checkpoint_dict) as iteration `iteration`.
+
+    Every rank calls it. Synchronous: returns a committed handle. async_save: returns after the CPU copy;
+    call `.wait()` on every rank before the next save and before exit. A previous async save must
+    have been waited for."""
+    if not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+    if not 0 <= tp_rank < tp_size or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"rank (tp={tp_rank}, pp={pp_rank}) outside grid tp_size={tp_size} pp_size={pp_size}")
+    tmp = os.path.join(save_dir, iter_dirname(iteration) + _TMP_SUFFIX)
+    if is_global_rank0:
+        os.makedirs(save_dir, exist_ok=True)
+        for entry in os.listdir(save_dir):  # leftovers of a crashed save or rotation
+            if entry.endswith(_TMP_SUFFIX) or entry.endswith(_TRASH_SUFFIX):
+                shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    pending = PendingSave(save_dir, iteration, tp_size, pp_size, is_global_rank0, barrier, keep_last)
+    if is_shard_writer:
+        data = _cpu_copy(state) if async_save else state
+
+        def write() -> None:
+            try:
+                _write_shard(tmp, data, tp_rank, pp_rank, pp_size)
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                pending.error.append(e)
+
+        if async_save:
+            pending.thread = threading.Thread(target=write, name=f"ckpt-save-{iteration}", daemon=False)
+            pending.thread.start()
+        else:
+            write()
+    if not async_save:
+        pending.wait()
+    return pending
+
+
+# -------------------------------------------------------------------------------------------- load
+
+def _problem(iter_dir: str, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int, verify_crc: bool) -> str | None:
+    """Why this iteration dir is unusable for this rank, or None. Size checks cover every shard (cheap
+    stat, same answer on every rank); the crc covers this rank's shard only (it reads it anyway)."""
+    own = shard_relpath(tp_rank, pp_rank, pp_size)
+    mpath = os.path.join(iter_dir, MANIFEST_FILENAME)
+    if not os.path.exists(mpath):
+        if not os.path.exists(os.path.join(iter_dir, own)):
+            return f"{os.path.join(iter_dir, own)} is missing"
+        warnings.warn(f"{iter_dir} has no {MANIFEST_FILENAME} (not written by hpcmeg); loading it unverified",
+                      CheckpointWarning, stacklevel=3)
+        return None
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"{mpath} is unreadable ({e})"
+    if (manifest.get("tp_size"), manifest.get("pp_size")) != (tp_size, pp_size):
+        raise ValueError(f"{iter_dir} was saved with tp={manifest.get('tp_size')} pp={manifest.get('pp_size')} but "
+                         f"this run uses tp={tp_size} pp={pp_size}; the legacy layout cannot change TP/PP on "
+                         f"resume: convert the checkpoint or use the original sizes")
+    for rel, meta in files.items():
+        path = os.path.join(iter_dir, rel)
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            return f"{path} is missing"
+        if size != meta["size"]:
+            return f"{path} is truncated or altered ({size} bytes, manifest says {meta['size']})"
+    if own not in files:
+        return f"{os.path.join(iter_dir, own)} is not listed in {mpath}"
+    if verify_crc and file_crc32(os.path.join(iter_dir, own)) != files[own]["crc32"]:
+        return f"{os.path.join(iter_dir, own)} is corrupt (crc32 mismatch with {MANIFEST_FILENAME})"
+    return None
+
+
+def load_checkpoint(load_dir: str, *, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
+                    iteration: int | str | None = None, verify_crc: bool = True,
+                    all_reduce_max: Callable[[int], int] | None = None) -> tuple[int, dict[str, Any]] | None:
+    """Load this rank's shard of the latest valid checkpoint: (iteration, state), or None if there is none.
+
+    `iteration` forces one (an int or "release"; no fallback, raises if unusable). Otherwise the tracker
+    names the target and invalid ones fall back to the newest older valid iteration with a
+    CheckpointWarning naming the bad file. "release" returns iteration 0. With several ranks pass
+    `all_reduce_max` (a MAX all-reduce of an int over the world) so that all ranks fall back together
+    when only one rank's shard is bad. Raises UnsafeCheckpointError for pickles that need code."""
+    if not os.path.isdir(load_dir):
+        return None
+    if iteration is not None:
+        candidates, forced = [iteration], True
+    else:
+        forced, tracker = False, read_tracker(load_dir)
+        if tracker == RELEASE_DIRNAME:
+            candidates = [RELEASE_DIRNAME]
+        else:
+            found = sorted((i for i in map(parse_iter_dirname, os.listdir(load_dir)) if i is not None), reverse=True)
+            if tracker is None:
+                if not found:
+                    return None
+                warnings.warn(f"{load_dir}: no {TRACKER_FILENAME}; using the newest valid iteration dir",
+                              CheckpointWarning, stacklevel=2)
+                candidates = found
+            else:
+                if tracker not in found:
+                    warnings.warn(f"{load_dir}/{TRACKER_FILENAME} names iteration {tracker} but "
+                                  f"{iter_dirname(tracker)} does not exist", CheckpointWarning, stacklevel=2)
+                candidates = [i for i in found if i <= tracker]
+    tracker_exists = iteration is None and read_tracker(load_dir) is not None
+    for it in candidates:
+        iter_dir = os.path.join(load_dir, iter_dirname(it))
+        path = os.path.join(iter_dir, shard_relpath(tp_rank, pp_rank, pp_size))
+        problem = _problem(iter_dir, tp_rank, pp_rank, tp_size, pp_size, verify_crc) if os.path.isdir(iter_dir) \
+            else f"{iter_dir} is missing"
+        state = None
+        if problem is None:
+            try:
+                state = safe_torch_load(path)
+            except UnsafeCheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any unpickling failure means this shard is unusable
+                problem = f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        if all_reduce_max is not None:
+            if all_reduce_max(int(problem is not None)) and problem is None:
+                problem = f"another rank's shard of {iter_dir} is unusable"
+        if problem is None:
+            return (0 if it == RELEASE_DIRNAME else int(state.get("iteration", it))), state
+        if forced:
+            raise RuntimeError(f"requested checkpoint unusable: {problem}")
+        warnings.warn(f"skipping checkpoint: {problem}; falling back to an older iteration",
+                      CheckpointWarning, stacklevel=2)
+    if not tracker_exists and not forced:
+        return None  # only untracked leftovers, all unusable: a fresh start is what the user had
+    raise RuntimeError(f"{load_dir}: {TRACKER_FILENAME} exists but no valid checkpoint was found (see warnings); "
+                       f"move the directory away to start from scratch")
