@@ -1,0 +1,83 @@
+"""GPT model configuration: the one dataclass the model is built from, plus vocabulary padding.
+
+Owns: `GPTConfig` (architecture hyper-parameters, dropout, init, and which op implementation
+to use) and `pad_vocab_size`. No torch import: the recipe layer and the launcher can read
+this file on a host without a GPU build of torch.
+
+Names follow Megatron-LM's flags (`--num-layers`, `--hidden-size`, `--ffn-hidden-size`,
+`--max-position-embeddings`, `--init-method-std`, ...) so a recipe maps onto them 1:1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "flash_attn", "efficient", "math")
+CE_IMPLS = ("compiled", "chunked")
+
+
+def pad_vocab_size(orig: int, multiple: int = 128, tp: int = 1) -> int:
+    """Megatron's `_vocab_size_with_padding`: round `orig` up to a multiple of `multiple * tp`.
+
+    Padding makes the LM-head matmul dimensions tensor-core friendly and lets the vocabulary
+    split evenly across `tp` tensor-parallel ranks. GPT-2: 50257 -> 50304 (tp=1).
+    """
+    if orig < 1 or multiple < 1 or tp < 1:
+        raise ValueError(f"pad_vocab_size: orig={orig}, multiple={multiple}, tp={tp} must all be >= 1")
+    m = multiple * tp
+    return ((orig + m - 1) // m) * m
+
+
+@dataclass
+class GPTConfig:
+    """GPT-2 architecture (learned positions, pre-LayerNorm, tanh-GELU, tied embeddings)."""
+
+    num_layers: int
+    """Number of transformer layers (Megatron `--num-layers`; GPT-2 124M: 12)."""
+    hidden_size: int
+    """Model width h (`--hidden-size`; 124M: 768). Must be divisible by num_attention_heads."""
+    num_attention_heads: int
+    """Attention heads (`--num-attention-heads`; 124M: 12). Head dim = hidden_size / heads."""
+    ffn_hidden_size: int
+    """MLP inner width (`--ffn-hidden-size`; GPT-2 uses 4 * hidden_size)."""
+    max_position_embeddings: int
+    """Rows of the learned position table = longest sequence the model accepts (GPT-2: 1024)."""
+    padded_vocab_size: int
+    """Rows of the word-embedding / tied output matrix, already padded (see pad_vocab_size)."""
+    hidden_dropout: float = 0.1
+    """Dropout on the embedding output and on each residual branch before the add (Megatron default)."""
+    attention_dropout: float = 0.1
+    """Dropout on the attention probabilities."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon (`--layernorm-epsilon`)."""
+    init_method_std: float = 0.02
+    """Std of the normal init of all weights; output projections use std / sqrt(2 * num_layers)."""
+    fused: bool = False
+    """Use the fast paths of hpcmeg/model/fused.py (SDPA/flash attention, fusion-friendly ops,
+    cross-entropy without full fp32 logits). False: the plain twins of hpcmeg/model/ops.py."""
+    attention_backend: str = "auto"
+    """Fused path only. 'auto': flash-attn package if importable, else SDPA with priority
+    cuDNN > flash > mem-efficient > math; or force one of cudnn|flash|flash_attn|efficient|math."""
+    fused_ce: str = "compiled"
+    """Fused path only. 'compiled': one-pass fp32 logsumexp over bf16 logits (fuses under
+    torch.compile); 'chunked': token chunks, logits recomputed in backward (least memory)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "max_position_embeddings", "padded_vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"GPTConfig.hidden_size={self.hidden_size} is not divisible by "
+                             f"num_attention_heads={self.num_attention_heads}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be in [0, 1)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"GPTConfig.attention_backend={self.attention_backend!r}: "
+                             f"use one of {ATTENTION_BACKENDS}")
+        if self.fused_ce not in CE_IMPLS:
+            raise ValueError(f"GPTConfig.fused_ce={self.fused_ce!r}: use one of {CE_IMPLS}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads

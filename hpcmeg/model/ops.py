@@ -1,0 +1,67 @@
+"""Plain PyTorch reference ops: the obviously-correct twins of hpcmeg/model/fused.py.
+
+Every function here has a same-named fast version in fused.py; tests/test_fused_ops.py checks
+that each pair agrees (fp32 on CPU) and bench/gpu_agreement.py does so on the GPU in bf16.
+These are the ops the model uses when GPTConfig.fused is False (CPU, debugging).
+
+Shapes: x [b, s, h] activations; q, k, v [b, s, heads, head_dim]; bias [h] or [ffn];
+labels [b, s] int64. Per-token losses are float32 [b, s].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+GELU_C = math.sqrt(2.0 / math.pi)  # 0.7978845608..., the tanh-GELU constant
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim, statistics in fp32 (as Megatron's mixed-precision LN)."""
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True)
+    var = (xf - mean).pow(2).mean(-1, keepdim=True)
+    y = (xf - mean) * torch.rsqrt(var + eps)
+    return (y * weight.float() + bias.float()).to(x.dtype)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh-approximated GELU of (x + bias): GPT-2's `gelu_new`, Megatron's fused bias-GeLU."""
+    y = x + bias
+    return 0.5 * y * (1.0 + torch.tanh(GELU_C * (y + 0.044715 * y * y * y)))
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                     p: float, training: bool) -> torch.Tensor:
+    """residual + dropout(x + bias): the end of every residual branch."""
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=p, training=training)
+
+
+def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps):
+    """(new_residual, LayerNorm(new_residual)): the branch end fused with the next pre-LN."""
+    out = bias_dropout_add(x, bias, residual, p, training)
+    return out, layer_norm(out, ln_weight, ln_bias, eps)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                     training: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v, softmax in fp32. In/out [b, s, heads, d]."""
+    b, s, nh, d = q.shape
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(d)
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    probs = F.dropout(probs, p=dropout_p, training=training).to(v.dtype)
+    return (probs @ v).transpose(1, 2)  # [b, s, heads, d]
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token CE of logits = hidden @ weight^T against labels, via full fp32 logits.
+
+    hidden [b, s, h], weight [V, h], labels [b, s] -> loss float32 [b, s].
+    """
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)

@@ -1,0 +1,123 @@
+"""One optimizer step over a list of micro batches: forward/backward, accumulate, clip, step.
+
+Contract:
+  TrainStep(model, optimizer, precision="bf16"|"fp16"|"fp32", grad_clip=1.0,
+            loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", compile_mode=None)
+  .run(micro_batches, ddp_model=None) -> StepResult(loss, grad_norm, skipped, loss_scale)
+    micro_batches: list of (tokens [b,s], labels [b,s]) or (tokens, labels, loss_mask [b,s]).
+    loss: mean per-token loss over ALL micro batches of this rank (masked tokens excluded);
+      gradients are those of that mean, so k micro batches of b == one batch of k*b.
+    grad_norm: global L2 norm of the (unscaled) gradients before clipping; nan on a skipped step.
+    skipped: True when fp16 found inf/nan gradients (step skipped, scale lowered, grads zeroed).
+  With ddp_model (a DistributedDataParallel around `model`), gradients are all-reduced only on
+  the last micro batch (require_backward_grad_sync); DDP averages over ranks, so with equal
+  token counts per rank the gradient is that of the global mean.
+  The LR schedule is the caller's: set param_group["lr"] before run(). NaN handling is the
+  caller's too: run() returns the loss as computed (one host sync per step, at the end).
+Precision: "bf16" = fp32 master params + bf16 autocast (measured vs bf16 params: see
+bench/results/train_throughput*.md); "fp16" = fp16 autocast + dynamic loss scaling.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from hpcmeg.train.optim import DynamicLossScaler
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean per-token loss over this step's micro batches (this rank only)."""
+    grad_norm: float
+    """Global L2 norm of the unscaled gradients before clipping (nan when skipped)."""
+    skipped: bool
+    """fp16 only: the step found inf/nan gradients and was not applied."""
+    loss_scale: float | None
+    """fp16: the loss scale used by this step; else None."""
+
+
+class TrainStep:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str = "bf16",
+                 grad_clip: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
+                 compile: bool = False, device: str | torch.device = "cuda",
+                 compile_mode: str | None = None):
+        if precision not in _AUTOCAST:
+            raise ValueError(f"TrainStep: precision={precision!r}; use one of {list(_AUTOCAST)}")
+        if precision == "fp16" and loss_scaler is None:
+            loss_scaler = DynamicLossScaler()
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.grad_clip, self.loss_scaler = grad_clip, (loss_scaler if precision == "fp16" else None)
+        self.device = torch.device(device)
+        self.compile, self.compile_mode = compile, compile_mode
+        self._compiled: dict[int, nn.Module] = {}  # id(module) -> torch.compile wrapper
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def _forward_fn(self, module: nn.Module) -> nn.Module:
+        if not self.compile:
+            return module
+        if id(module) not in self._compiled:
+            self._compiled[id(module)] = torch.compile(module, mode=self.compile_mode)
+        return self._compiled[id(module)]
+
+    def _autocast(self):
+        dt = _AUTOCAST[self.precision]
+        if dt is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dt)
+
+    def run(self, micro_batches: list, ddp_model: nn.Module | None = None) -> StepResult:
+        if not micro_batches:
+            raise ValueError("TrainStep.run: micro_batches is empty")
+        fwd = self._forward_fn(ddp_model if ddp_model is not None else self.model)
+        if self.compile and self.compile_mode and "overhead" in self.compile_mode:
+            # CUDA graphs: the previous step's outputs are dead (loss read, grads set to None)
+            torch.compiler.cudagraph_mark_step_begin()
+        masks = [mb[2] if len(mb) > 2 else None for mb in micro_batches]
+        # token count of the whole step, so each micro batch's loss is a share of ONE mean
+        n_tok = sum((m.sum() if m is not None else torch.tensor(mb[1].numel()))
+                    for m, mb in zip(masks, micro_batches)).to(self.device, torch.float32)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for i, (mb, mask) in enumerate(zip(micro_batches, masks)):
+            tokens = mb[0].to(self.device, non_blocking=True)
+            labels = mb[1].to(self.device, non_blocking=True)
+            if ddp_model is not None:  # all-reduce only after the last micro batch's backward
+                ddp_model.require_backward_grad_sync = i == len(micro_batches) - 1
+            with self._autocast():
+                per_tok = fwd(tokens, labels)
+            if mask is not None:
+                per_tok = per_tok * mask.to(self.device, per_tok.dtype)
+            mb_sum = per_tok.float().sum()
+            (mb_sum * (scale / n_tok)).backward()
+            loss_sum += mb_sum.detach()
+        if ddp_model is not None:
+            ddp_model.require_backward_grad_sync = True
+        mean_loss = loss_sum / n_tok
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.loss_scaler is not None:
+            found_inf = torch.zeros(1, device=self.device)
+            inv = torch.full((1,), 1.0 / scale, device=self.device)
+            for dtype in {g.dtype for g in grads}:  # the kernel wants one dtype per call
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    [g for g in grads if g.dtype == dtype], found_inf, inv)
+            if found_inf.item() > 0:  # the one sync fp16 needs before stepping
+                self.loss_scaler.update(True)
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepResult(mean_loss.item(), math.nan, True, scale)
+            self.loss_scaler.update(False)
+        if self.grad_clip and self.grad_clip > 0:
+            gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        else:
+            gnorm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, gn = torch.stack([mean_loss, gnorm.float().to(self.device)]).tolist()  # one sync
+        return StepResult(loss, gn, False, scale if self.loss_scaler is not None else None)
