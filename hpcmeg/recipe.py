@@ -292,7 +292,12 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
 
     recipe = _build(Recipe, merged, "", problems, where)
     recipe.source = str(rpath) if rpath is not None else None
-    problems += validate(recipe, where)
+    # a misspelled section ('trian:') would also make its real section look empty; report the
+    # typo alone rather than a cascade of "missing value" lines about the section it meant
+    meant = {pr.split("did you mean '")[1].split("'")[0] for pr in problems
+             if "unknown key" in pr and "did you mean" in pr and "." not in pr.split(": unknown key")[0].split(": ")[-1]}
+    problems += [pr for pr in validate(recipe, where)
+                 if not any(pr.startswith(f"{sec}.") or f": {sec}." in pr for sec in meant)]
     if problems:
         raise RecipeError(problems)
     return recipe
@@ -301,6 +306,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
 def validate(r: Recipe, where=lambda k: k) -> list[str]:
     """Consistency checks that span fields. Returns one line per problem."""
     p: list[str] = []
+    nonpositive: list[str] = []
     m, t, par, c = r.model, r.train, r.parallel, r.cluster
     for (sec, key), allowed in CHOICES.items():
         val = getattr(getattr(r, sec), key)
@@ -319,9 +325,9 @@ def validate(r: Recipe, where=lambda k: k) -> list[str]:
                       ("train.global_batch_size", t.global_batch_size), ("parallel.tensor", par.tensor),
                       ("parallel.pipeline", par.pipeline), ("cluster.nodes", c.nodes)]:
         if val < 1:
-            p.append(f"{where(name)}: must be at least 1, got {val}")
-    if p:
-        return p
+            nonpositive.append(f"{where(name)}: must be at least 1, got {val}")
+    if nonpositive:  # the divisibility checks below would divide by zero
+        return p + nonpositive
     if m.hidden_size % m.num_attention_heads:
         p.append(f"{where('model.hidden_size')}: {m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
     if m.num_attention_heads % par.tensor:

@@ -1,0 +1,42 @@
+"""Shared pytest fixtures.
+
+``slurm_cluster`` (session scope) starts the project's own local Slurm cluster
+(``slurm/local-cluster.sh start``: two emulated nodes, accounting, fake pyxis) once per test
+session; tests that need it are marked ``slurm``. Set HPCMEG_SKIP_SLURM=1 to skip them on a
+machine where the cluster cannot be installed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_SCRIPT = REPO / "slurm" / "local-cluster.sh"
+
+
+def hpcmeg_cmd() -> list[str]:
+    """How tests invoke the CLI: the console script when installed, else ``python -m hpcmeg.cli``."""
+    exe = shutil.which("hpcmeg")
+    return [exe] if exe else [sys.executable, "-m", "hpcmeg.cli"]
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if os.environ.get("HPCMEG_SKIP_SLURM") == "1":
+        pytest.skip("HPCMEG_SKIP_SLURM=1")
+    env = dict(os.environ, SLURM_CI_FAKE_PYXIS=os.environ.get("SLURM_CI_FAKE_PYXIS", "1"))
+    r = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        pytest.fail(f"local Slurm cluster did not start:\n{r.stderr[-3000:]}")
+    return {"nodes": 2, "partition": "debug", "preempt_partition": "urgent"}
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return REPO

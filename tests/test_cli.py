@@ -1,0 +1,56 @@
+"""The hpcmeg command: help texts, recipe errors as exit 2 with one line each, dry-run validation."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import hpcmeg_cmd
+
+REPO = Path(__file__).resolve().parents[1]
+SUBCOMMANDS = ["submit", "preprocess", "train", "convert", "status", "logs", "cancel", "doctor",
+               "prepare-cache", "reshard", "import-hf", "plot", "validate"]
+
+
+def run(*args, cwd=REPO, **kw):
+    return subprocess.run([*hpcmeg_cmd(), *args], capture_output=True, text=True, cwd=cwd, timeout=120, **kw)
+
+
+def test_top_level_help_lists_subcommands():
+    r = run("--help")
+    assert r.returncode == 0
+    for sub in ["submit", "preprocess", "train", "convert", "status", "logs", "cancel", "doctor"]:
+        assert sub in r.stdout
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_subcommand_help(sub):
+    r = run(sub, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage" in r.stdout.lower()
+    assert len(r.stdout.splitlines()) >= 3
+
+
+def test_misspelled_section_exits_2_with_one_line(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text((REPO / "recipes/codeparrot_tiny.yaml").read_text().replace("\ntrain:", "\ntrian:"))
+    r = run("validate", str(p))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "trian" in lines[0] and "did you mean 'train'" in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_batch_exits_2(tmp_path):
+    r = run("validate", "recipes/codeparrot_small.yaml", "--set", "train.global_batch_size=190")
+    assert r.returncode == 2
+    assert "190" in r.stderr and "micro_batch_size=12" in r.stderr and "8" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_validate_prints_derived():
+    r = run("validate", "recipes/codeparrot_small.yaml")
+    assert r.returncode == 0, r.stderr
+    assert "grad_accum_steps: 2" in r.stdout and "padded_vocab_size: 50304" in r.stdout
