@@ -239,8 +239,11 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict[str, Any], *, tp_
     if is_global_rank0:
         os.makedirs(save_dir, exist_ok=True)
         for entry in os.listdir(save_dir):  # leftovers of a crashed save or rotation
+            path = os.path.join(save_dir, entry)
             if entry.endswith(_TMP_SUFFIX) or entry.endswith(_TRASH_SUFFIX):
-                shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)
+            elif entry.startswith(TRACKER_FILENAME + ".tmp-"):
+                os.remove(path)
         os.makedirs(tmp)
     barrier()
     pending = PendingSave(save_dir, iteration, tp_size, pp_size, is_global_rank0, barrier, keep_last)
