@@ -133,6 +133,18 @@ class IndexedDatasetBuilder:
         self._lengths.extend(lengths)
         self._doc_idx.append(len(self._lengths))
 
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray, sequences_per_document: np.ndarray) -> None:
+        """Bulk append: `tokens` = many documents back to back, `lengths` = int32 tokens per sequence,
+        `sequences_per_document` = how many of those sequences each document has (0 allowed)."""
+        lengths = np.asarray(lengths, dtype=np.int32)
+        per_doc = np.asarray(sequences_per_document, dtype=np.int64)
+        n = self._write_tokens(tokens)
+        if int(lengths.sum(dtype=np.int64)) != n or int(per_doc.sum()) != lengths.size:
+            raise ValueError("add_documents: tokens, lengths and sequences_per_document disagree")
+        base = len(self._lengths)
+        self._lengths.frombytes(lengths.tobytes())
+        self._doc_idx.frombytes((np.cumsum(per_doc) + base).astype(np.int64).tobytes())
+
     def add_index(self, prefix: str) -> None:
         """Append every sequence and document of the finished dataset at `prefix` (dtypes must match)."""
         other = IndexedDataset(prefix)

@@ -1,0 +1,425 @@
+"""`hpcmeg preprocess`: JSONL -> Megatron `.bin/.idx`, a drop-in for Megatron's tools/preprocess_data.py.
+
+Pipeline (streaming, bounded memory): the parent reads ~1 MB batches of whole lines -> worker
+processes parse, validate, (split sentences,) tokenize and return numpy token arrays -> the parent
+writes them IN INPUT ORDER to one IndexedDatasetBuilder per JSON key. At most `2*workers+2` batches
+are in flight, so memory does not grow with the corpus (Megatron's Pool.imap queue can: its issue #444).
+
+Contract
+- Output: `<prefix>_<key>_document.{bin,idx}` (`_sentence` with --split-sentences), MMIDIDX, uint16
+  tokens when the unpadded vocabulary is < 65,500 else int32. One document per JSONL line (blank
+  lines ignored); with --append-eod the tokenizer's EOD closes each document's last sequence.
+- Same ids as Megatron for the same tokenizer files (bench/preprocess.py checks it).
+- Bad lines (invalid UTF-8, malformed JSON, missing key, empty document, ...): by default the run
+  stops with `file:line: reason` and exit code 1; --skip-bad-lines drops the whole line (all keys,
+  so the per-key datasets stay aligned), counts it and reports at the end.
+- Outputs are written under temporary names and renamed only when everything succeeded.
+- --partitions N>1 reproduces Megatron's document order (lines dealt round-robin to N partitions,
+  partitions concatenated) without writing partition JSONL files; with --keep-sequential-samples
+  (or N=1) the order is the input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from hpcmeg.data import indexed
+from hpcmeg.data.jsonl import LineBatch, expand_inputs, iter_line_batches, parse_document
+
+
+@dataclass
+class PreprocessConfig:
+    json_keys: tuple = ("text",)
+    tokenizer_type: str = "GPT2BPETokenizer"
+    vocab_file: str | None = None  # GPT-2 vocab.json; None -> the embedded GPT-2 files
+    merge_file: str | None = None
+    tokenizer_model: str | None = None  # HuggingFaceTokenizer: local directory
+    tokenizer_backend: str = "auto"  # GPT2BPETokenizer: auto | tiktoken | tokenizers
+    append_eod: bool = False
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
+    workers: int = 1  # tokenizing processes; 0 = tokenize in this process
+    partitions: int = 1
+    keep_sequential_samples: bool = False
+    skip_bad_lines: bool = False
+    log_interval: int = 1000  # documents between progress lines
+    batch_bytes: int = 1 << 20  # input bytes per work item
+    punkt_cache_dir: str | None = None
+    quiet: bool = False
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0
+    tokens: int = 0  # summed over keys
+    input_bytes: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    outputs: dict = dataclasses.field(default_factory=dict)  # key -> dataset prefix
+    bad_lines: list = dataclasses.field(default_factory=list)  # first few "file:line: reason"
+
+
+class BadInputError(ValueError):
+    """A bad JSONL line in default (stop) mode; str() is `file:line: reason ...`."""
+
+
+def _make_tokenizer(cfg: PreprocessConfig):
+    from hpcmeg.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model,
+                           backend=cfg.tokenizer_backend)
+
+
+def _make_splitter(cfg: PreprocessConfig):
+    if not cfg.split_sentences:
+        return None
+    from hpcmeg.data.punkt import make_sentence_splitter
+
+    return make_sentence_splitter(cfg.lang, cfg.keep_newlines, cfg.punkt_cache_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side: one batch of lines -> token arrays
+# ---------------------------------------------------------------------------------------------
+def encode_batch(batch: LineBatch, cfg: PreprocessConfig, tokenizer, splitter, dtype) -> dict:
+    """Returns {"seq", "docs", "nbytes", "errors": [(line, reason)], "keys": {key: (tokens,
+    seq_lengths int32, seqs_per_doc int32)}}. A bad line contributes to no key."""
+    from hpcmeg.data.punkt import split_sentences
+
+    lines = batch.data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    parts = {k: ([], [], []) for k in cfg.json_keys}
+    errors, docs = [], 0
+    eod = np.asarray([tokenizer.eod], dtype=dtype) if cfg.append_eod else None
+    if cfg.append_eod and tokenizer.eod is None:
+        raise ValueError("--append-eod: the tokenizer has no EOD/EOS token")
+    for i, line in enumerate(lines):
+        doc, reason = parse_document(line, cfg.json_keys)
+        if reason is not None:
+            errors.append((batch.first_line + i, reason))
+            continue
+        if not doc:
+            continue  # blank line
+        encoded = {}
+        for key in cfg.json_keys:
+            val = doc[key]
+            sentences = val if isinstance(val, list) else [val]
+            if splitter is not None and not isinstance(val, list):
+                sentences = split_sentences(splitter, val)
+            ids = [tokenizer.encode_np(s) for s in sentences]
+            ids = [a for a in ids if a.size]
+            if not ids:
+                reason = f"empty document in key {key!r} (no tokens)"
+                break
+            if eod is not None:
+                ids.append(eod)
+            lens = [a.size for a in ids]
+            if eod is not None:
+                lens[-2] += 1  # EOD belongs to the document's last sequence, as in Megatron
+                lens.pop()
+            encoded[key] = (ids, lens)
+        if reason is not None:
+            errors.append((batch.first_line + i, reason))
+            continue
+        docs += 1
+        for key, (ids, lens) in encoded.items():
+            toks, seq_lens, per_doc = parts[key]
+            toks.extend(ids)
+            seq_lens.extend(lens)
+            per_doc.append(len(lens))
+    keys = {}
+    for key, (toks, seq_lens, per_doc) in parts.items():
+        tokens = np.concatenate(toks).astype(dtype, copy=False) if toks else np.zeros(0, dtype)
+        keys[key] = (tokens, np.asarray(seq_lens, np.int32), np.asarray(per_doc, np.int32))
+    return {"seq": batch.seq, "path": batch.path, "docs": docs, "nbytes": len(batch.data),
+            "errors": errors, "keys": keys}
+
+
+def _worker_main(cfg, tokenizer, splitter, dtype, in_q, out_q) -> None:
+    # with the fork start method the parent's tokenizer/splitter arrive ready-made; otherwise build them
+    try:
+        tokenizer = tokenizer if tokenizer is not None else _make_tokenizer(cfg)
+        splitter = splitter if (splitter is not None or not cfg.split_sentences) else _make_splitter(cfg)
+    except BaseException:
+        out_q.put({"seq": -1, "fatal": traceback.format_exc()})
+        return
+    while True:
+        batch = in_q.get()
+        if batch is None:
+            return
+        try:
+            out_q.put(encode_batch(batch, cfg, tokenizer, splitter, dtype))
+        except BaseException:
+            out_q.put({"seq": batch.seq, "fatal": traceback.format_exc()})
+            return
+
+
+def _ordered_parallel(batches: Iterator[LineBatch], cfg, tokenizer, splitter, dtype) -> Iterator[dict]:
+    """Run encode_batch in cfg.workers processes; yield results in input order; bounded in flight."""
+    forking = "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if forking else None)
+    n = cfg.workers
+    in_q, out_q = ctx.Queue(maxsize=2 * n), ctx.Queue()
+    args = (cfg, tokenizer if forking else None, splitter if forking else None, dtype, in_q, out_q)
+    procs = [ctx.Process(target=_worker_main, args=args, daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    finished = False
+    try:
+        pending: dict = {}
+        sent = next_seq = 0
+        exhausted = False
+        while True:
+            while not exhausted and sent - next_seq < 2 * n + 2:
+                b = next(batches, None)
+                if b is None:
+                    exhausted = True
+                else:
+                    in_q.put(b)
+                    sent += 1
+            if exhausted and next_seq == sent:
+                break
+            while next_seq not in pending:
+                try:
+                    res = out_q.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [p.exitcode for p in procs if not p.is_alive()]
+                    if dead:
+                        raise RuntimeError(f"a preprocessing worker died (exit code {dead[0]}); "
+                                           "out of memory? try fewer --workers") from None
+                    continue
+                if "fatal" in res:
+                    raise RuntimeError(f"preprocessing worker failed:\n{res['fatal']}")
+                pending[res["seq"]] = res
+            yield pending.pop(next_seq)
+            next_seq += 1
+        finished = True
+    finally:
+        if finished:
+            for _ in procs:
+                in_q.put(None)
+            for p in procs:
+                p.join(timeout=10)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        in_q.close()
+        out_q.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# parent side: ordering, writing, progress, errors
+# ---------------------------------------------------------------------------------------------
+class _Progress:
+    def __init__(self, cfg: PreprocessConfig):
+        self.cfg, self.t0, self.next_report = cfg, time.perf_counter(), cfg.log_interval
+
+    def line(self, st: PreprocessStats) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        return (f"Processed {st.documents} documents ({st.documents / dt:.1f} docs/s, "
+                f"{st.tokens / dt / 1e6:.2f} M tokens/s, {st.input_bytes / dt / 2**20:.1f} MB/s)")
+
+    def update(self, st: PreprocessStats) -> None:
+        if self.cfg.quiet or self.cfg.log_interval <= 0 or st.documents < self.next_report:
+            return
+        print(self.line(st), file=sys.stderr, flush=True)
+        self.next_report = (st.documents // self.cfg.log_interval + 1) * self.cfg.log_interval
+
+
+def output_prefix_for(output_prefix: str, key: str, split_sentences: bool) -> str:
+    return f"{output_prefix}_{key}_{'sentence' if split_sentences else 'document'}"
+
+
+def _route(tokens, seq_lens, per_doc, first_doc: int, nparts: int):
+    """Split one batch's documents round-robin by global document ordinal -> [(tokens, lens, per_doc)]."""
+    doc_tokens = np.zeros(per_doc.size, np.int64)
+    nonempty = per_doc > 0
+    if seq_lens.size:
+        starts = np.concatenate([[0], np.cumsum(per_doc)[:-1]])[nonempty]
+        doc_tokens[nonempty] = np.add.reduceat(seq_lens.astype(np.int64), starts)
+    part = (first_doc + np.arange(per_doc.size)) % nparts
+    out = []
+    for p in range(nparts):
+        m = part == p
+        out.append((tokens[np.repeat(m, doc_tokens)], seq_lens[np.repeat(m, per_doc)], per_doc[m]))
+    return out
+
+
+def preprocess_files(inputs: Sequence[str] | str, output_prefix: str, config: PreprocessConfig | None = None,
+                     **overrides) -> PreprocessStats:
+    """Tokenize JSONL file(s)/glob(s) into `<output_prefix>_<key>_<level>.{bin,idx}`; returns stats.
+    Raises BadInputError (default mode) or FileNotFoundError/ValueError for bad arguments."""
+    cfg = dataclasses.replace(config or PreprocessConfig(), **overrides)
+    cfg.json_keys = tuple(cfg.json_keys)
+    paths = expand_inputs(inputs)
+    tokenizer = _make_tokenizer(cfg)
+    splitter = _make_splitter(cfg)
+    dtype = np.dtype(indexed.DType.optimal(tokenizer.vocab_size))
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+
+    nparts = cfg.partitions if (cfg.partitions > 1 and not cfg.keep_sequential_samples) else 1
+    part_prefixes = [output_prefix if nparts == 1 else f"{output_prefix}_{p}" for p in range(nparts)]
+    builders = {(p, k): indexed.IndexedDatasetBuilder(
+        indexed.data_file_path(output_prefix_for(pp, k, cfg.split_sentences)), dtype)
+        for p, pp in enumerate(part_prefixes) for k in cfg.json_keys}
+    st = PreprocessStats()
+    progress = _Progress(cfg)
+    batches = iter_line_batches(paths, cfg.batch_bytes)
+    if cfg.workers <= 0:
+        results = (encode_batch(b, cfg, tokenizer, splitter, dtype) for b in batches)
+    else:
+        results = _ordered_parallel(batches, cfg, tokenizer, splitter, dtype)
+    try:
+        for res in results:
+            for line_no, reason in res["errors"]:
+                msg = f"{res['path']}:{line_no}: {reason}"
+                if not cfg.skip_bad_lines:
+                    raise BadInputError(f"{msg}\n  fix or remove that line, or pass --skip-bad-lines "
+                                        "to drop bad lines and count them")
+                st.skipped += 1
+                if len(st.bad_lines) < 20:
+                    st.bad_lines.append(msg)
+            for key, (tokens, seq_lens, per_doc) in res["keys"].items():
+                if nparts == 1:
+                    builders[0, key].add_documents(tokens, seq_lens, per_doc)
+                else:
+                    for p, chunk in enumerate(_route(tokens, seq_lens, per_doc, st.documents, nparts)):
+                        builders[p, key].add_documents(*chunk)
+                st.tokens += int(tokens.size)
+            st.documents += res["docs"]
+            st.input_bytes += res["nbytes"]
+            progress.update(st)
+        for (p, key), b in builders.items():
+            b.finalize(indexed.index_file_path(output_prefix_for(part_prefixes[p], key, cfg.split_sentences)))
+        if nparts > 1:
+            for key in cfg.json_keys:
+                parts = [output_prefix_for(pp, key, cfg.split_sentences) for pp in part_prefixes]
+                indexed.merge_datasets(parts, output_prefix_for(output_prefix, key, cfg.split_sentences))
+                for pp in parts:  # the per-partition datasets were only a means to Megatron's order
+                    os.remove(indexed.data_file_path(pp))
+                    os.remove(indexed.index_file_path(pp))
+    except BaseException:
+        if hasattr(results, "close"):
+            results.close()
+        for b in builders.values():
+            b.abort()
+        raise
+    st.seconds = time.perf_counter() - progress.t0
+    st.outputs = {k: output_prefix_for(output_prefix, k, cfg.split_sentences) for k in cfg.json_keys}
+    if not cfg.quiet:
+        print(progress.line(st) + " done.", file=sys.stderr)
+    return st
+
+
+# ---------------------------------------------------------------------------------------------
+# command line (flags as in Megatron's tools/preprocess_data.py)
+# ---------------------------------------------------------------------------------------------
+def _default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hpcmeg preprocess",
+                                 description="Tokenize JSONL into Megatron .bin/.idx (drop-in for tools/preprocess_data.py).")
+    g = ap.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (default: the embedded GPT-2 files)")
+    g.add_argument("--vocab", dest="vocab_alias", default=None, help=argparse.SUPPRESS)  # deprecated alias
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
+    g.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a local tokenizer directory")
+    g.add_argument("--tokenizer-backend", default="auto", choices=["auto", "tiktoken", "tokenizers"],
+                   help="GPT2BPETokenizer engine (hpcmeg extension; identical ids)")
+    g = ap.add_argument_group("input data")
+    g.add_argument("--input", required=True, nargs="+", help="JSONL file(s) or glob(s); .jsonl.gz is read too")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one dataset each")
+    g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (NLTK Punkt, offline)")
+    g.add_argument("--keep-newlines", action="store_true", help="keep the newlines after sentences when splitting")
+    g.add_argument("--lang", default="english", help="Punkt language for --split-sentences")
+    g.add_argument("--skip-bad-lines", action="store_true", help="drop bad lines (counted) instead of stopping")
+    g = ap.add_argument_group("tokenization process")
+    g.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
+    g = ap.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="output path prefix, without _<key>_document")
+    g.add_argument("--dataset-impl", default="mmap", choices=["mmap", "lazy", "cached"],
+                   help="accepted for old scripts; hpcmeg always writes mmap (MMIDIDX)")
+    g = ap.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: available cores)")
+    g.add_argument("--partitions", type=int, default=1, help="reproduce Megatron's round-robin partition order")
+    g.add_argument("--keep-sequential-samples", action="store_true", help="with --partitions: keep input order")
+    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
+    g.add_argument("--chunk-size", type=int, default=None, help=argparse.SUPPRESS)  # deprecated, ignored
+    g.add_argument("--batch-bytes", type=int, default=1 << 20, help="input bytes per work item")
+    g.add_argument("--quiet", action="store_true")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+    vocab = args.vocab_file
+    if args.vocab_alias is not None:
+        warnings.warn("--vocab is deprecated; use --vocab-file", DeprecationWarning, stacklevel=2)
+        print("hpcmeg preprocess: warning: --vocab is deprecated, use --vocab-file", file=sys.stderr)
+        vocab = vocab or args.vocab_alias
+    if args.chunk_size is not None:
+        print("hpcmeg preprocess: warning: --chunk-size is deprecated and ignored (work is batched by bytes)",
+              file=sys.stderr)
+    if args.dataset_impl != "mmap":
+        print(f"hpcmeg preprocess: warning: --dataset-impl {args.dataset_impl} is obsolete (removed from Megatron "
+              "in 2023); writing mmap (MMIDIDX), which every Megatron version reads", file=sys.stderr)
+    return PreprocessConfig(
+        json_keys=tuple(args.json_keys), tokenizer_type=args.tokenizer_type, vocab_file=vocab,
+        merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, tokenizer_backend=args.tokenizer_backend,
+        append_eod=args.append_eod, split_sentences=args.split_sentences, keep_newlines=args.keep_newlines,
+        lang=args.lang, workers=_default_workers() if args.workers is None else args.workers,
+        partitions=args.partitions, keep_sequential_samples=args.keep_sequential_samples,
+        skip_bad_lines=args.skip_bad_lines, log_interval=args.log_interval, batch_bytes=args.batch_bytes,
+        quiet=args.quiet)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    # Slurm's preemption/timeout SIGTERM becomes an exception, so partial outputs are cleaned up
+    prev = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        st = preprocess_files(args.input, args.output_prefix, cfg)
+    except BadInputError as e:
+        print(f"hpcmeg preprocess: {e}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, ValueError) as e:
+        print(f"hpcmeg preprocess: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+    if st.skipped:
+        for m in st.bad_lines:
+            print(f"  skipped {m}", file=sys.stderr)
+        more = st.skipped - len(st.bad_lines)
+        print(f"hpcmeg preprocess: skipped {st.skipped} bad line(s)" + (f" ({more} not shown)" if more else ""),
+              file=sys.stderr)
+    for key, prefix in st.outputs.items():
+        print(f"wrote {prefix}.bin/.idx ({key})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
