@@ -1,0 +1,107 @@
+"""Each fast op of hpcmeg/model/fused.py against its plain twin in hpcmeg/model/ops.py (fp32, CPU).
+
+The GPU/bf16 side of the same check is bench/gpu_agreement.py (run on the H200).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from hpcmeg.model import fused, ops
+from hpcmeg.model.config import GPTConfig
+from hpcmeg.model.gpt import GPT
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _grads(fn, *inputs):
+    """Outputs and input gradients of fn under a fixed random upstream gradient."""
+    ins = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*ins)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(7)
+    loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], [t.grad for t in ins if t.grad is not None]
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, **TOL)
+
+
+def test_layer_norm_and_bias_gelu():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 5, 48) * 3 + 1, torch.randn(48), torch.randn(48)
+    for name, args in [("layer_norm", (x, w, b)), ("bias_gelu", (x, b))]:
+        extra = (1e-5,) if name == "layer_norm" else ()
+        fo, fg = _grads(lambda *t: getattr(fused, name)(*t, *extra), *args)
+        po, pg = _grads(lambda *t: getattr(ops, name)(*t, *extra), *args)
+        _assert_same(fo + fg, po + pg)
+    # tanh-GELU, not erf-GELU: the two differ by ~1e-3 near |x|~2, far above the tolerance
+    y = torch.linspace(-4, 4, 101)
+    assert (ops.bias_gelu(y, torch.zeros(1)) - torch.nn.functional.gelu(y)).abs().max() > 1e-4
+
+
+def test_bias_dropout_add_layer_norm_eval_and_train():
+    torch.manual_seed(0)
+    x, bias, res, w, b = torch.randn(2, 7, 32), torch.randn(32), torch.randn(2, 7, 32), torch.randn(32), torch.randn(32)
+    fo, fg = _grads(lambda *t: fused.bias_dropout_add_layer_norm(*t[:3], 0.1, False, *t[3:], 1e-5), x, bias, res, w, b)
+    po, pg = _grads(lambda *t: ops.bias_dropout_add_layer_norm(*t[:3], 0.1, False, *t[3:], 1e-5), x, bias, res, w, b)
+    _assert_same(fo + fg, po + pg)
+    # training: the same RNG stream gives the same dropout mask in both
+    torch.manual_seed(3); f = fused.bias_dropout_add(x, bias, res, 0.3, True)
+    torch.manual_seed(3); p = ops.bias_dropout_add(x, bias, res, 0.3, True)
+    torch.testing.assert_close(f, p, **TOL)
+    assert not torch.allclose(f, res + x + bias)  # dropout really dropped something
+
+
+def test_causal_attention_matches_math():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 33, 4, 16) for _ in range(3))
+    fo, fg = _grads(lambda *t: fused.causal_attention(*t, 0.0, True), q, k, v)
+    po, pg = _grads(lambda *t: ops.causal_attention(*t, 0.0, True), q, k, v)
+    _assert_same(fo + fg, po + pg)
+    # causality: changing the last position changes no earlier output
+    k2 = k.clone(); k2[:, -1] += 5
+    out2 = fused.causal_attention(q, k2, v, 0.0, False)
+    torch.testing.assert_close(out2[:, :-1], fo[0][:, :-1], **TOL)
+
+
+@pytest.mark.parametrize("impl", ["compiled", "chunked"])
+def test_linear_cross_entropy(impl):
+    torch.manual_seed(0)
+    h, w = torch.randn(3, 10, 24), torch.randn(200, 24) * 0.3
+    labels = torch.randint(0, 200, (3, 10))
+    fo, fg = _grads(lambda a, b: fused.linear_cross_entropy(a, b, labels, impl=impl, chunk_tokens=7), h, w)
+    po, pg = _grads(lambda a, b: ops.linear_cross_entropy(a, b, labels), h, w)
+    assert fo[0].dtype == torch.float32 and fo[0].shape == (3, 10)
+    _assert_same(fo + fg, po + pg)
+
+
+def test_fused_model_equals_plain_model_fp32():
+    cfg = GPTConfig(2, 64, 4, 256, 32, 128, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0); plain = GPT(cfg)
+    fast = GPT(dataclasses.replace(cfg, fused=True)); fast.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 128, (2, 32)); y = torch.randint(0, 128, (2, 32))
+    torch.testing.assert_close(fast(x), plain(x), **TOL)
+    lp, lf = plain(x, y), fast(x, y)
+    torch.testing.assert_close(lf, lp, **TOL)
+    lp.mean().backward(); lf.mean().backward()
+    for (n, a), b in zip(plain.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **TOL, msg=n)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_fused_model_on_cpu():
+    """The real fast path (torch.compile + Inductor-generated kernels) against the plain model."""
+    cfg = GPTConfig(1, 32, 2, 128, 16, 64, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0); plain = GPT(cfg)
+    fast = GPT(dataclasses.replace(cfg, fused=True)); fast.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 64, (2, 16)); y = torch.randint(0, 64, (2, 16))
+    lf = torch.compile(fast)(x, y)
+    lp = plain(x, y)
+    torch.testing.assert_close(lf, lp, **TOL)
+    lp.sum().backward(); lf.sum().backward()
+    for (n, a), b in zip(plain.named_parameters(), fast.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **TOL, msg=n)

@@ -1,0 +1,128 @@
+"""GPT model: Megatron legacy names/shapes, per-head QKV row order, init, tying, determinism."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpcmeg.model.config import GPTConfig, pad_vocab_size
+from hpcmeg.model.gpt import GPT
+
+
+def tiny(**kw):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                max_position_embeddings=32, padded_vocab_size=128)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def test_pad_vocab_size():
+    assert pad_vocab_size(50257) == 50304
+    assert pad_vocab_size(50257, tp=2) == 50432
+    assert pad_vocab_size(128) == 128
+    with pytest.raises(ValueError):
+        pad_vocab_size(0)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="not divisible"):
+        tiny(hidden_size=66)
+    with pytest.raises(ValueError, match="attention_backend"):
+        tiny(attention_backend="xformers")
+
+
+def test_state_dict_keys_and_shapes_are_megatron_legacy():
+    cfg = tiny()
+    sd = GPT(cfg).state_dict()
+    h, f = 64, 256
+    want = {"embedding.word_embeddings.weight": (128, h), "embedding.position_embeddings.weight": (32, h),
+            "encoder.final_layernorm.weight": (h,), "encoder.final_layernorm.bias": (h,)}
+    for i in range(2):
+        p = f"encoder.layers.{i}."
+        want.update({p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
+                     p + "self_attention.query_key_value.weight": (3 * h, h),
+                     p + "self_attention.query_key_value.bias": (3 * h,),
+                     p + "self_attention.dense.weight": (h, h), p + "self_attention.dense.bias": (h,),
+                     p + "post_attention_layernorm.weight": (h,), p + "post_attention_layernorm.bias": (h,),
+                     p + "mlp.dense_h_to_4h.weight": (f, h), p + "mlp.dense_h_to_4h.bias": (f,),
+                     p + "mlp.dense_4h_to_h.weight": (h, f), p + "mlp.dense_4h_to_h.bias": (h,)})
+    assert {k: tuple(v.shape) for k, v in sd.items()} == want
+    assert list(GPT(cfg).buffers()) == []
+
+
+def test_gpt2_124m_parameter_count():
+    with torch.device("meta"):
+        m = GPT(GPTConfig(12, 768, 12, 3072, 1024, pad_vocab_size(50257)))
+    # V*h + P*h + L*(12h^2 + 13h) + 2h, tied output matrix counted once
+    assert m.num_params() == 50304 * 768 + 1024 * 768 + 12 * (12 * 768 ** 2 + 13 * 768) + 2 * 768 == 124_475_904
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_qkv_rows_are_per_head_q_k_v(fused):
+    """Hand-check: head h's q rows are [h*3*hd, h*3*hd+hd), then its k rows, then its v rows."""
+    cfg = tiny(num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, fused=fused)
+    torch.manual_seed(0)
+    attn = GPT(cfg).encoder.layers[0].self_attention.eval()
+    with torch.no_grad():
+        attn.query_key_value.bias.normal_()
+    x = torch.randn(2, 9, 64)
+    W, B = attn.query_key_value.weight, attn.query_key_value.bias
+    hd, heads = 16, 4
+    outs = []
+    for h in range(heads):
+        r = h * 3 * hd
+        q, k, v = (x @ W[r + j * hd: r + (j + 1) * hd].T + B[r + j * hd: r + (j + 1) * hd] for j in range(3))
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        s = s.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+        outs.append(s.softmax(-1) @ v)
+    want = torch.cat(outs, -1) @ attn.dense.weight.T
+    got, bias = attn(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bias is attn.dense.bias
+
+
+def test_init_is_megatron_and_deterministic():
+    cfg = tiny(num_layers=4, hidden_size=256, ffn_hidden_size=1024, padded_vocab_size=512)
+    torch.manual_seed(1); a = GPT(cfg)
+    torch.manual_seed(1); b = GPT(cfg)
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), n
+    sd = a.state_dict()
+    assert abs(sd["encoder.layers.0.mlp.dense_h_to_4h.weight"].std().item() - 0.02) < 1e-3
+    out_std = 0.02 / math.sqrt(2 * 4)
+    assert abs(sd["encoder.layers.3.mlp.dense_4h_to_h.weight"].std().item() - out_std) < 5e-4
+    assert abs(sd["encoder.layers.1.self_attention.dense.weight"].std().item() - out_std) < 5e-4
+    assert abs(sd["embedding.word_embeddings.weight"].std().item() - 0.02) < 1e-3
+    assert torch.all(sd["encoder.layers.2.self_attention.query_key_value.bias"] == 0)
+    assert torch.all(sd["encoder.final_layernorm.weight"] == 1)
+    assert torch.all(sd["encoder.layers.0.post_attention_layernorm.bias"] == 0)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_forward_shapes_tying_and_loss(fused):
+    cfg = tiny(fused=fused)
+    torch.manual_seed(0); m = GPT(cfg).eval()
+    x = torch.randint(0, 100, (3, 20)); y = torch.randint(0, 128, (3, 20))
+    logits = m(x)
+    assert logits.shape == (3, 20, 128)
+    loss = m(x, y)
+    assert loss.dtype == torch.float32 and loss.shape == (3, 20)
+    ref = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(3, 20)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    # tied output layer: the logits are hidden @ word_embeddings^T, so a change of one
+    # embedding row of a token absent from x moves that logit column only
+    with torch.no_grad():
+        m.embedding.word_embeddings.weight[117] += torch.randn(64)  # not a constant: LN output sums to 0
+    changed = (m(x) - logits).abs().amax(dim=(0, 1)) > 1e-4
+    assert changed[117] and changed.sum() == 1
+    # near-uniform start: loss ~ ln(V)
+    assert abs(loss.mean().item() - math.log(128)) < 0.3
+
+
+def test_position_ids_and_too_long_input():
+    m = GPT(tiny(hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    x = torch.randint(0, 128, (1, 8))
+    torch.testing.assert_close(m(x, position_ids=torch.arange(8)[None]), m(x))
+    assert not torch.allclose(m(x, position_ids=torch.arange(8, 16)[None]), m(x))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        m(torch.zeros(1, 33, dtype=torch.long))
