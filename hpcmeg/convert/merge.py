@@ -1,0 +1,314 @@
+"""Merge the TP x PP shards of a Megatron-layout checkpoint into one full-model state dict, and split
+one back into any (tp, pp) layout. Shared by `hpcmeg convert`, `hpcmeg reshard` and `hpcmeg import-hf`.
+
+Contract
+  "full" state dict = hpcmeg's flat Megatron legacy names (see hpcmeg/model/gpt.py) with GLOBAL layer
+  numbers, no tied-head copy, word embeddings padded to some multiple (rows beyond the true vocabulary
+  are padding). A "stage" dict is the flat dict of one pipeline stage with stage-local layer numbers,
+  as `ckpt_layout.from_megatron_model` returns it.
+
+Tensor-parallel rules (interop doc §5.1, §6.3, §6.5), per key of one stage:
+  split by rows (dim 0), contiguous chunks, rank r holds chunk r:
+    embedding.word_embeddings.weight, word_embeddings_for_head.weight   vocabulary rows
+    self_attention.query_key_value.weight / .bias   rows are per-head [q, k, v] (checkpoint_version 3),
+        so a contiguous chunk of rows is exactly a group of whole heads
+    mlp.dense_h_to_4h.weight / .bias                column-parallel: output features
+  split by columns (dim 1):
+    self_attention.dense.weight, mlp.dense_4h_to_h.weight   row-parallel: input features
+  replicated (every rank holds the same tensor):
+    LayerNorms, position embeddings, the biases of the row-parallel layers (added after the all-reduce)
+Pipeline rules (§5.3) are ckpt_layout's stage_state_from_full / full_state_from_stages.
+
+The vocabulary must split evenly, so its padded size depends on TP (Megatron pads to a multiple of
+make_vocab_size_divisible_by x tp). `repad_vocab` moves between paddings: rows past the true
+vocabulary are dropped or zero rows appended; rows of real tokens are never touched, so
+1 -> 2x2 -> 1 is an exact round trip.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from hpcmeg.train.checkpoint import (
+    HEAD_KEY, MANIFEST_FILENAME, RELEASE_DIRNAME, TRACKER_FILENAME, CheckpointWarning, checkpoint_path,
+    from_megatron_model, full_state_from_stages, iter_dirname, load_checkpoint, parse_iter_dirname, read_tracker,
+    stage_state_from_full, to_megatron_model,
+)
+
+WORD_EMB = "embedding.word_embeddings.weight"
+_ROW_SUFFIXES = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+                 "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
+_COL_SUFFIXES = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+
+
+def tp_split_dim(key: str) -> int | None:
+    """Dimension along which `key` is sharded across tensor-parallel ranks; None = replicated."""
+    if key in (WORD_EMB, HEAD_KEY) or key.endswith(_ROW_SUFFIXES):
+        return 0
+    if key.endswith(_COL_SUFFIXES):
+        return 1
+    return None
+
+
+def merge_tp(shards: list[dict[str, torch.Tensor]], where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """TP shards of one stage (in tp-rank order) -> that stage's unsharded flat dict."""
+    keys = list(shards[0])
+    for r, s in enumerate(shards[1:], 1):
+        if set(s) != set(keys):
+            diff = sorted(set(s) ^ set(keys))[:3]
+            raise ValueError(f"{where}: tensor-parallel rank {r} has different keys than rank 0 (e.g. {diff})")
+    out = {}
+    for k in keys:
+        dim = tp_split_dim(k)
+        if dim is None or len(shards) == 1:
+            out[k] = shards[0][k]
+        else:
+            out[k] = torch.cat([s[k] for s in shards], dim=dim)
+    return out
+
+
+def split_tp(stage: dict[str, torch.Tensor], tp: int, num_attention_heads: int) -> list[dict[str, torch.Tensor]]:
+    """One stage's unsharded flat dict -> `tp` shards (contiguous chunks; clones, so each shard
+    serializes only its own part). Checks heads and every split dimension divide evenly."""
+    if num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by tp={tp}")
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for k, v in stage.items():
+        dim = tp_split_dim(k)
+        if dim is None:
+            for s in shards:
+                s[k] = v
+            continue
+        if v.shape[dim] % tp:
+            raise ValueError(f"{k}: dimension {dim} of size {v.shape[dim]} does not split into tp={tp} parts"
+                             + (" (re-pad the vocabulary with repad_vocab first)" if k in (WORD_EMB, HEAD_KEY) else ""))
+        for s, chunk in zip(shards, torch.chunk(v, tp, dim=dim)):
+            s[k] = chunk.clone()
+    return shards
+
+
+def pad_vocab_size(orig: int, multiple: int, tp: int) -> int:
+    """Megatron's padded vocabulary size: orig rounded up to a multiple of (multiple * tp)."""
+    step = multiple * tp
+    return -(-orig // step) * step
+
+
+def repad_vocab(full: dict[str, torch.Tensor], orig_vocab_size: int, padded_vocab_size: int) -> dict[str, torch.Tensor]:
+    """Change the padded row count of the word embeddings to `padded_vocab_size` (>= orig_vocab_size):
+    extra rows are dropped, missing ones appended as zeros. Real-token rows are untouched."""
+    w = full[WORD_EMB]
+    if padded_vocab_size < orig_vocab_size:
+        raise ValueError(f"padded vocabulary {padded_vocab_size} < true vocabulary {orig_vocab_size}")
+    if w.shape[0] < orig_vocab_size:
+        raise ValueError(f"{WORD_EMB} has {w.shape[0]} rows but the vocabulary has {orig_vocab_size} tokens")
+    if w.shape[0] == padded_vocab_size:
+        return full
+    if w.shape[0] > padded_vocab_size:
+        new = w[:padded_vocab_size].clone()
+    else:
+        new = torch.cat([w, w.new_zeros(padded_vocab_size - w.shape[0], w.shape[1])])
+    return {**full, WORD_EMB: new}
+
+
+def merge_shards(shards: dict[tuple[int, int], dict[str, Any]], tp: int, pp: int, num_layers: int,
+                 where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """{(tp_rank, pp_rank): nested Megatron `model` dict} -> full flat state dict (global layers).
+
+    With PP > 1 the last stage's tied head copy must equal the first stage's embedding (Megatron
+    keeps them in sync by all-reducing their gradients); a mismatch means the shards are from
+    different saves and is an error."""
+    missing = [(t, p) for p in range(pp) for t in range(tp) if (t, p) not in shards]
+    if missing:
+        raise ValueError(f"{where}: missing shard(s) (tp, pp) = {missing}")
+    stages = []
+    for p in range(pp):
+        stage = merge_tp([from_megatron_model(shards[(t, p)]) for t in range(tp)], f"{where} stage {p}")
+        stages.append(stage)
+    if pp > 1:
+        head = stages[-1].get(HEAD_KEY)
+        emb = stages[0].get(WORD_EMB)
+        if head is not None and emb is not None and not torch.equal(head, emb):
+            raise ValueError(f"{where}: the last stage's word_embeddings_for_head differs from the first stage's "
+                             f"word_embeddings (shards from different saves?)")
+    full = full_state_from_stages(stages, num_layers)
+    _check_full(full, num_layers, where)
+    return full
+
+
+def _check_full(full: dict[str, torch.Tensor], num_layers: int, where: str) -> None:
+    needed = [WORD_EMB, "embedding.position_embeddings.weight", "encoder.final_layernorm.weight"]
+    needed += [f"encoder.layers.{num_layers - 1}.mlp.dense_4h_to_h.weight", "encoder.layers.0.input_layernorm.weight"]
+    absent = [k for k in needed if k not in full]
+    if absent:
+        raise ValueError(f"{where}: merged model lacks {absent} (wrong num_layers in args, or shards missing)")
+
+
+def split_full(full: dict[str, torch.Tensor], tp: int, pp: int, num_layers: int,
+               num_attention_heads: int) -> dict[tuple[int, int], dict[str, Any]]:
+    """Full flat dict (vocab already padded for `tp`) -> {(tp_rank, pp_rank): nested Megatron model}."""
+    out = {}
+    for p in range(pp):
+        stage = stage_state_from_full(full, p, pp, num_layers)
+        for t, shard in enumerate(split_tp(stage, tp, num_attention_heads)):
+            out[(t, p)] = to_megatron_model(shard, is_last_stage=p == pp - 1, pp_size=pp)
+    return out
+
+
+# ------------------------------------------------------------------------ reading a whole checkpoint
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint cannot be merged: missing/corrupt shard, unknown iteration (message names the file)."""
+
+
+_SHARD_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+@dataclass
+class FullCheckpoint:
+    """A checkpoint merged into one model: `full` (global layers, padded vocab as saved), the `args`
+    Namespace and the rest of shard (0, 0)'s dict (`base`: iteration, scheduler, hpcmeg recipe...)."""
+    full: dict[str, torch.Tensor]
+    args: argparse.Namespace
+    base: dict[str, Any]
+    iteration: int | str
+    tp: int
+    pp: int
+    iter_dir: str
+
+    @property
+    def recipe(self) -> dict[str, Any] | None:
+        return (self.base.get("hpcmeg") or {}).get("recipe")
+
+
+def committed_iterations(ckpt_dir: str) -> list[int | str]:
+    """Iterations a reader may use: iteration dirs up to the tracker's (newer ones are uncommitted
+    saves), plus 'release' when that dir exists. Ascending, release first."""
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointReadError(f"{ckpt_dir}: checkpoint directory does not exist")
+    tracker = read_tracker(ckpt_dir)
+    found = sorted(i for i in map(parse_iter_dirname, os.listdir(ckpt_dir)) if i is not None)
+    if isinstance(tracker, int):
+        found = [i for i in found if i <= tracker]
+    out: list[int | str] = [RELEASE_DIRNAME] if os.path.isdir(os.path.join(ckpt_dir, RELEASE_DIRNAME)) else []
+    return out + found
+
+
+def resolve_iteration(ckpt_dir: str, iteration: int | str | None) -> int | str:
+    """The iteration to read: the given one (must exist) or the tracker's."""
+    available = committed_iterations(ckpt_dir)
+    if iteration is None:
+        iteration = read_tracker(ckpt_dir)
+        if iteration is None:
+            raise CheckpointReadError(f"{ckpt_dir}: no {TRACKER_FILENAME} (no checkpoint was committed); "
+                                      f"pass --iteration N (found: {available or 'none'})")
+    if not os.path.isdir(os.path.join(ckpt_dir, iter_dirname(iteration))):
+        raise CheckpointReadError(f"{os.path.join(ckpt_dir, iter_dirname(iteration))}: iteration {iteration} does not "
+                                  f"exist in {ckpt_dir} (available: {available or 'none'})")
+    return iteration
+
+
+def _layout_of(iter_dir: str) -> tuple[int, int]:
+    """(tp, pp) of an iteration dir: from hpcmeg's manifest, else from the mp_rank_* dir names."""
+    mpath = os.path.join(iter_dir, MANIFEST_FILENAME)
+    if os.path.isfile(mpath):
+        try:
+            with open(mpath) as f:
+                m = json.load(f)
+            return int(m["tp_size"]), int(m["pp_size"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointReadError(f"{mpath}: unreadable manifest ({e})") from None
+    tps, pps = set(), set()
+    for e in os.listdir(iter_dir):
+        m = _SHARD_DIR_RE.match(e)
+        if m:
+            tps.add(int(m.group(1)))
+            pps.add(int(m.group(2)) if m.group(2) else 0)
+    if not tps:
+        raise CheckpointReadError(f"{iter_dir}: no mp_rank_* shard directories (not a Megatron torch-format "
+                                  f"checkpoint; torch_dist checkpoints need Megatron's converter first)")
+    return max(tps) + 1, max(pps) + 1
+
+
+def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None) -> FullCheckpoint:
+    """Load every shard of one iteration (verified against hpcmeg's manifest when present) and merge.
+
+    Peak memory: one shard's whole dict (optimizer included) plus the model weights merged so far;
+    optimizer/RNG state is dropped as soon as each shard is read."""
+    iteration = resolve_iteration(ckpt_dir, iteration)
+    iter_dir = os.path.join(ckpt_dir, iter_dirname(iteration))
+    tp, pp = _layout_of(iter_dir)
+    models: dict[tuple[int, int], dict[str, Any]] = {}
+    base: dict[str, Any] = {}
+    for p in range(pp):
+        for t in range(tp):
+            with warnings.catch_warnings():
+                # a foreign (non-hpcmeg) checkpoint has no manifest: loading it unverified is expected here
+                warnings.simplefilter("ignore", CheckpointWarning)
+                try:
+                    got = load_checkpoint(ckpt_dir, tp_rank=t, pp_rank=p, tp_size=tp, pp_size=pp, iteration=iteration)
+                except (RuntimeError, ValueError) as e:
+                    raise CheckpointReadError(str(e).replace("requested checkpoint unusable: ", "")) from None
+            if got is None:
+                raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, t, p, pp)}: cannot be read")
+            state = got[1]
+            path = checkpoint_path(ckpt_dir, iteration, t, p, pp)
+            if "model" not in state:
+                raise CheckpointReadError(f"{path}: no 'model' entry (virtual-pipeline 'model0' checkpoints are not "
+                                          f"supported)")
+            models[(t, p)] = state.pop("model")
+            if (t, p) == (0, 0):
+                base = state
+    args = base.get("args")
+    if args is None:
+        raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, 0, 0, pp)}: no 'args' entry; hpcmeg needs "
+                                  f"the model sizes from it")
+    a_tp = getattr(args, "tensor_model_parallel_size", tp)
+    a_pp = getattr(args, "pipeline_model_parallel_size", pp)
+    if (a_tp, a_pp) != (tp, pp):
+        raise CheckpointReadError(f"{iter_dir}: holds tp={tp} x pp={pp} shards but its args say tp={a_tp} pp={a_pp}")
+    try:
+        full = merge_shards(models, tp, pp, args.num_layers, where=iter_dir)
+    except ValueError as e:
+        raise CheckpointReadError(str(e)) from None
+    return FullCheckpoint(full=full, args=args, base=base, iteration=iteration, tp=tp, pp=pp, iter_dir=iter_dir)
+
+
+# ------------------------------------------------------------------------------ atomic output dirs
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str, replaceable: Callable[[str], bool] = lambda d: False) -> Iterator[str]:
+    """Yield a staging dir next to `out_dir`; on success rename it to `out_dir`, on error delete it.
+
+    An existing `out_dir` is left alone unless it is empty or `replaceable(out_dir)` says it is an
+    earlier output of the same tool (then it is swapped out only after the new one is complete), so
+    a failure never leaves a half-written or half-deleted `out_dir`."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and (not os.listdir(out_dir) or replaceable(out_dir))):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose another output directory or remove it")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    stage = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{os.getpid()}")
+    if os.path.exists(stage):
+        shutil.rmtree(stage)
+    os.makedirs(stage)
+    try:
+        yield stage
+        old = None
+        if os.path.exists(out_dir):
+            old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{os.getpid()}")
+            os.rename(out_dir, old)
+        os.rename(stage, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
