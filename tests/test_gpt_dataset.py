@@ -232,3 +232,11 @@ def test_prepare_cache_then_training_loads(golden_data, tmp_path):
     ds = build_train_valid_test_datasets(cfg, blend, (400, 40, 8))
     assert isinstance(ds[0].dataset_index, np.memmap) and len(ds[0]) == 400
     assert len(os.listdir(tmp_path / "c")) == n_files
+
+
+def test_numba_blending_twin_agrees_when_available():
+    pytest.importorskip("numba")
+    w = [0.2, 0.3, 0.5]
+    a = blending_indices(w, 5000, use_numba=True)
+    b = blending_indices(w, 5000, use_numba=False)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
