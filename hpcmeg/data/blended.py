@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from hpcmeg.data.gpt_dataset import SPLIT_NAMES, GPTDatasetConfig, build_gpt_datasets
-from hpcmeg.data.index_cache import describe, load_or_build
+from hpcmeg.data.index_cache import load_or_build
 
 BLEND_NAMES = ("dataset_index", "dataset_sample_index")
 
