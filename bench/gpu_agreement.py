@@ -1,0 +1,145 @@
+"""GPU side of the fused-vs-plain agreement (tests/test_fused_ops.py is the CPU/fp32 side).
+
+For each op of hpcmeg/model/fused.py: fresh random inputs on CUDA, the fused op in bf16 against
+the plain twin of hpcmeg/model/ops.py in fp64 on the upcast inputs; metric ||out - ref|| / ||ref||
+for outputs and input gradients; pass below 2e-2 (bf16 operands land 1e-3..1e-2), NaN never.
+Then whole-model checks: GPT(fused) compiled under bf16 autocast vs the plain fp32 model
+(loss and gradients), and TrainStep eager vs compile vs compile+CUDA graphs over 3 steps of 2
+micro batches (the loss curves must agree within bf16 noise; this also checks that CUDA graphs
+do not corrupt accumulated gradients). Writes <out>/gpu_agreement.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hpcmeg.model import fused, ops  # noqa: E402
+from hpcmeg.model.config import GPTConfig  # noqa: E402
+from hpcmeg.model.gpt import GPT  # noqa: E402
+from hpcmeg.train.optim import build_optimizer  # noqa: E402
+from hpcmeg.train.step import TrainStep  # noqa: E402
+
+TOL = 2e-2
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def compare(name, fast_fn, ref_fn, inputs, rows, grad=True):
+    """fast_fn on bf16 inputs vs ref_fn on fp64 copies; outputs and input grads."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    res = {}
+    for tag, fn, dt in (("fast", fast_fn, torch.bfloat16), ("ref", ref_fn, torch.float64)):
+        ins = [t.to(dt).detach().requires_grad_(grad) if t.is_floating_point() else t for t in inputs]
+        out = fn(*ins)
+        outs = out if isinstance(out, tuple) else (out,)
+        if grad:
+            up = [torch.randn(o.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5 + i))
+                  for i, o in enumerate(outs)]
+            sum((o.double() * u.double()).sum() for o, u in zip(outs, up)).backward()
+        res[tag] = [o.detach() for o in outs] + ([t.grad for t in ins if t.is_floating_point()] if grad else [])
+    errs = [rel(a, b) for a, b in zip(res["fast"], res["ref"])]
+    ok = all(e < TOL for e in errs)  # NaN compares False -> fails
+    rows.append(dict(check=name, max_rel_err=max(errs), ok=ok))
+    print(f"{name:40s} max rel err {max(errs):.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    del g
+
+
+def op_checks(rows):
+    torch.manual_seed(0)
+    b, s, h, nh = 4, 512, 1024, 16
+    x, r = torch.randn(b, s, h, device="cuda"), torch.randn(b, s, h, device="cuda")
+    w, bias = torch.randn(h, device="cuda"), torch.randn(h, device="cuda")
+    compare("layer_norm", lambda *t: fused.layer_norm(*t, 1e-5), lambda *t: ops.layer_norm(*t, 1e-5),
+            [x, w, bias], rows)
+    compare("bias_gelu", fused.bias_gelu, ops.bias_gelu, [x, bias], rows)
+    compare("bias_dropout_add_layer_norm",
+            lambda a, c, d, e, f: fused.bias_dropout_add_layer_norm(a, c, d, 0.1, False, e, f, 1e-5),
+            lambda a, c, d, e, f: ops.bias_dropout_add_layer_norm(a, c, d, 0.1, False, e, f, 1e-5),
+            [x, bias, r, w, bias], rows)
+    q, k, v = (torch.randn(b, s, nh, 64, device="cuda") for _ in range(3))
+    for be in ("auto", "cudnn", "flash", "efficient", "flash_attn"):
+        if be == "flash_attn" and not fused.HAVE_FLASH_ATTN:
+            continue
+        try:
+            compare(f"causal_attention[{be}]", lambda *t: fused.causal_attention(*t, 0.0, True, be),
+                    lambda *t: ops.causal_attention(*t, 0.0, True), [q, k, v], rows)
+        except RuntimeError as ex:
+            rows.append(dict(check=f"causal_attention[{be}]", error=str(ex)[:200], ok=None))
+            print(f"causal_attention[{be}] unavailable: {str(ex)[:120]}", flush=True)
+    hid, W = torch.randn(b, s, h, device="cuda"), torch.randn(50304, h, device="cuda") * 0.02
+    labels = torch.randint(0, 50304, (b, s), device="cuda")
+    for impl in ("compiled", "chunked"):
+        compare(f"linear_cross_entropy[{impl}]",
+                lambda a, c: fused.linear_cross_entropy(a, c, labels, impl=impl),
+                lambda a, c: ops.linear_cross_entropy(a, c, labels), [hid, W], rows)
+
+
+def model_checks(rows):
+    cfg = GPTConfig(4, 256, 4, 1024, 256, 1024, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    plain = GPT(cfg).cuda()
+    fast = GPT(dataclasses.replace(cfg, fused=True)).cuda()
+    fast.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 1024, (8, 256), device="cuda")
+    y = torch.randint(0, 1024, (8, 256), device="cuda")
+    lp = plain(x, y)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        lf = torch.compile(fast)(x, y)
+    lp.mean().backward(); lf.mean().backward()
+    errs = [rel(lf, lp)] + [rel(b.grad, a.grad) for a, b in zip(plain.parameters(), fast.parameters())]
+    ok = all(e < 5e-2 for e in errs)
+    rows.append(dict(check="GPT fused+compile bf16 vs plain fp32 (loss, grads)", max_rel_err=max(errs), ok=ok))
+    print(f"GPT compiled bf16 vs plain fp32: loss rel {errs[0]:.2e}, worst grad rel {max(errs[1:]):.2e}", flush=True)
+
+    curves = {}
+    for name, comp, mode in (("eager", False, None), ("compile", True, None), ("compile_cg", True, "reduce-overhead")):
+        torch.manual_seed(0)
+        m = GPT(dataclasses.replace(cfg, fused=True)).cuda()
+        opt, _ = build_optimizer(m, 1e-3)
+        st = TrainStep(m, opt, "bf16", 1.0, compile=comp, device="cuda", compile_mode=mode)
+        g = torch.Generator(device="cuda").manual_seed(3)
+        d = torch.randint(0, 1024, (4, 257), device="cuda", generator=g)
+        mbs = [(d[:2, :-1], d[:2, 1:]), (d[2:, :-1], d[2:, 1:])]
+        curves[name] = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
+        torch._dynamo.reset()
+    for name in ("compile", "compile_cg"):
+        dl = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(curves[name], curves["eager"]))
+        dg = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(curves[name], curves["eager"]))
+        ok = dl < 1e-2 and dg < 5e-2
+        rows.append(dict(check=f"TrainStep {name} vs eager, 4 steps x 2 micro batches",
+                         max_rel_err=max(dl, dg), ok=ok, curves={name: curves[name], "eager": curves["eager"]}))
+        print(f"TrainStep {name} vs eager: loss rel {dl:.2e}, grad-norm rel {dg:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    a = ap.parse_args()
+    rows = []
+    op_checks(rows)
+    try:
+        model_checks(rows)
+    except Exception as ex:
+        rows.append(dict(check="model_checks", error=repr(ex)[:400], ok=False))
+        print("model checks failed:", repr(ex)[:400], flush=True)
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), flash_attn=fused.HAVE_FLASH_ATTN)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "gpu_agreement.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(env=env, tol=TOL, rows=rows), f, indent=1)
+    os.replace(path + ".tmp", path)
+    bad = [r["check"] for r in rows if r.get("ok") is False]
+    print("ALL OK" if not bad else f"FAILED: {bad}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
