@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -205,6 +206,12 @@ def test_uncommitted_newer_dir_is_ignored(tmp_path):
     save1(tmp_path, 20, ckpt(20, full_model()))
     (tmp_path / C.TRACKER_FILENAME).write_text("10\n")
     assert load1(tmp_path)[0] == 10
+    # the resumed run reaches 20 again: the stale dir is swapped out and replaced
+    save1(tmp_path, 20, ckpt(20, full_model(9)))
+    it, st = load1(tmp_path)
+    assert it == 20 and torch.equal(st["model"]["language_model"]["encoder"]["final_layernorm.bias"],
+                                    full_model(9)["encoder.final_layernorm.bias"])
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000010", "iter_0000020", C.TRACKER_FILENAME]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage_no_manifest"])
@@ -220,11 +227,13 @@ def test_corrupt_shard_detected_and_skipped(tmp_path, damage):
     else:  # a foreign (no manifest) checkpoint whose file is cut: caught by the unpickler
         os.remove(tmp_path / "iter_0000020" / C.MANIFEST_FILENAME)
         bad.write_bytes(data[: len(data) // 3])
-    with pytest.warns(C.CheckpointWarning, match=str(bad)):
+    with pytest.warns(C.CheckpointWarning) as rec:
         it, st = load1(tmp_path)
+    assert any(str(bad) in str(w.message) and "skipping" in str(w.message) for w in rec), [str(w.message) for w in rec]
     assert it == 10 and torch.equal(C.from_megatron_model(st["model"])["encoder.layers.0.input_layernorm.weight"],
                                     full_model(1)["encoder.layers.0.input_layernorm.weight"])
-    with pytest.raises(RuntimeError, match="unusable"):
+    with pytest.raises(RuntimeError, match="unusable"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", C.CheckpointWarning)  # the "unverified" note of the foreign case
         load1(tmp_path, iteration=20)
 
 
@@ -252,13 +261,17 @@ def test_keep_last_n_and_release(tmp_path):
 
 def test_async_save_copies_state_and_commits_on_wait(tmp_path):
     w = torch.zeros(1 << 20)
-    state = {"iteration": 7, "model": {"language_model": {"encoder": {"w": w}}}}
+    state = {"iteration": 7, "args": args_ns(consumed_train_samples=28),
+             "model": {"language_model": {"encoder": {"w": w}}}}
     pending = save1(tmp_path, 7, state, async_save=True)
-    w.add_(1.0)  # training continues and mutates the parameter in place
+    w.add_(1.0)  # training continues and mutates the parameter and args in place
+    state["args"].consumed_train_samples = 32
     pending.wait()
     pending.wait()  # idempotent
     assert (tmp_path / C.TRACKER_FILENAME).read_text().strip() == "7"
-    assert float(load1(tmp_path)[1]["model"]["language_model"]["encoder"]["w"].sum()) == 0.0
+    st = load1(tmp_path)[1]
+    assert float(st["model"]["language_model"]["encoder"]["w"].sum()) == 0.0
+    assert st["args"].consumed_train_samples == 28
 
 
 class NotAllowed:

@@ -32,6 +32,7 @@ exit. Trade-off: training continues during the disk write, but the checkpoint is
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -111,6 +112,8 @@ def _cpu_copy(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         return t.clone() if t.device.type == "cpu" else t.to("cpu")
+    if isinstance(obj, argparse.Namespace):  # the trainer keeps updating args (consumed samples)
+        return argparse.Namespace(**{k: _cpu_copy(v) for k, v in vars(obj).items()})
     if isinstance(obj, dict):
         return type(obj)((k, _cpu_copy(v)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
@@ -164,10 +167,16 @@ def _commit(save_dir: str, iteration: int, tp_size: int, pp_size: int, keep_last
         if _SIDECAR_RE.match(entry):
             os.remove(os.path.join(tmp, entry))
     fsync_dir(tmp)
-    if os.path.exists(final):  # an uncommitted or older save of the same iteration
-        _remove_tree(final)
+    stale = None
+    if os.path.exists(final):  # an uncommitted or older save of the same iteration: swap, then delete,
+        stale = final + _TRASH_SUFFIX  # so the window without any iter dir is two renames long
+        if os.path.exists(stale):
+            shutil.rmtree(stale)
+        os.rename(final, stale)
     os.rename(tmp, final)
     fsync_dir(save_dir)
+    if stale is not None:
+        shutil.rmtree(stale)
     write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
     if keep_last is not None:
         rotate_checkpoints(save_dir, keep_last, protect=iteration)
