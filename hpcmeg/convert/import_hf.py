@@ -1,0 +1,160 @@
+"""Hugging Face GPT-2 directory -> Megatron-layout `release` checkpoint that `hpcmeg train` can fine-tune.
+
+Contract
+  import_hf(hf_dir, ckpt_dir, tp=1, pp=1, make_vocab_size_divisible_by=128) -> ckpt_dir
+    reads    hf_dir/config.json (model_type gpt2, tanh-GELU activation, tied embeddings) and the weights
+             (model.safetensors, sharded safetensors with an index, or pytorch_model.bin loaded with
+             weights_only=True); nothing is downloaded.
+    writes   ckpt_dir/latest_checkpointed_iteration.txt = "release"
+             ckpt_dir/release/mp_rank_TT[_PPP]/model_optim_rng.pt (+ hpcmeg manifest), each with
+               args (plain argparse.Namespace: sizes, orig/padded vocab, tp/pp, tokenizer, dropouts),
+               checkpoint_version 3.0, iteration 0, the model shard, no optimizer/scheduler/RNG, and
+               "hpcmeg": {"recipe": {"model": ..., "data": tokenizer fields, "parallel": ...}} so that
+               `hpcmeg convert` round-trips it and training can check its recipe against it;
+             ckpt_dir/tokenizer/ the HF dir's tokenizer files (the recipe stub points at them).
+    Vocabulary rows are padded with zeros to a multiple of make_vocab_size_divisible_by x tp
+    (Megatron's rule); weights keep the HF file's dtype, so HF -> hpcmeg -> HF is bit-identical.
+  cli_import_hf(args) -> exit code (`hpcmeg import-hf HF_DIR CKPT_DIR [--tp N --pp M]`).
+Fine-tuning: point the recipe's checkpoint.load at ckpt_dir; model sizes must match the recipe stub.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+import torch
+
+from hpcmeg.convert.hf import _TANH_GELUS, ConvertError, hf_to_megatron_state
+from hpcmeg.convert.hf_tokenizer import HF_TOKENIZER_FILES
+from hpcmeg.convert.merge import WORD_EMB, atomic_output_dir, pad_vocab_size, repad_vocab, split_full
+from hpcmeg.convert.reshard import write_checkpoint_layout
+from hpcmeg.train.checkpoint import RELEASE_DIRNAME, make_checkpoint_dict, make_megatron_args, safe_torch_load
+
+TOKENIZER_SUBDIR = "tokenizer"
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+    """config.json as a dict, checked to be a GPT-2 that hpcmeg's model computes identically."""
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: cannot read the model config ({e})") from None
+    if cfg.get("model_type") != "gpt2":
+        raise ConvertError(f"{path}: model_type {cfg.get('model_type')!r}; only GPT-2 models (model_type gpt2) "
+                           f"map onto hpcmeg's Megatron GPT")
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in _TANH_GELUS:
+        raise ConvertError(f"{path}: activation_function {act!r}; hpcmeg's GPT uses tanh-GELU "
+                           f"({', '.join(_TANH_GELUS)}), so this model would compute differently")
+    for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
+                    ("tie_word_embeddings", True), ("scale_attn_weights", True)):
+        if cfg.get(key, ok) != ok:
+            raise ConvertError(f"{path}: {key}={cfg[key]} is not supported (hpcmeg's GPT needs {key}={ok})")
+    return cfg
+
+
+def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
+    """All weights of a HF model dir: safetensors (single or sharded) preferred, else pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    def shards(index: str) -> list[str]:
+        with open(os.path.join(hf_dir, index)) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+
+    if os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files, loader = ["model.safetensors"], load_file
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json")):
+        files, loader = shards("model.safetensors.index.json"), load_file
+    elif os.path.isfile(os.path.join(hf_dir, "pytorch_model.bin")):
+        files, loader = ["pytorch_model.bin"], safe_torch_load
+    elif os.path.isfile(os.path.join(hf_dir, "pytorch_model.bin.index.json")):
+        files, loader = shards("pytorch_model.bin.index.json"), safe_torch_load
+    else:
+        raise ConvertError(f"{hf_dir}: no model.safetensors or pytorch_model.bin (nor a sharded index)")
+    sd: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = os.path.join(hf_dir, name)
+        try:
+            sd.update(loader(path))
+        except Exception as e:  # noqa: BLE001 - any read failure: name the file
+            raise ConvertError(f"{path}: cannot read weights ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    return sd
+
+
+def _tokenizer_fields(hf_dir: str, tok_dir: str, vocab_size: int) -> tuple[dict[str, Any], list[str]]:
+    """Recipe data fields for the copied tokenizer (paths at its final place) and the files to copy."""
+    files = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, n))]
+    fields: dict[str, Any] = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": None, "merge_file": None,
+                              "tokenizer_model": None}
+    if {"vocab.json", "merges.txt"} <= set(files):
+        with open(os.path.join(hf_dir, "vocab.json"), encoding="utf-8") as f:
+            has_eod = "<|endoftext|>" in json.load(f)
+        if has_eod:  # hpcmeg's own GPT-2 BPE path (preprocessing uses the same two files)
+            fields.update(vocab_file=os.path.join(tok_dir, "vocab.json"), merge_file=os.path.join(tok_dir, "merges.txt"))
+            return fields, files
+    if "tokenizer.json" in files:
+        fields.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tok_dir)
+        return fields, files
+    if vocab_size == 50257:  # no tokenizer shipped: the GPT-2 vocabulary embedded with hpcmeg
+        return fields, []
+    raise ConvertError(f"{hf_dir}: no tokenizer files (tokenizer.json or vocab.json + merges.txt) and the "
+                       f"vocabulary ({vocab_size}) is not GPT-2's; add the tokenizer files to {hf_dir}")
+
+
+def import_hf(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128) -> str:
+    """See the file header."""
+    cfg = read_hf_config(hf_dir)
+    n_layer, n_head, h = cfg["n_layer"], cfg["n_head"], cfg["n_embd"]
+    if n_head % tp or n_layer % pp:
+        raise ConvertError(f"--tp {tp} --pp {pp}: need n_head={n_head} divisible by tp and n_layer={n_layer} by pp")
+    full = hf_to_megatron_state(read_hf_weights(hf_dir), n_layer, n_head, where=hf_dir)
+    vocab = full[WORD_EMB].shape[0]
+    if vocab != cfg.get("vocab_size", vocab):
+        raise ConvertError(f"{hf_dir}: wte has {vocab} rows but config.json says vocab_size={cfg['vocab_size']}")
+    padded = pad_vocab_size(vocab, make_vocab_size_divisible_by, tp)
+    full = repad_vocab(full, vocab, padded)
+    ckpt_abs = os.path.abspath(ckpt_dir)
+    tok_fields, tok_files = _tokenizer_fields(hf_dir, os.path.join(ckpt_abs, TOKENIZER_SUBDIR), vocab)
+    ffn = cfg.get("n_inner") or 4 * h
+    model = {"num_layers": n_layer, "hidden_size": h, "num_attention_heads": n_head, "ffn_hidden_size": ffn,
+             "max_position_embeddings": cfg["n_positions"], "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+             "vocab_size": vocab, "hidden_dropout": cfg.get("resid_pdrop", 0.1),
+             "attention_dropout": cfg.get("attn_pdrop", 0.1), "init_method_std": cfg.get("initializer_range", 0.02),
+             "layernorm_epsilon": cfg.get("layer_norm_epsilon", 1e-5)}
+    recipe = {"model": model, "data": tok_fields, "parallel": {"tensor": tp, "pipeline": pp}}
+    args = make_megatron_args(
+        padded_vocab_size=padded, orig_vocab_size=vocab, hidden_size=h, num_layers=n_layer,
+        num_attention_heads=n_head, ffn_hidden_size=ffn, max_position_embeddings=cfg["n_positions"],
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, tokenizer_type=tok_fields["tokenizer_type"],
+        vocab_file=tok_fields["vocab_file"], merge_file=tok_fields["merge_file"],
+        tokenizer_model=tok_fields["tokenizer_model"], hidden_dropout=model["hidden_dropout"],
+        attention_dropout=model["attention_dropout"], init_method_std=model["init_method_std"],
+        layernorm_epsilon=model["layernorm_epsilon"], bias_gelu_fusion=True, finetune=True)
+    extra = {"imported_from": os.path.abspath(hf_dir)}
+    states = {key: make_checkpoint_dict(args=args, iteration=0, model=m, optimizer=None, opt_param_scheduler=None,
+                                        rng_state=None, recipe=recipe, extra=extra)
+              for key, m in split_full(full, tp, pp, n_layer, n_head).items()}
+    with atomic_output_dir(ckpt_dir) as stage:
+        write_checkpoint_layout(stage, RELEASE_DIRNAME, states, tp, pp)
+        if tok_files:
+            os.makedirs(os.path.join(stage, TOKENIZER_SUBDIR))
+            for n in tok_files:
+                shutil.copyfile(os.path.join(hf_dir, n), os.path.join(stage, TOKENIZER_SUBDIR, n))
+    return ckpt_abs
+
+
+def cli_import_hf(args) -> int:
+    try:
+        out = import_hf(args.hf_dir, args.ckpt_dir, args.tp, args.pp, args.make_vocab_size_divisible_by)
+    except (ConvertError, FileExistsError) as e:
+        print(f"hpcmeg import-hf: {e}", file=sys.stderr)
+        return 1
+    print(f"hpcmeg import-hf: wrote {out} (release, tp={args.tp}, pp={args.pp}); fine-tune with "
+          f"checkpoint.load: {out}")
+    return 0
