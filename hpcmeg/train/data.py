@@ -1,0 +1,143 @@
+"""Recipe -> train/validation datasets and this rank's batches (uses hpcmeg/data, owns none of it).
+
+Contract
+- `requested_samples(recipe, derived) -> (train, valid, test)`: the counts that key the index
+  cache; `hpcmeg prepare-cache` and training both call this, so a prepared cache is always a hit.
+  train = derived.train_samples (Megatron). valid = eval_iters x global batch: hpcmeg evaluates
+  on the SAME first eval_iters global batches of the validation split every time (Megatron walks
+  on through fresh validation samples at each evaluation), so validation curves are smooth and
+  comparable across runs and frameworks. test = eval_iters x global batch (Megatron).
+- `build_datasets(recipe, derived, ctx)`: global rank 0 builds missing index files first, then
+  the other ranks load them (the file lock in index_cache covers other jobs sharing a cache).
+- `TrainBatches`: an iterator of steps; each step is a list of `grad_accum_steps` micro batches
+  (tokens int64 [mbs, L], labels int64 [mbs, L]) already on the device. The order is Megatron's
+  pretraining sampler from `consumed_samples` (resume is arithmetic: same consumed -> same
+  batches). The next step's host->device copy is issued (non_blocking, from pinned memory on
+  CUDA) right after the current step is handed out, so it overlaps the step's GPU work.
+  DataLoader workers get a private seeded generator: the global torch RNG (dropout) is never
+  touched by data loading, which keeps interrupted-and-resumed runs bit-identical.
+- `eval_batches(...)`: the fixed evaluation set of this rank: eval_iters steps of micro batches
+  (tokens, labels, loss_mask), built once and kept in (pinned) host memory.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+
+from hpcmeg.data.gpt_dataset import GPTDatasetConfig
+from hpcmeg.data.sampler import PretrainingSampler, collate
+from hpcmeg.recipe import Derived, Recipe, dataset_prefixes
+
+
+def requested_samples(r: Recipe, d: Derived) -> tuple[int, int, int]:
+    per_eval = r.train.eval_iters * r.train.global_batch_size
+    valid = per_eval if r.train.eval_interval and r.train.eval_iters else 0
+    return d.train_samples, valid, per_eval
+
+
+def index_cache_dir(r: Recipe, d: Derived) -> str:
+    return r.data.index_cache_dir or os.path.join(d.run_dir, "index-cache")
+
+
+def dataset_config(r: Recipe, d: Derived) -> GPTDatasetConfig:
+    return GPTDatasetConfig(seq_length=r.data.seq_length, seed=r.train.seed, split=r.data.split,
+                            cache_dir=index_cache_dir(r, d))
+
+
+def blend_arg(r: Recipe, d: Derived) -> list[str]:
+    """Megatron --data-path form for hpcmeg.data.blended: [prefix] or [w1, p1, w2, p2, ...]."""
+    pairs = dataset_prefixes(r, d)
+    if len(pairs) == 1:
+        return [pairs[0][1]]
+    return [x for w, p in pairs for x in (repr(float(w)), p)]
+
+
+def check_inputs_exist(r: Recipe, d: Derived) -> None:
+    from hpcmeg.data.indexed import dataset_exists
+
+    missing = [p for _, p in dataset_prefixes(r, d) if not dataset_exists(p)]
+    if missing:
+        where = "data.data_path" if r.data.data_path else "the preprocess stage output"
+        raise FileNotFoundError(f"no tokenized dataset at {missing[0]}.bin/.idx ({where}); run "
+                                f"`hpcmeg submit RECIPE --stages preprocess` (or `hpcmeg preprocess`) first")
+
+
+def build_datasets(r: Recipe, d: Derived, barrier=lambda: None, is_rank0: bool = True) -> list:
+    """[train, valid, test] datasets; rank 0 builds the index cache, the others wait then load."""
+    from hpcmeg.data.blended import build_train_valid_test_datasets
+
+    check_inputs_exist(r, d)
+    cfg, blend, counts = dataset_config(r, d), blend_arg(r, d), requested_samples(r, d)
+    out = None
+    if is_rank0:
+        out = build_train_valid_test_datasets(cfg, blend, counts)
+    barrier()
+    if out is None:
+        out = build_train_valid_test_datasets(cfg, blend, counts)
+    return out
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+class TrainBatches:
+    """Steps of micro batches for one data-parallel rank, from `consumed_samples` on."""
+
+    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, grad_accum_steps: int,
+                 dp_rank: int, dp_size: int, device: torch.device, num_workers: int = 0, seed: int = 0):
+        self.accum, self.device = grad_accum_steps, device
+        sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
+            pin_memory=device.type == "cuda", persistent_workers=num_workers > 0,
+            prefetch_factor=max(2, grad_accum_steps) if num_workers > 0 else None,
+            generator=torch.Generator().manual_seed(seed))
+        self._it = iter(self.loader)
+        self._next = self._fetch()
+
+    def _fetch(self) -> list | None:
+        step = []
+        for _ in range(self.accum):
+            try:
+                mb = next(self._it)
+            except StopIteration:
+                return None
+            step.append((_to_device(mb["tokens"], self.device), _to_device(mb["labels"], self.device)))
+        return step
+
+    def __iter__(self) -> Iterator[list]:
+        return self
+
+    def __next__(self) -> list:
+        self.prefetch()
+        cur, self._next = self._next, None
+        if cur is None:
+            raise StopIteration
+        return cur
+
+    def prefetch(self) -> None:
+        """Issue the next step's loads and copies; call after launching the current step."""
+        if self._next is None:
+            self._next = self._fetch()
+
+
+def eval_batches(dataset, eval_iters: int, micro_batch_size: int, grad_accum_steps: int, dp_rank: int,
+                 dp_size: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This rank's micro batches of the fixed evaluation set (eval_iters global batches)."""
+    total = eval_iters * micro_batch_size * dp_size * grad_accum_steps
+    if dataset is None or total == 0:
+        return []
+    if len(dataset) < total:
+        raise ValueError(f"the validation split has {len(dataset)} samples but evaluation needs {total} "
+                         f"(train.eval_iters x global batch); lower train.eval_iters or use more data")
+    sampler = PretrainingSampler(total, 0, micro_batch_size, dp_rank, dp_size)
+    out = []
+    pin = device.type == "cuda"
+    for idx in sampler:
+        mb = collate([dataset[i] for i in idx])
+        t = [mb["tokens"], mb["labels"], mb["loss_mask"]]
+        out.append(tuple(x.pin_memory() if pin else x for x in t))
+    return out

@@ -1,0 +1,187 @@
+"""Training metrics: the log line, the JSONL file, TensorBoard events, throughput and MFU.
+
+Contract
+- `Throughput(flops_per_token, tokens_per_iteration, world_size, peak_flops)` turns (iterations,
+  seconds) into tokens/s per GPU (all tokens of the global batch / world size / second), TFLOP/s
+  per GPU (tokens/s/GPU x flops_per_token, the 6N + 12 L d T convention of hpcmeg/model/flops.py)
+  and MFU (TFLOP/s over `peak_flops`; None -> "n/a", as on CPU).
+- `MetricsLogger(run_dir, enabled)`: only the enabled logger (global rank 0) prints or writes.
+  `<run_dir>/metrics.jsonl` is appended to (restarts never overwrite it; a resumed run may re-log
+  iterations after the last checkpoint, readers keep the last record per iteration); each record
+  is one JSON object with "kind": "start" | "train" | "eval" | "event", flushed per line.
+  TensorBoard events go to `<run_dir>/tensorboard/` when torch.utils.tensorboard imports.
+- Units: times in seconds (step_time_s), memory in GiB (peak_mem_gib: CUDA max allocated; on
+  CPU the process's max RSS), lr plain, tokens/s and TFLOP/s per GPU.
+- `peak_flops_for(device)`: measured dense bf16 matmul FLOP/s on CUDA (hpcmeg.model.flops), None
+  on CPU; HPCMEG_PEAK_TFLOPS overrides (e.g. to report against a datasheet number).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+
+def peak_flops_for(device: torch.device, environ=None) -> float | None:
+    env = os.environ if environ is None else environ
+    if env.get("HPCMEG_PEAK_TFLOPS"):
+        return float(env["HPCMEG_PEAK_TFLOPS"]) * 1e12
+    if device.type != "cuda":
+        return None
+    from hpcmeg.model.flops import measure_bf16_peak
+
+    return measure_bf16_peak(device)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # Linux reports ru_maxrss in KiB (macOS in bytes)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+@dataclass
+class Throughput:
+    flops_per_token: float
+    tokens_per_iteration: int
+    """Tokens of one global batch (global_batch_size x seq_length), all ranks together."""
+    world_size: int
+    peak_flops: float | None = None
+
+    def compute(self, iterations: int, seconds: float) -> dict[str, float | None]:
+        if iterations <= 0 or seconds <= 0:
+            return {"step_time_s": None, "tokens_per_s_per_gpu": None, "tflops_per_gpu": None, "mfu": None}
+        tps = self.tokens_per_iteration * iterations / seconds / self.world_size
+        flops = tps * self.flops_per_token
+        return {"step_time_s": seconds / iterations, "tokens_per_s_per_gpu": tps, "tflops_per_gpu": flops / 1e12,
+                "mfu": flops / self.peak_flops if self.peak_flops else None}
+
+
+def _fmt(v: Any, spec: str, none: str = "n/a") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v) and spec == "pct"):
+        return none
+    if spec == "pct":
+        return f"{100 * v:.1f}%"
+    return format(v, spec)
+
+
+def format_train_line(r: dict, train_iters: int) -> str:
+    """One Megatron-like metrics line (rank 0's stdout)."""
+    w = len(str(train_iters))
+    parts = [
+        f"iteration {r['iteration']:>{w}}/{train_iters}",
+        f"consumed samples {r['consumed_samples']}",
+        f"loss {_fmt(r['loss'], '.4f')}",
+        f"lr {_fmt(r['lr'], '.3e')}",
+        f"grad norm {_fmt(r['grad_norm'], '.3f')}",
+    ]
+    if r.get("loss_scale") is not None:
+        parts.append(f"loss scale {r['loss_scale']:.0f}")
+    if r.get("skipped"):
+        parts.append(f"skipped {r['skipped']}")
+    parts += [
+        f"step {_fmt(None if r['step_time_s'] is None else 1e3 * r['step_time_s'], '.1f')} ms",
+        f"tokens/s/gpu {_fmt(r['tokens_per_s_per_gpu'], ',.0f')}",
+        f"TFLOP/s/gpu {_fmt(r['tflops_per_gpu'], '.2f')}",
+        f"MFU {_fmt(r['mfu'], 'pct')}",
+        f"peak mem {_fmt(r['peak_mem_gib'], '.2f')} GiB",
+    ]
+    return " | ".join(parts)
+
+
+def format_eval_line(r: dict) -> str:
+    return (f"validation at iteration {r['iteration']} | val loss {r['val_loss']:.4f} | "
+            f"val ppl {_fmt(r['val_ppl'], '.2f')} | {r['eval_time_s']:.1f} s")
+
+
+class MetricsLogger:
+    """Rank-0 sink for metric records: stdout line, JSONL file, TensorBoard scalars."""
+
+    def __init__(self, run_dir: str, enabled: bool, train_iters: int, tensorboard: bool = True,
+                 stream: TextIO | None = None):
+        self.enabled, self.train_iters = enabled, train_iters
+        self.stream = stream if stream is not None else sys.stdout
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)  # line-buffered: a killed run keeps its lines
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+            except ImportError:  # tensorboard not installed: JSONL only
+                self._tb = None
+
+    def print(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, file=self.stream, flush=True)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": record.get("kind", "event"), "time": round(time.time(), 3), **record}
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def train(self, r: dict) -> None:
+        if not self.enabled:
+            return
+        self.write({"kind": "train", **r})
+        self.print(format_train_line(r, self.train_iters))
+        if self._tb is not None:
+            it = r["iteration"]
+            for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                             ("loss_scale", "train/loss_scale"), ("tokens_per_s_per_gpu", "perf/tokens_per_s_per_gpu"),
+                             ("tflops_per_gpu", "perf/tflops_per_gpu"), ("mfu", "perf/mfu"),
+                             ("peak_mem_gib", "perf/peak_mem_gib")):
+                if r.get(key) is not None:
+                    self._tb.add_scalar(tag, r[key], it)
+
+    def eval(self, r: dict) -> None:
+        if not self.enabled:
+            return
+        self.write({"kind": "eval", **r})
+        self.print(format_eval_line(r))
+        if self._tb is not None:
+            self._tb.add_scalar("eval/loss", r["val_loss"], r["iteration"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+            self._tb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str) -> dict[str, list[dict]]:
+    """metrics.jsonl -> {"train": [...], "eval": [...], "start": [...], "event": [...]}, train/eval
+    de-duplicated by iteration (the LAST record wins: a resumed run re-logs after its checkpoint)
+    and sorted by iteration. A torn last line (killed writer) is ignored."""
+    by_kind: dict[str, Any] = {"train": {}, "eval": {}, "start": [], "event": []}
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            kind = r.get("kind")
+            if kind in ("train", "eval"):
+                by_kind[kind][r["iteration"]] = r
+            elif kind in ("start", "event"):
+                by_kind[kind].append(r)
+    return {"train": [by_kind["train"][k] for k in sorted(by_kind["train"])],
+            "eval": [by_kind["eval"][k] for k in sorted(by_kind["eval"])],
+            "start": by_kind["start"], "event": by_kind["event"]}

@@ -1,0 +1,261 @@
+"""The training loop: steps, logging, evaluation, checkpoints, and the agreed stop.
+
+Contract
+- `Trainer(...)` receives every part already built (entry.py builds them): model (+ DDP wrapper),
+  optimizer, LR schedule, TrainStep, datasets, metrics logger, parallel context, and a `stop`
+  callable returning a reason string when this rank wants to stop (exit signal, wall time).
+  `run() -> Outcome` trains from `state.iteration` to derived.train_iters.
+- One iteration: schedule.apply -> TrainStep.run(grad_accum_steps micro batches) -> prefetch the
+  next batches -> counters (iteration, consumed samples; the schedule advances only when the step
+  was applied, as Megatron's) -> ONE all-reduce MAX of a per-rank code (2 = non-finite loss or
+  grad norm on an applied step, 1 = stop requested, 0 = go on), so all ranks take the same
+  decision at the same iteration -> log (every log_interval; DP-averaged loss) -> eval (every
+  eval_interval) -> save (every save_interval, or now when stopping).
+- Non-finite loss (bf16 / fp32, or fp16 on a step that was not skipped) raises TrainingDiverged
+  naming the iteration; nothing is saved after it. fp16 overflow is TrainStep's: the step is skipped
+  and the scale lowered; the loop only counts it.
+- Checkpoints: Megatron legacy layout via hpcmeg/train/checkpoint.py (args namespace, nested model,
+  optimizer {optimizer, grad_scaler}, opt_param_scheduler, rng_state [one entry: all DP ranks share
+  the seed, so rank 0's RNG state is everyone's], the resolved recipe, consumed samples).
+  `load_state(ckpt)` restores all of it; `load_weights(ckpt)` only the model (a 'release' start).
+- Exactness on CPU: data order is a function of consumed samples, dropout draws come from the
+  global torch RNG which is saved and restored, evaluation and data loading draw nothing from it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from hpcmeg.train import checkpoint as ckpt
+from hpcmeg.train.data import TrainBatches
+
+
+class TrainingDiverged(RuntimeError):
+    """Loss or gradient norm became NaN/inf on an applied step."""
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+@dataclass
+class Outcome:
+    status: str
+    """'finished' (train_iters reached) or 'preempted' (saved on a stop request; resume me)."""
+    iteration: int
+    reason: str = ""
+
+
+class Trainer:
+    def __init__(self, *, recipe, derived, ctx, model, ddp_model, optimizer, schedule, loss_scaler, step,
+                 train_dataset, eval_set, metrics, throughput, megatron_args: Callable[[TrainState], object],
+                 recipe_dict: dict, stop: Callable[[], str | None] = lambda: None,
+                 on_step_time: Callable[[float], None] = lambda s: None,
+                 on_save_time: Callable[[float], None] = lambda s: None, exit_interval: int | None = None):
+        self.r, self.d, self.ctx = recipe, derived, ctx
+        self.model, self.ddp_model, self.optimizer = model, ddp_model, optimizer
+        self.schedule, self.loss_scaler, self.step = schedule, loss_scaler, step
+        self.train_dataset, self.eval_set = train_dataset, eval_set
+        self.metrics, self.throughput = metrics, throughput
+        self.megatron_args, self.recipe_dict = megatron_args, recipe_dict
+        self.stop, self.on_step_time, self.on_save_time = stop, on_step_time, on_save_time
+        self.exit_interval = exit_interval
+        self.state = TrainState()
+        self._pending = None  # async checkpoint handle
+        self._last_saved = None
+
+    # --------------------------------------------------------------------------------- loop
+
+    def run(self) -> Outcome:
+        r, t, st = self.r, self.r.train, self.state
+        n_iters, gbs = self.d.train_iters, t.global_batch_size
+        if st.iteration >= n_iters:
+            self.metrics.print(f"already at iteration {st.iteration} of {n_iters}: nothing to train")
+            return Outcome("finished", st.iteration)
+        batches = TrainBatches(self.train_dataset, st.consumed_train_samples, t.micro_batch_size,
+                               self.d.grad_accum_steps, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device,
+                               num_workers=r.data.num_workers, seed=t.seed)
+        win = _Window()
+        self.model.train()
+        t_iter = time.perf_counter()
+        while st.iteration < n_iters:
+            lr = self.schedule.apply(self.optimizer)
+            try:
+                micro = next(batches)
+            except StopIteration:
+                raise RuntimeError(f"the training dataset ran out at iteration {st.iteration} "
+                                   f"({st.consumed_train_samples} samples consumed)") from None
+            res = self.step.run(micro, self.ddp_model)
+            batches.prefetch()  # the next step's loads/copies overlap this step's tail
+            st.iteration += 1
+            st.consumed_train_samples += gbs
+            if not res.skipped:
+                self.schedule.step(gbs)
+            bad = not res.skipped and not (math.isfinite(res.loss) and math.isfinite(res.grad_norm))
+            reason = self.stop()
+            if reason is None and self.exit_interval and st.iteration % self.exit_interval == 0:
+                reason = f"exit interval {self.exit_interval}"
+            code = self.ctx.all_reduce_max(2 if bad else (1 if reason else 0))
+            if code == 2:
+                what = f"loss {res.loss}, grad norm {res.grad_norm}" if bad else "on another rank"
+                raise TrainingDiverged(f"non-finite loss or gradient at iteration {st.iteration} ({what}, "
+                                       f"{t.precision}); stopping without saving. Lower train.lr, raise "
+                                       f"train.lr_warmup_iters or try train.precision=fp32 to debug")
+            now = time.perf_counter()
+            self.on_step_time(now - t_iter)
+            win.add(res, lr)
+            if st.iteration % t.log_interval == 0 or st.iteration == n_iters:
+                self._log(win, now)
+                win = _Window()
+                now = time.perf_counter()
+            if t.eval_interval and st.iteration % t.eval_interval == 0 and self.eval_set:
+                self.evaluate()
+                now = time.perf_counter()  # eval and save time stay out of the step timing
+                win.t0 = now
+            if code == 1:
+                reason = reason or "stop requested on another rank"
+                self.save()
+                self.metrics.write({"kind": "event", "what": "preempted", "iteration": st.iteration, "reason": reason})
+                self.metrics.print(f"saved iteration {st.iteration} and stopping ({reason}): resume me")
+                return Outcome("preempted", st.iteration, reason)
+            if r.checkpoint.save_interval and st.iteration % r.checkpoint.save_interval == 0:
+                self.save()
+                now = time.perf_counter()
+                win.t0 = now
+            t_iter = now
+        if self._last_saved != st.iteration:
+            self.save()
+        self.wait_for_save()
+        return Outcome("finished", st.iteration)
+
+    def _log(self, win: "_Window", now: float) -> None:
+        # one small all-reduce per log interval: the loss is averaged over data-parallel ranks
+        s = torch.tensor([win.loss_sum, float(win.n)], dtype=torch.float64,
+                         device=self.ctx.device if self.ctx.backend == "nccl" else "cpu")
+        self.ctx.dp_mean_(s)
+        loss = float(s[0] / s[1]) if s[1] > 0 else math.nan
+        from hpcmeg.train.metrics import peak_memory_gib
+
+        rec = {"iteration": self.state.iteration, "consumed_samples": self.state.consumed_train_samples,
+               "loss": loss, "lr": win.lr, "grad_norm": win.grad_norm, "loss_scale": win.loss_scale,
+               "skipped": win.skipped, **self.throughput.compute(win.steps, now - win.t0),
+               "peak_mem_gib": peak_memory_gib(self.ctx.device)}
+        self.metrics.train(rec)
+
+    # --------------------------------------------------------------------------------- eval
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean per-token loss over the fixed evaluation set, averaged over data-parallel ranks."""
+        t0 = time.perf_counter()
+        self.model.eval()
+        dev = self.ctx.device
+        total = torch.zeros(2, dtype=torch.float64, device=dev)
+        for tokens, labels, mask in self.eval_set:
+            tokens, labels = tokens.to(dev, non_blocking=True), labels.to(dev, non_blocking=True)
+            mask = mask.to(dev, non_blocking=True)
+            with self.step._autocast():
+                per_tok = self.model(tokens, labels)
+            total[0] += (per_tok.float() * mask).sum().double()
+            total[1] += mask.sum().double()
+        self.model.train()
+        if self.ctx.distributed and self.ctx.dp_size > 1:
+            torch.distributed.all_reduce(total, group=self.ctx.dp_group)
+        val = float(total[0] / total[1])
+        self.state.consumed_valid_samples += self.r.train.eval_iters * self.r.train.global_batch_size
+        self.metrics.eval({"iteration": self.state.iteration, "consumed_samples": self.state.consumed_train_samples,
+                           "val_loss": val, "val_ppl": math.exp(val) if val < 50 else None,
+                           "eval_time_s": time.perf_counter() - t0})
+        return val
+
+    # --------------------------------------------------------------------------------- checkpoints
+
+    def checkpoint_state(self) -> dict:
+        st = self.state
+        opt = {"optimizer": self.optimizer.state_dict(),
+               "grad_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+        return ckpt.make_checkpoint_dict(
+            args=self.megatron_args(st), iteration=st.iteration,
+            model=ckpt.to_megatron_model(self.model.state_dict(), is_last_stage=True, pp_size=1),
+            optimizer=opt, opt_param_scheduler=self.schedule.state_dict(), rng_state=[ckpt.capture_rng_state()],
+            recipe=self.recipe_dict,
+            data_state={"consumed_train_samples": st.consumed_train_samples,
+                        "consumed_valid_samples": st.consumed_valid_samples})
+
+    def save(self) -> None:
+        self.wait_for_save()
+        t0 = time.perf_counter()
+        c, it = self.ctx, self.state.iteration
+        writer = c.dp_rank == 0
+        self._pending = ckpt.save_checkpoint(
+            self.d.checkpoint_dir, it, self.checkpoint_state() if writer else {}, tp_rank=c.tp_rank,
+            pp_rank=c.pp_rank, tp_size=c.tp_size, pp_size=c.pp_size, is_shard_writer=writer, barrier=c.barrier,
+            is_global_rank0=c.is_rank0, keep_last=self.r.checkpoint.keep_last, async_save=self.r.checkpoint.async_save)
+        self._last_saved = it
+        dt = time.perf_counter() - t0
+        self.on_save_time(dt)
+        self.metrics.write({"kind": "event", "what": "save", "iteration": it, "seconds": round(dt, 3),
+                            "dir": self.d.checkpoint_dir})
+        self.metrics.print(f"saved checkpoint iteration {it} to {self.d.checkpoint_dir} ({dt:.1f} s"
+                           f"{', writing in background' if self.r.checkpoint.async_save else ''})")
+
+    def wait_for_save(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def load_weights(self, state: dict) -> None:
+        flat = ckpt.from_megatron_model(state["model"])
+        flat.pop(ckpt.HEAD_KEY, None)  # tied: equals the word embeddings
+        missing, unexpected = self.model.load_state_dict(flat, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint model does not match the recipe's model: missing {missing[:4]}, "
+                             f"unexpected {unexpected[:4]}")
+
+    def load_state(self, state: dict) -> None:
+        """Full resume: model, optimizer, loss scaler, schedule, RNG, counters."""
+        self.load_weights(state)
+        opt = state.get("optimizer") or {}
+        if "optimizer" not in opt:
+            raise ValueError("the checkpoint has no optimizer state (saved without it, or not by hpcmeg); "
+                             "start from it with checkpoint.load instead (weights only)")
+        self.optimizer.load_state_dict(opt["optimizer"])
+        if self.loss_scaler is not None and opt.get("grad_scaler"):
+            self.loss_scaler.load_state_dict(opt["grad_scaler"])
+        self.schedule.load_state_dict(state["opt_param_scheduler"])
+        rng = state.get("rng_state")
+        if rng:
+            ckpt.restore_rng_state(rng[0])
+        data = (state.get("hpcmeg") or {}).get("data_state") or {}
+        args = state.get("args")
+        self.state = TrainState(
+            iteration=int(state["iteration"]),
+            consumed_train_samples=int(data.get("consumed_train_samples", getattr(args, "consumed_train_samples", 0))),
+            consumed_valid_samples=int(data.get("consumed_valid_samples", getattr(args, "consumed_valid_samples", 0))))
+        self._last_saved = self.state.iteration
+
+
+class _Window:
+    """Per-log-interval accumulators (plain floats: TrainStep already returned host values)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.loss_sum, self.n, self.steps, self.skipped = 0.0, 0, 0, 0
+        self.lr = self.grad_norm = self.loss_scale = None
+
+    def add(self, res, lr: float) -> None:
+        if not res.skipped or math.isfinite(res.loss):  # an overflowed fp16 forward must not poison the mean
+            self.loss_sum += res.loss
+            self.n += 1
+        self.steps += 1
+        self.skipped += int(res.skipped)
+        self.lr, self.loss_scale = lr, res.loss_scale
+        if not res.skipped:
+            self.grad_norm = res.grad_norm
