@@ -1,0 +1,379 @@
+"""Everything hpcmeg writes as shell text or sbatch flags, as pure functions (golden-file tested).
+
+Contract: ``build_plan(recipe, derived, files, host_python) -> Plan``: per stage the submitit
+``SlurmExecutor`` parameters, the array size and the text of ``scripts/<stage>_step.sh``;
+``render_sbatch(job, folder, python)`` gives the exact sbatch text submitit submits for it.
+
+Shape of every Slurm job (slurm-design.md §0): submitit runs a host-side supervisor in the batch
+shell (``use_srun=False``); the supervisor runs the stage's step script, which is one ``srun`` step
+whose tasks run ``python -m hpcmeg.cli <stage> ...`` inside the container. Resource flags that
+describe the step's tasks (nodes, ntasks-per-node) go through ``additional_parameters`` so that
+submitit models the job as the single supervisor task it really is.
+
+Quoting rules (the injection contract):
+- every value that comes from a recipe is ``shlex.quote``d (sbatch's ``#SBATCH`` parser honours shell
+  quotes: verified on Slurm 22.05); ``cluster.setup`` lines are shell by design and copied verbatim;
+- a newline cannot live in an ``#SBATCH`` line (the rest would run as a command), so values that
+  end up there are refused with a clear message, and job names are reduced to ``[A-Za-z0-9._+-]``;
+- ``%`` in a path given to ``--output`` is doubled (Slurm expands ``%j``, ``%t``...), and a backslash
+  is refused there (Slurm then stops expanding every pattern).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hpcmeg.launch.container import ContainerSpec, Wrapped, python_argv, wrap
+from hpcmeg.launch.rundir import RunDir
+
+# Time-limit/preemption lead signal for the steps of the train job. No "B:" prefix: Slurm signals the
+# job steps (every rank), not the batch shell, so the supervisor keeps running and decides afterwards.
+TRAIN_SIGNAL = "TERM"
+# Arrays (preprocess, convert) are not requeued; their lead signal only brings the step's SIGTERM
+# cleanup (partial outputs removed) a little before the hard kill.
+ARRAY_SIGNAL = "TERM@30"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ScriptError(ValueError):
+    """A recipe value that cannot be written safely into a script; the message names the key."""
+
+
+@dataclass
+class StageJob:
+    stage: str
+    """preprocess | merge | train | convert."""
+    params: dict[str, Any]
+    """``SlurmExecutor.update_parameters`` keywords (``dependency`` is added at submission)."""
+    array: Optional[int]
+    """Array size (None: a single job)."""
+    tasks: list[dict]
+    """Plain-data arguments of the supervisor, one per array task (or one)."""
+    step_script: str
+    """Text of scripts/<stage>_step.sh."""
+
+
+@dataclass
+class Plan:
+    run_dir: str
+    jobs: list[StageJob] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Human lines for --dry-run (skipped stages, counts)."""
+
+    def job(self, stage: str) -> Optional[StageJob]:
+        return next((j for j in self.jobs if j.stage == stage), None)
+
+
+# ----------------------------------------------------------------------------- checks and escapes
+
+
+def sbatch_value(key: str, value: Any) -> str:
+    """A value bound for an ``#SBATCH`` line: refused when it holds a line break or NUL."""
+    s = str(value)
+    if any(ch in s for ch in "\n\r\0"):
+        raise ScriptError(f"{key}: {s!r} contains a line break; it would end the #SBATCH line it is written to "
+                          f"(and the rest would run as a command). Use a value without newlines.")
+    return s
+
+
+def slurm_path(key: str, path: str) -> str:
+    """A path for a Slurm ``--output`` pattern: ``%`` doubled, backslash and newline refused."""
+    sbatch_value(key, path)
+    if "\\" in path:
+        raise ScriptError(f"{key}: '{path}' contains a backslash, which makes Slurm ignore the %j/%t patterns of "
+                          f"log file names; choose a run directory without backslashes")
+    return path.replace("%", "%%")
+
+
+def job_name(run_name: str, stage: str) -> str:
+    """``hpcmeg-<stage>-<run name>`` reduced to characters every Slurm tool prints safely."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", f"hpcmeg-{stage}-{run_name}")[:120]
+
+
+def env_exports(env: dict[str, str]) -> list[str]:
+    """``export NAME=<quoted value>`` lines; names must be shell identifiers, values stay literal."""
+    lines = []
+    for k, v in env.items():
+        if not _ENV_NAME.match(k):
+            raise ScriptError(f"cluster.env: '{k}' is not a valid environment variable name "
+                              f"(letters, digits and _ only, not starting with a digit)")
+        lines.append(f"export {k}={shlex.quote(str(v))}")
+    return lines
+
+
+def q(argv: list[str]) -> str:
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+# ----------------------------------------------------------------------------- hpcmeg commands
+
+
+def hpcmeg_argv(python: list[str], stage: str, *args: str) -> list[str]:
+    """``python -m hpcmeg.cli <stage> args``: no dependency on a console script being on PATH."""
+    return [*python, "-u", "-m", "hpcmeg.cli", stage, *args]
+
+
+def preprocess_flags(r) -> list[str]:
+    """Recipe data settings as ``hpcmeg preprocess`` (= Megatron preprocess_data.py) flags."""
+    d = r.data
+    out = ["--json-keys", *d.json_keys, "--tokenizer-type", d.tokenizer_type, "--workers", str(d.workers)]
+    if d.vocab_file:
+        out += ["--vocab-file", d.vocab_file]
+    if d.merge_file:
+        out += ["--merge-file", d.merge_file]
+    if d.tokenizer_model:
+        out += ["--tokenizer-model", d.tokenizer_model]
+    if d.append_eod:
+        out.append("--append-eod")
+    if d.split_sentences:
+        out.append("--split-sentences")
+    return out
+
+
+def tokenizer_settings(r) -> dict:
+    """The recipe values that change the tokenized output (part of the dataset manifest)."""
+    d = r.data
+    return {"tokenizer_type": d.tokenizer_type, "vocab_file": d.vocab_file, "merge_file": d.merge_file,
+            "tokenizer_model": d.tokenizer_model, "append_eod": d.append_eod,
+            "split_sentences": d.split_sentences, "json_keys": list(d.json_keys)}
+
+
+def shard_groups(files: list[str], shards: int) -> list[list[str]]:
+    """Contiguous groups of input files, one per array task (merging them in order keeps the order)."""
+    n = len(files) if shards <= 0 else max(1, min(shards, len(files)))
+    base, extra = divmod(len(files), n)
+    out, i = [], 0
+    for k in range(n):
+        size = base + (1 if k < extra else 0)
+        out.append(files[i:i + size])
+        i += size
+    return out
+
+
+def dataset_outputs(prefix: str, r) -> list[str]:
+    level = "sentence" if r.data.split_sentences else "document"
+    return [f"{prefix}_{k}_{level}" for k in r.data.json_keys]
+
+
+def convert_task_count(r, train_iters: int) -> int:
+    """Array size of the convert stage; the iterations themselves are resolved when the tasks run."""
+    it = str(r.convert.iterations).strip()
+    if it == "last":
+        return 1
+    if it == "all":
+        saves = (train_iters // r.checkpoint.save_interval if r.checkpoint.save_interval > 0 else 0)
+        saves += 0 if r.checkpoint.save_interval > 0 and train_iters % r.checkpoint.save_interval == 0 else 1
+        return max(1, min(saves, r.checkpoint.keep_last) if r.checkpoint.keep_last else saves)
+    return len(parse_iteration_list(it))
+
+
+def parse_iteration_list(text: str) -> list[int]:
+    try:
+        its = [int(x) for x in str(text).replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ScriptError(f"convert.iterations: '{text}' must be last, all, or a comma list of iterations") from None
+    if not its or any(i < 0 for i in its):
+        raise ScriptError(f"convert.iterations: '{text}' must be last, all, or a comma list of iterations")
+    return its
+
+
+# ----------------------------------------------------------------------------- step scripts
+
+
+def _step_header(stage: str, run_name: str, what: str) -> list[str]:
+    return [
+        "#!/bin/bash",
+        f"# hpcmeg {stage} step of run {shlex.quote(run_name)!s}"[:200].replace("\n", " "),
+        f"# {what}",
+        "# Generated by hpcmeg submit; run by the host-side supervisor (hpcmeg.launch.supervisor) inside",
+        "# the Slurm job. Every recipe value below is shell-quoted.",
+        "set -u",
+        'tag="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"',
+        'tag="${tag:-${SLURM_JOB_ID:-local}}"',
+        'restart="${SLURM_RESTART_COUNT:-0}"',
+    ]
+
+
+def _srun_line(srun_opts: list[str], log_prefix: str, w: Wrapped, tail_args: str = "") -> list[str]:
+    """``exec srun ...`` with per-task, per-restart log files (appended, never truncated)."""
+    out = ["exec srun " + q(srun_opts) + " --open-mode=append \\",
+           f'    --output={shlex.quote(log_prefix)}"${{tag}}.r${{restart}}".%t.log \\']
+    for part in (w.srun_opts, w.prefix):
+        if part:
+            out.append("    " + q(part) + " \\")
+    out.append("    " + q(w.argv) + (" " + tail_args if tail_args else ""))
+    return out
+
+
+def _container(r, run_dir: str) -> ContainerSpec:
+    c = r.container
+    return ContainerSpec(runtime=c.runtime, image=c.image, binds=tuple(c.binds), python=c.python)
+
+
+def train_step(r, run: RunDir, host_python: str) -> str:
+    c = r.cluster
+    spec = _container(r, str(run.root))
+    argv = hpcmeg_argv(python_argv(spec, host_python), "train", str(run.recipe))
+    w = wrap(spec, argv, gpus=c.gpus_per_node > 0, always_bind=[str(run.root)])
+    srun = [f"--nodes={c.nodes}", f"--ntasks-per-node={c.tasks_per_node()}", f"--cpus-per-task={c.cpus_per_task}",
+            "--kill-on-bad-exit=1"]
+    lines = _step_header("train", r.run.name, f"{c.nodes} node(s) x {c.tasks_per_node()} task(s), one per "
+                         f"{'GPU' if c.gpus_per_node else 'CPU rank'}; ranks come from SLURM_PROCID/SLURM_NTASKS.")
+    if c.master_port:
+        lines.append(f"export MASTER_PORT={int(c.master_port)}")
+    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("train") / "train.")), w)
+    return "\n".join(lines) + "\n"
+
+
+def preprocess_step(r, run: RunDir, host_python: str) -> str:
+    """``preprocess_step.sh OUT_PREFIX INPUT...``: tokenize one shard (a group of input files)."""
+    spec = _container(r, str(run.root))
+    argv = hpcmeg_argv(python_argv(spec, host_python), "preprocess", *preprocess_flags(r))
+    w = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
+    srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={r.cluster.preprocess_cpus}"]
+    lines = _step_header("preprocess", r.run.name, "usage: preprocess_step.sh OUT_PREFIX INPUT... (one array task)")
+    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("preprocess") / "preprocess.")), w,
+                        tail_args='--output-prefix "$1" --input "${@:2}"')
+    return "\n".join(lines) + "\n"
+
+
+def merge_step(r, run: RunDir, host_python: str, shard_prefixes: list[str], prefix: str) -> str:
+    """Concatenate the shards of every JSON key in shard order (one srun step per key)."""
+    spec = _container(r, str(run.root))
+    py = python_argv(spec, host_python)
+    lines = _step_header("merge", r.run.name, f"merge {len(shard_prefixes)} shards into {prefix}"[:150].replace("\n", " "))
+    lines.append("set -e")
+    outs = dataset_outputs(prefix, r)
+    log = slurm_path("run.output_root", str(run.logs("merge") / "merge."))
+    for k, out in zip(r.data.json_keys, outs):
+        ins = [o for s in shard_prefixes for o in dataset_outputs(s, r) if o.endswith(out[len(prefix):])]
+        argv = hpcmeg_argv(py, "merge-datasets", "--output-prefix", out, "--input", *ins)
+        w = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
+        srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={r.cluster.preprocess_cpus}"]
+        step = _srun_line(srun, log, w)
+        step[0] = step[0].replace("exec srun", "srun", 1)  # several keys: one step each
+        lines += step
+    return "\n".join(lines) + "\n"
+
+
+def convert_step(r, run: RunDir, host_python: str, ckpt_dir: str) -> str:
+    """``convert_step.sh ITERATION OUT_DIR``: one checkpoint iteration to a Hugging Face directory."""
+    spec = _container(r, str(run.root))
+    argv = hpcmeg_argv(python_argv(spec, host_python), "convert", ckpt_dir)
+    w = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
+    srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={r.cluster.preprocess_cpus}"]
+    lines = _step_header("convert", r.run.name, "usage: convert_step.sh ITERATION OUT_DIR (one array task)")
+    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("convert") / "convert.")), w,
+                        tail_args=f'"$2" --iteration "$1" --dtype {shlex.quote(r.convert.dtype)}')
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- sbatch parameters
+
+
+def _common_params(r, stage: str, run: RunDir, time: str, array: bool) -> dict[str, Any]:
+    c = r.cluster
+    p: dict[str, Any] = {"job_name": job_name(r.run.name, stage), "use_srun": False, "stderr_to_stdout": True,
+                         "wckey": None, "time": sbatch_value("cluster.time", time)}
+    for key in ("partition", "account", "qos", "constraint"):
+        val = getattr(c, key)
+        if val:
+            p[key] = sbatch_value(f"cluster.{key}", val)
+    pat = "%A_%a" if array else "%j"
+    log = slurm_path("run.output_root", str(run.logs(stage) / f"{stage}."))
+    # requeued jobs keep their id: append, never truncate (the supervisor prints a banner per restart)
+    p["additional_parameters"] = {"output": f"{log}{pat}.batch.log", "open-mode": "append"}
+    setup = ["export PYTHONUNBUFFERED=1", *env_exports(c.env)]
+    if c.setup:
+        setup += ["# cluster.setup (shell by design: copied verbatim from the profile/recipe)", *c.setup]
+    p["setup"] = setup
+    return p
+
+
+def train_params(r, run: RunDir) -> dict[str, Any]:
+    c = r.cluster
+    p = _common_params(r, "train", run, c.time, array=False)
+    p["cpus_per_task"] = c.cpus_per_task
+    if c.gpus_per_node > 0:
+        p["gpus_per_node"] = c.gpus_per_node
+    if c.mem is not None:
+        p["mem"] = sbatch_value("cluster.mem", c.mem)
+    if c.exclusive:
+        p["exclusive"] = True
+    p["additional_parameters"].update({
+        "nodes": c.nodes, "ntasks_per_node": c.tasks_per_node(), "requeue": True,
+        # overrides submitit's USR2@90 (additional_parameters are applied last)
+        "signal": f"{TRAIN_SIGNAL}@{int(c.signal_lead_s)}"})
+    return p
+
+
+def array_params(r, run: RunDir, stage: str, time: str) -> dict[str, Any]:
+    p = _common_params(r, stage, run, time, array=stage != "merge")
+    p["cpus_per_task"] = r.cluster.preprocess_cpus
+    p["additional_parameters"].update({"nodes": 1, "ntasks": 1, "signal": ARRAY_SIGNAL})
+    if stage == "convert":
+        p["additional_parameters"]["kill-on-invalid-dep"] = "yes"  # a failed train cancels the conversion
+    return p
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def build_plan(r, d, files: list[str], host_python: str, stages: tuple[str, ...] = ("preprocess", "train", "convert"),
+               skip_preprocess: bool = False) -> Plan:
+    """All jobs of the chain for recipe ``r`` (derived values ``d``; ``files``: expanded data.inputs)."""
+    run = RunDir(Path(d.run_dir))
+    slurm_path("run.output_root", str(run.root))
+    plan = Plan(run_dir=str(run.root))
+    if "preprocess" in stages and not r.data.data_path:
+        if skip_preprocess:
+            plan.notes.append(f"preprocess: skipped, {d.data_prefix} exists and matches its inputs and tokenizer")
+        elif not files:
+            raise ScriptError("data.inputs: no input files to preprocess")
+        else:
+            groups = shard_groups(files, r.data.shards)
+            if len(groups) == 1:
+                prefixes = [d.data_prefix]
+            else:
+                shard_dir = Path(d.data_prefix).parent / "shards"
+                prefixes = [str(shard_dir / f"{Path(d.data_prefix).name}.shard{i:05d}") for i in range(len(groups))]
+            manifest = {"files": files, "tokenizer": tokenizer_settings(r), "prefix": d.data_prefix}
+            tasks = [{"stage": "preprocess", "run_dir": str(run.root), "task": i, "args": [pre, *g],
+                      **({"manifest": manifest} if len(groups) == 1 else {})}
+                     for i, (pre, g) in enumerate(zip(prefixes, groups))]
+            plan.jobs.append(StageJob("preprocess", array_params(r, run, "preprocess", r.cluster.preprocess_time),
+                                      len(groups), tasks, preprocess_step(r, run, host_python)))
+            plan.notes.append(f"preprocess: {len(files)} input file(s) in {len(groups)} array task(s)")
+            if len(groups) > 1:
+                plan.jobs.append(StageJob("merge", array_params(r, run, "merge", r.cluster.preprocess_time), None,
+                                          [{"stage": "merge", "run_dir": str(run.root), "args": [], "manifest": manifest}],
+                                          merge_step(r, run, host_python, prefixes, d.data_prefix)))
+                plan.notes.append(f"merge: {len(groups)} shards -> {d.data_prefix}")
+    if "train" in stages:
+        plan.jobs.append(StageJob("train", train_params(r, run), None, [{
+            "stage": "train", "run_dir": str(run.root), "args": [], "checkpoint_dir": d.checkpoint_dir,
+            "max_requeues": r.cluster.max_requeues, "train_iters": d.train_iters}], train_step(r, run, host_python)))
+    if "convert" in stages and r.convert.enabled:
+        n = convert_task_count(r, d.train_iters)
+        out_dir = r.convert.output_dir or str(run.root / "hf")
+        tasks = [{"stage": "convert", "run_dir": str(run.root), "task": i, "args": [],
+                  "checkpoint_dir": d.checkpoint_dir, "iterations": str(r.convert.iterations), "out_dir": out_dir}
+                 for i in range(n)]
+        plan.jobs.append(StageJob("convert", array_params(r, run, "convert", r.cluster.convert_time), n, tasks,
+                                  convert_step(r, run, host_python, d.checkpoint_dir)))
+        plan.notes.append(f"convert: {n} array task(s), iterations '{r.convert.iterations}' resolved at run time")
+    return plan
+
+
+def render_sbatch(job: StageJob, folder: str, python: str, dependency: Optional[str] = None) -> str:
+    """The exact sbatch text submitit writes for ``job`` (its own generator, fed our parameters)."""
+    from submitit.slurm.slurm import _make_sbatch_string  # submitit's sbatch text builder
+
+    params = dict(job.params)  # None values stay: wckey=None is how submitit's default wckey is dropped
+    if dependency:
+        params["dependency"] = dependency
+    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return _make_sbatch_string(command=command, folder=folder, map_count=job.array, **params)

@@ -1,0 +1,228 @@
+"""Host-side supervisor: the submitit callable of every hpcmeg Slurm job, and the requeue decision.
+
+Contract: ``run_task(task: dict)`` is what submitit pickles (a module-level function of an installed
+module, pickled by reference, with plain-data arguments; only the host Python that wrote the pickle
+ever reads it, so host/container Python versions never meet). It runs in the batch shell
+(``use_srun=False``) on the job's first node, where the Slurm commands exist, and:
+
+  1. writes ``markers/<stage>[.<task>].started`` and a banner in the batch log (job id, restart);
+  2. runs ``scripts/<stage>_step.sh ARGS`` (one ``srun`` step; the ranks run in the container);
+  3. decides. Train: finished -> ``done``; the trainer saved for a requeue (exit code
+     ``REQUEUE_EXIT_CODES`` or exit 0 before ``train_iters``) and restarts < ``max_requeues`` and the
+     checkpointed iteration advanced during this attempt -> ``scontrol requeue $SLURM_JOB_ID`` (same
+     job id, so ``afterok`` dependants keep waiting) and exit without a result; otherwise ``failed``
+     with one clear line. Other stages: step exit 0 -> ``done`` (+ dataset manifest), else ``failed``.
+
+Signals: the train job's ``--signal=TERM@lead`` has no ``B:``, so it reaches the step's ranks and not
+this process (verified on Slurm 22.05). This process only gets SIGTERM when Slurm itself ends the
+job (scancel, ``scontrol requeue``, preemption, hard time limit); then it lets the step finish its
+save, writes ``interrupted`` and leaves requeueing to Slurm: Slurm requeues (preemption/requeue) or
+not (cancel, timeout), and the restarted job resumes from the latest checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hpcmeg.launch.rundir import RunDir, committed_iterations, input_manifest, latest_iteration, write_manifest, write_marker
+from hpcmeg.launch.scripts import parse_iteration_list
+
+# `hpcmeg train` exit codes meaning "I saved a checkpoint because of a signal / the wall-time guard;
+# requeue me". Kept as plain numbers (hpcmeg.train.entry imports torch; this module must not).
+REQUEUE_EXIT_CODES = (3, 143)
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    action: str  # done | requeue | fail
+    reason: str
+
+
+def train_outcome(rc: int, end_iteration: Optional[int], train_iters: int, needs_requeue_ok: tuple[bool, str],
+                  ) -> TrainOutcome:
+    """Pure decision after a train step ended (``needs_requeue_ok``: the requeue guard's verdict)."""
+    finished = end_iteration is not None and end_iteration >= train_iters
+    if rc == 0 and finished:
+        return TrainOutcome("done", f"finished at iteration {end_iteration}")
+    if rc in REQUEUE_EXIT_CODES or rc == 0:
+        ok, why = needs_requeue_ok
+        if ok:
+            return TrainOutcome("requeue", f"saved at iteration {end_iteration} of {train_iters}; requeue: {why}")
+        return TrainOutcome("fail", f"training stopped at checkpointed iteration {end_iteration} of {train_iters} "
+                                    f"and will not be requeued: {why}")
+    return TrainOutcome("fail", f"the training step failed with exit code {rc} (see the rank logs); "
+                                f"last checkpointed iteration {end_iteration}")
+
+
+class _SlurmEnds:
+    """Records SIGTERM (Slurm ending the whole job); replaces submitit's handlers in this process."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[int] = None
+
+    def __call__(self, signum, frame) -> None:  # noqa: ARG002
+        if self.signal is None:
+            self.signal = signum
+        print(f"[hpcmeg supervisor] got {signal.Signals(signum).name}: Slurm is ending this job; waiting for the "
+              f"step to finish its save", flush=True)
+
+    def install(self) -> "_SlurmEnds":
+        signal.signal(signal.SIGTERM, self)
+        # submitit's USR2 handler would try its own checkpoint/requeue; ranks handle signals here
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        return self
+
+
+def _banner(task: dict) -> None:
+    env = os.environ
+    job = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}"
+    print(f"\n===== hpcmeg {task['stage']}" + (f" task {task['task']}" if "task" in task else "") +
+          f" | job {job or env.get('SLURM_JOB_ID', '?')} | restart {env.get('SLURM_RESTART_COUNT', '0')} | "
+          f"{socket.gethostname()} | {time.strftime('%Y-%m-%d %H:%M:%S')} =====", flush=True)
+
+
+def _run_step(run: RunDir, stage: str, args: list[str], env: Optional[dict] = None) -> int:
+    cmd = ["bash", str(run.step_script(stage)), *[str(a) for a in args]]
+    print("[hpcmeg supervisor] step:", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # a SIGINT must not orphan the step
+            proc.send_signal(signal.SIGINT)
+
+
+def _job_end_time() -> Optional[str]:
+    """The job's end time as epoch seconds, for the trainer's wall-time guard (no scontrol in containers)."""
+    if os.environ.get("SLURM_JOB_END_TIME") or not os.environ.get("SLURM_JOB_ID") or not shutil.which("scontrol"):
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", os.environ["SLURM_JOB_ID"]], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for tok in out.split():
+        if tok.startswith("EndTime="):
+            try:
+                return str(int(time.mktime(time.strptime(tok[8:], "%Y-%m-%dT%H:%M:%S"))))
+            except ValueError:
+                return None
+    return None
+
+
+def _requeue_self() -> None:
+    job = os.environ["SLURM_JOB_ID"]
+    r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise RuntimeError(f"scontrol requeue {job} failed (rc {r.returncode}): {r.stderr.strip() or r.stdout.strip()}; "
+                           f"is the job submitted with --requeue and does the cluster allow requeues?")
+
+
+def _requeue_guard(run: RunDir, max_requeues: int):
+    # the trainer helper's file-backed policy (restart cap + no-progress loop guard); torch-free module
+    from hpcmeg.train.signals import RequeueGuard
+
+    return RequeueGuard(str(run.markers / "train.requeue-state.json"), max_restarts=max_requeues, max_no_progress=1)
+
+
+def run_train(task: dict) -> dict:
+    run = RunDir(Path(task["run_dir"]))
+    ckpt = task["checkpoint_dir"]
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    guard = _requeue_guard(run, int(task["max_requeues"]))
+    start_it = latest_iteration(ckpt)
+    guard.on_start(restart, start_it)
+    write_marker(run, "train", "started", start_iteration=start_it)
+    ends = _SlurmEnds().install()
+    env = {}
+    end_time = _job_end_time()
+    if end_time:
+        env["SLURM_JOB_END_TIME"] = end_time
+    rc = _run_step(run, "train", [], env)
+    end_it = latest_iteration(ckpt)
+    print(f"[hpcmeg supervisor] train step exit code {rc}; checkpointed iteration {start_it} -> {end_it}", flush=True)
+    if ends.signal is not None:
+        write_marker(run, "train", "interrupted", exit_code=rc, iteration=end_it,
+                     reason="Slurm ended the job (requeue, preemption, cancel or time limit)")
+        sys.exit(128 + ends.signal)  # SystemExit: submitit writes no result; Slurm decides what comes next
+    verdict = (False, "not asked")
+    if rc in REQUEUE_EXIT_CODES or (rc == 0 and (end_it is None or end_it < int(task["train_iters"]))):
+        d = guard.decide(restart, end_it)
+        verdict = (d.requeue, d.reason)
+    out = train_outcome(rc, end_it, int(task["train_iters"]), verdict)
+    print(f"[hpcmeg supervisor] decision: {out.action}: {out.reason}", flush=True)
+    if out.action == "done":
+        write_marker(run, "train", "done", iteration=end_it)
+        return {"stage": "train", "iteration": end_it}
+    if out.action == "requeue":
+        write_marker(run, "train", "requeued", iteration=end_it, reason=out.reason)
+        _requeue_self()
+        sys.exit(0)  # SystemExit: no result pickle, the same job id runs again
+    write_marker(run, "train", "failed", exit_code=rc, iteration=end_it, reason=out.reason)
+    raise RuntimeError(f"hpcmeg train: {out.reason}")
+
+
+def convert_iteration(task: dict) -> Optional[int]:
+    """The checkpoint iteration array task ``task['task']`` converts (None: nothing left to do)."""
+    ckpt, i, spec = task["checkpoint_dir"], int(task["task"]), str(task["iterations"]).strip()
+    have = committed_iterations(ckpt)
+    if spec == "last":
+        it = latest_iteration(ckpt)
+        if it is None:
+            raise RuntimeError(f"convert: no checkpoint in {ckpt} (no latest_checkpointed_iteration.txt)")
+        return it
+    if spec == "all":
+        return have[i] if i < len(have) else None
+    want = parse_iteration_list(spec)[i]
+    if want not in have:
+        raise RuntimeError(f"convert: iteration {want} (convert.iterations) has no committed checkpoint in {ckpt}; "
+                           f"available: {have or 'none'}")
+    return want
+
+
+def run_array_task(task: dict) -> dict:
+    run = RunDir(Path(task["run_dir"]))
+    stage, idx = task["stage"], task.get("task")
+    write_marker(run, stage, "started", task=idx)
+    _SlurmEnds().install()
+    args = list(task.get("args", []))
+    manifest = None
+    if task.get("manifest"):
+        m = task["manifest"]  # taken before the step: a file edited meanwhile makes the dataset stale
+        manifest = (m["prefix"], input_manifest(m["files"], m["tokenizer"]))
+    if stage == "convert":
+        try:
+            it = convert_iteration(task)
+        except RuntimeError as e:
+            write_marker(run, stage, "failed", task=idx, reason=str(e))
+            raise
+        if it is None:
+            print(f"[hpcmeg supervisor] convert task {idx}: no checkpoint left to convert", flush=True)
+            write_marker(run, stage, "done", task=idx, iteration=None)
+            return {"stage": stage, "task": idx, "iteration": None}
+        args = [str(it), str(Path(task["out_dir"]) / f"iter_{it:07d}")]
+    rc = _run_step(run, stage, args)
+    if rc != 0:
+        reason = f"{stage} step failed with exit code {rc} (see logs/{stage}/)"
+        write_marker(run, stage, "failed", task=idx, exit_code=rc, reason=reason)
+        raise RuntimeError(f"hpcmeg {reason}")
+    if manifest:
+        write_manifest(*manifest)
+    write_marker(run, stage, "done", task=idx, **({"iteration": int(args[0])} if stage == "convert" else {}))
+    return {"stage": stage, "task": idx, "args": args}
+
+
+def run_task(task: dict) -> dict:
+    """The submitit entry point of every hpcmeg job (see the module docstring)."""
+    _banner(task)
+    if task["stage"] == "train":
+        return run_train(task)
+    return run_array_task(task)
