@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
@@ -52,16 +52,13 @@ def _resolve_files(vocab_file: str | None, merge_file: str | None) -> tuple[str,
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode char map (printable Latin-1 bytes map to themselves,
-    the other 68 bytes to chr(256+k) in byte order)."""
+    """GPT-2's reversible byte -> printable unicode char map, in GPT-2's rank order: the 188
+    printable Latin-1 bytes first (mapped to themselves), then the other 68 bytes in byte order
+    (mapped to chr(256+k)). ids 0..255 of GPT-2's vocab.json follow this order."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
+    out = {b: chr(b) for b in keep}
+    rest = [b for b in range(256) if b not in out]
+    out.update({b: chr(256 + k) for k, b in enumerate(rest)})
     return out
 
 
@@ -70,11 +67,27 @@ def _special_tokens(vocab: dict[str, int]) -> dict[str, int]:
     return {t: i for t, i in vocab.items() if t.startswith("<|") and t.endswith("|>")}
 
 
-def _ranks_from_vocab(vocab: dict[str, int], specials: dict[str, int]) -> dict[bytes, int]:
-    """Mergeable ranks = token bytes -> id. Valid when ids follow merge order (true for GPT-2 and for
-    vocabularies written by hpcmeg.data.tokenizer_train)."""
-    dec = {c: b for b, c in bytes_to_unicode().items()}
-    return {bytes(dec[c] for c in tok): i for tok, i in vocab.items() if tok not in specials}
+def mergeable_ranks(vocab: dict[str, int], merge_file: str, specials: dict[str, int]) -> dict[bytes, int]:
+    """tiktoken's mergeable ranks (token bytes -> rank), checked against the vocabulary.
+
+    tiktoken merges by rank, so its output equals merges.txt-order BPE only when every id equals the
+    token's merge rank: the 256 bytes in GPT-2 order, then one id per merge line. Same check as
+    tiktoken.load.data_gym_to_mergeable_bpe_ranks, done here because that function caches files in
+    /tmp keyed by PATH (a retrained tokenizer at the same path would silently load stale merges).
+    """
+    b2u = bytes_to_unicode()
+    dec = {c: b for b, c in b2u.items()}
+    ranks = {bytes([b]): i for i, b in enumerate(b2u)}
+    with open(merge_file, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#version") or not line.strip():
+                continue
+            left, right = line.split()
+            ranks[bytes(dec[c] for c in left + right)] = len(ranks)
+    from_vocab = {bytes(dec[c] for c in tok): i for tok, i in vocab.items() if tok not in specials}
+    if ranks != from_vocab:
+        raise ValueError("ids do not follow the merge order")
+    return ranks
 
 
 class TiktokenBPE:
@@ -82,7 +95,6 @@ class TiktokenBPE:
 
     def __init__(self, vocab_file: str | None = None, merge_file: str | None = None, parse_special: bool = True):
         import tiktoken
-        import tiktoken.load
 
         self.vocab_file, self.merge_file = _resolve_files(vocab_file, merge_file)
         with open(self.vocab_file, encoding="utf-8") as f:
@@ -91,9 +103,8 @@ class TiktokenBPE:
         if EOD_TOKEN not in specials:
             raise ValueError(f"{self.vocab_file}: no {EOD_TOKEN} entry; GPT-2 style vocabularies need one for EOD")
         try:
-            # checks that the merges file and the vocabulary agree (ids == merge ranks)
-            ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(self.merge_file, self.vocab_file)
-        except AssertionError:
+            ranks = mergeable_ranks(vocab, self.merge_file, specials)
+        except (ValueError, KeyError):
             raise ValueError(f"{self.vocab_file}: ids do not follow the merge order of {self.merge_file}; "
                              "use backend='tokenizers' for this vocabulary") from None
         if len(ranks) + len(specials) != len(vocab):
@@ -206,8 +217,3 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", vocab_file: str | 
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model, vocab_file, merge_file)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported by hpcmeg; use one of {TOKENIZER_TYPES}")
-
-
-def encode_many(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
-    """Encode a batch (helper for the preprocessing workers)."""
-    return [tokenizer.encode_np(t) for t in texts]
