@@ -36,38 +36,46 @@ from hpcmeg.train.step import TrainStep  # noqa: E402
 
 SIZES = {"124M": (12, 768, 12), "355M": (24, 1024, 16)}
 SEQ, VOCAB = 1024, 50257
-# name -> (compile, compile_mode, attention_backend, fused_ce, bf16_params)
+CG = {"triton.cudagraphs": True}
+CD = {"coordinate_descent_tuning": True}
+# name -> TrainStep/GPTConfig knobs (defaults: compile on, no CUDA graphs, bf16 residual, cuDNN attn)
 VARIANTS = {
-    "eager": (False, None, "auto", "compiled", False),
-    "compile": (True, None, "auto", "compiled", False),
-    "compile_cg": (True, "reduce-overhead", "auto", "compiled", False),
-    "compile_flash": (True, None, "flash", "compiled", False),
-    "compile_chunkce": (True, None, "auto", "chunked", False),
-    "compile_bf16params": (True, None, "auto", "compiled", True),  # speed bound: bf16 Adam states
+    "eager": dict(compile=False),
+    "compile": dict(),
+    "compile_cg": dict(options=CG),
+    "compile_cg_cd": dict(options={**CG, **CD}),
+    "compile_cd": dict(options=CD),
+    "compile_cg_fp32res": dict(options=CG, fp32_res=True),
+    "compile_fp32res": dict(fp32_res=True),
+    "compile_flash": dict(attn="flash"),
+    "compile_cg_chunkce": dict(options=CG, ce="chunked"),
+    "compile_cg_bf16params": dict(options=CG, bf16_params=True),  # speed bound only: bf16 Adam states
 }
 
 
 def _ours(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
     L, D, H = SIZES[size]
-    comp, mode, attn, ce, bf16p = VARIANTS[variant]
+    v = VARIANTS[variant]
+    bf16p = v.get("bf16_params", False)
     cfg = GPTConfig(L, D, H, 4 * D, SEQ, pad_vocab_size(VOCAB), hidden_dropout=0.0,
-                    attention_dropout=0.0, fused=True, attention_backend=attn, fused_ce=ce)
+                    attention_dropout=0.0, fused=True, attention_backend=v.get("attn", "auto"),
+                    fused_ce=v.get("ce", "compiled"), fp32_residual_connection=v.get("fp32_res", False))
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     if bf16p:
         model = model.to(torch.bfloat16)
     opt, impl = build_optimizer(model, 3e-4, weight_decay=0.1)
-    step = TrainStep(model, opt, "fp32" if bf16p else "bf16", grad_clip=1.0, compile=comp,
-                     device="cuda", compile_mode=mode)
+    step = TrainStep(model, opt, "fp32" if bf16p else "bf16", grad_clip=1.0, compile=v.get("compile", True),
+                     device="cuda", compile_options=v.get("options"))
     gen = torch.Generator(device="cuda").manual_seed(1)
     data = [torch.randint(0, VOCAB, (mb, SEQ + 1), device="cuda", generator=gen) for _ in range(4)]
     data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+    torch.cuda.reset_peak_memory_stats()  # before warm-up, so CUDA-graph pools count (anchors: after)
     t_c = time.perf_counter()
     for i in range(warmup):
         r = step.run([data[i % 4]])
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t_c
-    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for i in range(steps):
         r = step.run([data[i % 4]])

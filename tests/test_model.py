@@ -126,3 +126,15 @@ def test_position_ids_and_too_long_input():
     assert not torch.allclose(m(x, position_ids=torch.arange(8, 16)[None]), m(x))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         m(torch.zeros(1, 33, dtype=torch.long))
+
+
+@pytest.mark.parametrize("fp32_res", [False, True])
+def test_residual_stream_dtype_under_autocast(fp32_res):
+    """Megatron semantics: bf16 residual stream under bf16 autocast unless fp32_residual_connection."""
+    m = GPT(tiny(fused=True, fp32_residual_connection=fp32_res))
+    seen = []
+    m.encoder.layers[1].register_forward_hook(lambda mod, inp, out: seen.append((inp[0].dtype, out.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(torch.randint(0, 128, (2, 8)), torch.randint(0, 128, (2, 8)))
+    want = torch.float32 if fp32_res else torch.bfloat16
+    assert seen == [(want, want)] and loss.dtype == torch.float32

@@ -57,6 +57,10 @@ class GPTConfig:
     attention_backend: str = "auto"
     """Fused path only. 'auto': flash-attn package if importable, else SDPA with priority
     cuDNN > flash > mem-efficient > math; or force one of cudnn|flash|flash_attn|efficient|math."""
+    fp32_residual_connection: bool = False
+    """Megatron's --fp32-residual-connection. False: under autocast the residual stream is kept in
+    the autocast dtype (as in Megatron, where bf16 params make it bf16), halving its memory traffic;
+    True: the residual stream stays in the params' dtype (fp32 under autocast)."""
     fused_ce: str = "compiled"
     """Fused path only. 'compiled': one-pass fp32 logsumexp over bf16 logits (fuses under
     torch.compile); 'chunked': token chunks, logits recomputed in backward (least memory)."""

@@ -50,7 +50,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def bias_dropout_add(x, bias, residual, p: float, training: bool):
     if bias is not None:
-        x = x + bias
+        x = x + bias.to(x.dtype)  # keep the residual in x's dtype (bias is an fp32 param under autocast)
     if training and p > 0:
         x = F.dropout(x, p=p, training=True)
     return residual + x

@@ -13,6 +13,7 @@ Contract:
     encoder.final_layernorm.{weight, bias}; no buffers.
   query_key_value rows are in checkpoint_version-2 order: for each head, its q rows, k rows,
   v rows ([heads, 3, head_dim] flattened), so the output is viewed as [.., heads, 3*head_dim].
+  Under autocast the residual stream is in the autocast dtype unless cfg.fp32_residual_connection.
   Init: N(0, std) weights, std/sqrt(2*num_layers) for the two output projections, zero biases,
   LayerNorm ones/zeros; deterministic under torch.manual_seed.
 Parallelism is applied from outside (hpcmeg/parallel); this file knows nothing of ranks.
@@ -148,7 +149,11 @@ class GPT(nn.Module):
                              f"{self.cfg.max_position_embeddings}; shorten the sequence or raise the config")
         if position_ids is None:
             position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
-        h = self.encoder(self.embedding(tokens, position_ids))
+        x = self.embedding(tokens, position_ids)
+        dev = tokens.device.type
+        if not self.cfg.fp32_residual_connection and torch.is_autocast_enabled(dev):
+            x = x.to(torch.get_autocast_dtype(dev))  # bf16 residual stream (Megatron's default)
+        h = self.encoder(x)
         w = self.embedding.word_embeddings.weight  # tied output layer
         if labels is None:
             return F.linear(h, w)

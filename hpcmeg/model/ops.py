@@ -36,7 +36,7 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
                      p: float, training: bool) -> torch.Tensor:
     """residual + dropout(x + bias): the end of every residual branch."""
     if bias is not None:
-        x = x + bias
+        x = x + bias.to(x.dtype)  # keep the residual in x's dtype (bias is an fp32 param under autocast)
     return residual + F.dropout(x, p=p, training=training)
 
 

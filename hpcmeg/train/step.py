@@ -2,7 +2,8 @@
 
 Contract:
   TrainStep(model, optimizer, precision="bf16"|"fp16"|"fp32", grad_clip=1.0,
-            loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", compile_mode=None)
+            loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", compile_mode=None,
+            compile_options=None)
   .run(micro_batches, ddp_model=None) -> StepResult(loss, grad_norm, skipped, loss_scale)
     micro_batches: list of (tokens [b,s], labels [b,s]) or (tokens, labels, loss_mask [b,s]).
     loss: mean per-token loss over ALL micro batches of this rank (masked tokens excluded);
@@ -14,6 +15,8 @@ Contract:
   token counts per rank the gradient is that of the global mean.
   The LR schedule is the caller's: set param_group["lr"] before run(). NaN handling is the
   caller's too: run() returns the loss as computed (one host sync per step, at the end).
+compile_mode / compile_options go to torch.compile (e.g. "reduce-overhead" = CUDA graphs, or
+{"triton.cudagraphs": True, "coordinate_descent_tuning": True}); never max-autotune (compile time).
 Precision: "bf16" = fp32 master params + bf16 autocast (measured vs bf16 params: see
 bench/results/train_throughput*.md); "fp16" = fp16 autocast + dynamic loss scaling.
 """
@@ -47,7 +50,7 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str = "bf16",
                  grad_clip: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
                  compile: bool = False, device: str | torch.device = "cuda",
-                 compile_mode: str | None = None):
+                 compile_mode: str | None = None, compile_options: dict | None = None):
         if precision not in _AUTOCAST:
             raise ValueError(f"TrainStep: precision={precision!r}; use one of {list(_AUTOCAST)}")
         if precision == "fp16" and loss_scaler is None:
@@ -55,7 +58,12 @@ class TrainStep:
         self.model, self.optimizer, self.precision = model, optimizer, precision
         self.grad_clip, self.loss_scaler = grad_clip, (loss_scaler if precision == "fp16" else None)
         self.device = torch.device(device)
-        self.compile, self.compile_mode = compile, compile_mode
+        if compile_mode and compile_options:
+            raise ValueError("TrainStep: give compile_mode or compile_options, not both (torch.compile's rule)")
+        self.compile, self.compile_mode, self.compile_options = compile, compile_mode, compile_options
+        # CUDA graphs (mode reduce-overhead or option triton.cudagraphs): see run()
+        self.cudagraphs = compile and bool((compile_mode and "overhead" in compile_mode)
+                                           or (compile_options or {}).get("triton.cudagraphs"))
         self._compiled: dict[int, nn.Module] = {}  # id(module) -> torch.compile wrapper
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -63,7 +71,8 @@ class TrainStep:
         if not self.compile:
             return module
         if id(module) not in self._compiled:
-            self._compiled[id(module)] = torch.compile(module, mode=self.compile_mode)
+            kw = {"mode": self.compile_mode} if self.compile_mode else {"options": self.compile_options}
+            self._compiled[id(module)] = torch.compile(module, **kw)
         return self._compiled[id(module)]
 
     def _autocast(self):
@@ -76,7 +85,7 @@ class TrainStep:
         if not micro_batches:
             raise ValueError("TrainStep.run: micro_batches is empty")
         fwd = self._forward_fn(ddp_model if ddp_model is not None else self.model)
-        if self.compile and self.compile_mode and "overhead" in self.compile_mode:
+        if self.cudagraphs:
             # CUDA graphs: the previous step's outputs are dead (loss read, grads set to None)
             torch.compiler.cudagraph_mark_step_begin()
         masks = [mb[2] if len(mb) > 2 else None for mb in micro_batches]
