@@ -183,6 +183,8 @@ class FullCheckpoint:
     tp: int
     pp: int
     iter_dir: str
+    shard_models: dict[tuple[int, int], dict[str, Any]] | None = None  # with keep_shards=True
+    shard_optimizers: dict[tuple[int, int], Any] | None = None        # with keep_shards=True
 
     @property
     def recipe(self) -> dict[str, Any] | None:
@@ -238,15 +240,17 @@ def _layout_of(iter_dir: str) -> tuple[int, int]:
     return max(tps) + 1, max(pps) + 1
 
 
-def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None) -> FullCheckpoint:
+def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep_shards: bool = False) -> FullCheckpoint:
     """Load every shard of one iteration (verified against hpcmeg's manifest when present) and merge.
 
     Peak memory: one shard's whole dict (optimizer included) plus the model weights merged so far;
-    optimizer/RNG state is dropped as soon as each shard is read."""
+    other shards' optimizer state is dropped as soon as each shard is read, unless keep_shards
+    (then every shard's nested model and optimizer entry are kept, for resharding the optimizer)."""
     iteration = resolve_iteration(ckpt_dir, iteration)
     iter_dir = os.path.join(ckpt_dir, iter_dirname(iteration))
     tp, pp = _layout_of(iter_dir)
     models: dict[tuple[int, int], dict[str, Any]] = {}
+    optimizers: dict[tuple[int, int], Any] = {}
     base: dict[str, Any] = {}
     for p in range(pp):
         for t in range(tp):
@@ -265,6 +269,8 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None) -> F
                 raise CheckpointReadError(f"{path}: no 'model' entry (virtual-pipeline 'model0' checkpoints are not "
                                           f"supported)")
             models[(t, p)] = state.pop("model")
+            if keep_shards:
+                optimizers[(t, p)] = state.get("optimizer")
             if (t, p) == (0, 0):
                 base = state
     args = base.get("args")
@@ -279,7 +285,9 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None) -> F
         full = merge_shards(models, tp, pp, args.num_layers, where=iter_dir)
     except ValueError as e:
         raise CheckpointReadError(str(e)) from None
-    return FullCheckpoint(full=full, args=args, base=base, iteration=iteration, tp=tp, pp=pp, iter_dir=iter_dir)
+    return FullCheckpoint(full=full, args=args, base=base, iteration=iteration, tp=tp, pp=pp, iter_dir=iter_dir,
+                          shard_models=models if keep_shards else None,
+                          shard_optimizers=optimizers if keep_shards else None)
 
 
 # ------------------------------------------------------------------------------ atomic output dirs

@@ -10,8 +10,12 @@ Contract
     the tied head copy on the last stage when pp > 1) and writes a new checkpoint dir through
     hpcmeg.train.checkpoint.save_checkpoint (manifest, tracker) under the same iteration name.
     Kept: args (tp/pp/padded vocab/world size updated), iteration, consumed samples, LR scheduler,
-    the hpcmeg recipe (its parallel section updated) and data state. Dropped: optimizer and RNG
-    state (their layout is tied to the old sharding); the trainer resumes with fresh Adam moments.
+    RNG state (shard (0,0)'s, which hpcmeg's trainer shares across ranks), the hpcmeg recipe (its
+    parallel section updated), data state, and the optimizer when it is hpcmeg's trainer layout
+    (AdamW moments resharded with the weights' rules, zero moments for new padding rows, `step` and
+    group hyper-parameters copied), so training resumes exactly. Any other optimizer state is
+    dropped (noted in hpcmeg.extra.optimizer_dropped and via `on_note`): start from it with
+    checkpoint.load (weights only) then.
   write_checkpoint_layout(save_dir, iteration, states, tp, pp): every shard of one checkpoint from
     one process (also used by import_hf); iteration "release" -> release/ + tracker "release".
   cli_reshard(args) -> exit code (`hpcmeg reshard CKPT_DIR OUT_DIR --tp N --pp M [--iteration N]`).
@@ -23,20 +27,117 @@ import argparse
 import copy
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from hpcmeg.convert.hf_tokenizer import TokenizerError, vocab_size_of
 from hpcmeg.convert.merge import (
-    WORD_EMB, CheckpointReadError, FullCheckpoint, atomic_output_dir, load_full_checkpoint, pad_vocab_size,
-    repad_vocab, split_full,
+    WORD_EMB, CheckpointReadError, FullCheckpoint, atomic_output_dir, load_full_checkpoint, merge_tp,
+    pad_vocab_size, repad_vocab, split_full, split_tp,
 )
 from hpcmeg.train.checkpoint import (
-    RELEASE_DIRNAME, TRACKER_FILENAME, iter_dirname, make_checkpoint_dict, save_checkpoint, write_text_atomic,
+    HEAD_KEY, RELEASE_DIRNAME, TRACKER_FILENAME, from_megatron_model, full_state_from_stages, iter_dirname,
+    make_checkpoint_dict, save_checkpoint, stage_state_from_full, write_text_atomic,
 )
 
 
 class ReshardError(ValueError):
     """The requested layout does not fit the model (message says why and what would)."""
+
+
+# ------------------------------------------------------------------------------ optimizer state
+# hpcmeg's trainer saves optimizer = {"optimizer": torch AdamW state_dict, "grad_scaler": ...} with two
+# param groups built by hpcmeg.train.optim.param_groups: tensors with ndim >= 2 (decayed), then the
+# rest, each in the model's named_parameters order. Adam's moments have their parameter's shape, so
+# they are resharded with exactly the weights' rules; `step` is the same for every parameter.
+
+def _param_order(keys) -> list[str]:
+    """A stage's flat keys in GPT's named_parameters order (read from the model code, meta device)."""
+    import torch
+
+    from hpcmeg.model.config import GPTConfig
+    from hpcmeg.model.gpt import GPT
+
+    with torch.device("meta"):
+        m = GPT(GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=1, ffn_hidden_size=8,
+                          max_position_embeddings=1, padded_vocab_size=8))
+    names = [n for n, _ in m.named_parameters()]
+    in_layer = {n[len("encoder.layers.0."):]: i for i, n in enumerate(names) if n.startswith("encoder.layers.0.")}
+    top = {n: i for i, n in enumerate(names) if not n.startswith("encoder.layers.")}
+
+    def rank(k: str) -> tuple[int, int, int]:
+        if k in top and k.startswith("embedding."):
+            return (0, top[k], 0)
+        parts = k.split(".", 3)
+        if len(parts) == 4 and parts[:2] == ["encoder", "layers"] and parts[3] in in_layer:
+            return (1, int(parts[2]), in_layer[parts[3]])
+        if k in top:
+            return (2, top[k], 0)
+        if k == HEAD_KEY:
+            return (3, 0, 0)
+        raise KeyError(k)
+    return sorted(keys, key=rank)
+
+
+def _opt_names(flat: dict[str, Any]) -> list[str]:
+    order = _param_order(flat)
+    return [k for k in order if flat[k].ndim >= 2] + [k for k in order if flat[k].ndim < 2]
+
+
+def _merge_optimizer(ck: FullCheckpoint) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Source shards' Adam moments -> ({"exp_avg": full flat, "exp_avg_sq": full flat}, meta).
+    Raises ValueError(reason) when the optimizer state is absent or not in the trainer's layout."""
+    moments: dict[str, dict[tuple[int, int], dict[str, Any]]] = {"exp_avg": {}, "exp_avg_sq": {}}
+    meta: dict[str, Any] = {}
+    for (t, p), opt in sorted(ck.shard_optimizers.items()):
+        inner = (opt or {}).get("optimizer") if isinstance(opt, dict) else None
+        if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
+            raise ValueError(f"shard (tp={t}, pp={p}) has no torch optimizer state")
+        flat = from_megatron_model(ck.shard_models[(t, p)])
+        try:
+            names = _opt_names(flat)
+        except KeyError as e:
+            raise ValueError(f"unknown parameter {e} in shard (tp={t}, pp={p})") from None
+        groups = inner["param_groups"]
+        ids = [i for g in groups for i in g["params"]]
+        n_decay = sum(1 for k in names if flat[k].ndim >= 2)
+        if len(ids) != len(names) or len(groups) != 2 or len(groups[0]["params"]) != n_decay:
+            raise ValueError(f"shard (tp={t}, pp={p}): optimizer groups do not follow hpcmeg's param_groups layout")
+        for key in moments:
+            moments[key][(t, p)] = {}
+        for i, name in zip(ids, names):
+            st = inner["state"].get(i)
+            if st is None or any(key not in st or tuple(st[key].shape) != tuple(flat[name].shape) for key in moments):
+                raise ValueError(f"shard (tp={t}, pp={p}): optimizer state of {name} is missing or has another shape")
+            for key in moments:
+                moments[key][(t, p)][name] = st[key]
+            meta.setdefault("step", st.get("step"))
+        meta.setdefault("groups", [{k: v for k, v in g.items() if k != "params"} for g in groups])
+        meta.setdefault("grad_scaler", opt.get("grad_scaler"))
+    full = {}
+    for key, shards in moments.items():
+        stages = [merge_tp([shards[(t, p)] for t in range(ck.tp)]) for p in range(ck.pp)]
+        full[key] = full_state_from_stages(stages, ck.args.num_layers)
+    return full, meta
+
+
+def _split_optimizer(moments: dict[str, dict[str, Any]], meta: dict[str, Any], tp: int, pp: int, num_layers: int,
+                     heads: int, orig: int, padded: int) -> dict[tuple[int, int], dict[str, Any]]:
+    per_key = {}
+    for key, full in moments.items():
+        full = repad_vocab(full, orig, padded)  # new padding rows: zero moments, like a fresh parameter
+        per_key[key] = {(t, p): sh for p in range(pp)
+                        for t, sh in enumerate(split_tp(stage_state_from_full(full, p, pp, num_layers), tp, heads))}
+    out = {}
+    for key_tp in per_key["exp_avg"]:
+        m1, m2 = per_key["exp_avg"][key_tp], per_key["exp_avg_sq"][key_tp]
+        names = _opt_names(m1)
+        n_decay = sum(1 for k in names if m1[k].ndim >= 2)
+        state = {i: {"step": meta["step"].clone() if hasattr(meta["step"], "clone") else meta["step"],
+                     "exp_avg": m1[k], "exp_avg_sq": m2[k]} for i, k in enumerate(names)}
+        groups = [dict(meta["groups"][0], params=list(range(n_decay))),
+                  dict(meta["groups"][1], params=list(range(n_decay, len(names))))]
+        out[key_tp] = {"optimizer": {"state": state, "param_groups": groups}, "grad_scaler": meta["grad_scaler"]}
+    return out
 
 
 def write_checkpoint_layout(save_dir: str, iteration: int | str, states: dict[tuple[int, int], dict[str, Any]],
@@ -83,11 +184,12 @@ def true_vocab_size(ck: FullCheckpoint) -> int | None:
     return int(orig) if orig is not None else None
 
 
-def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration: int | str | None = None) -> str:
+def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration: int | str | None = None,
+                       on_note: Callable[[str], None] = lambda msg: None) -> str:
     """See the file header."""
     if tp < 1 or pp < 1:
         raise ReshardError(f"--tp {tp} --pp {pp}: sizes must be >= 1")
-    ck = load_full_checkpoint(ckpt_dir, iteration)
+    ck = load_full_checkpoint(ckpt_dir, iteration, keep_shards=True)
     a = ck.args
     if a.num_attention_heads % tp:
         raise ReshardError(f"num_attention_heads={a.num_attention_heads} is not divisible by --tp {tp}")
@@ -114,11 +216,21 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
     kept = {k: v for k, v in ck.base.items()
             if k not in ("args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
                          "rng_state", "hpcmeg")}
+    optimizers: dict[tuple[int, int], Any] = {}
+    try:
+        moments, meta = _merge_optimizer(ck)
+        optimizers = _split_optimizer(moments, meta, tp, pp, a.num_layers, a.num_attention_heads, orig, padded)
+    except ValueError as e:
+        extra["optimizer_dropped"] = str(e)  # weights-only: start from it with checkpoint.load
+        on_note(f"optimizer state not resharded ({e}); the new checkpoint holds weights, schedule and "
+                f"counters: start from it with checkpoint.load")
+    ck.shard_models = ck.shard_optimizers = None
     iteration_value = 0 if ck.iteration == RELEASE_DIRNAME else int(ck.base.get("iteration", ck.iteration))
     states = {}
     for key, model in split_full(full, tp, pp, a.num_layers, a.num_attention_heads).items():
-        st = make_checkpoint_dict(args=args, iteration=iteration_value, model=model, optimizer=None,
-                                  opt_param_scheduler=ck.base.get("opt_param_scheduler"), rng_state=None,
+        st = make_checkpoint_dict(args=args, iteration=iteration_value, model=model, optimizer=optimizers.get(key),
+                                  opt_param_scheduler=ck.base.get("opt_param_scheduler"),
+                                  rng_state=ck.base.get("rng_state"),
                                   recipe=recipe, data_state=hp.get("data_state"), extra=extra)
         st.update(kept)
         states[key] = st
@@ -129,7 +241,8 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
 
 def cli_reshard(args: argparse.Namespace) -> int:
     try:
-        out = reshard_checkpoint(args.ckpt_dir, args.out_dir, args.tp, args.pp, args.iteration)
+        out = reshard_checkpoint(args.ckpt_dir, args.out_dir, args.tp, args.pp, args.iteration,
+                                 on_note=lambda msg: print(f"hpcmeg reshard: note: {msg}", file=sys.stderr))
     except (CheckpointReadError, ReshardError, FileExistsError) as e:
         print(f"hpcmeg reshard: {e}", file=sys.stderr)
         return 1
