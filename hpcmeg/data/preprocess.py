@@ -30,7 +30,6 @@ import signal
 import sys
 import time
 import traceback
-import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -376,7 +375,6 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     vocab = args.vocab_file
     if args.vocab_alias is not None:
-        warnings.warn("--vocab is deprecated; use --vocab-file", DeprecationWarning, stacklevel=2)
         print("hpcmeg preprocess: warning: --vocab is deprecated, use --vocab-file", file=sys.stderr)
         vocab = vocab or args.vocab_alias
     if args.chunk_size is not None:

@@ -76,17 +76,23 @@ def mergeable_ranks(vocab: dict[str, int], merge_file: str, specials: dict[str, 
     /tmp keyed by PATH (a retrained tokenizer at the same path would silently load stale merges).
     """
     b2u = bytes_to_unicode()
-    dec = {c: b for b, c in b2u.items()}
-    ranks = {bytes([b]): i for i, b in enumerate(b2u)}
+    for rank, ch in enumerate(b2u.values()):
+        if vocab.get(ch) != rank:
+            raise ValueError("ids do not follow the merge order")
+    n = len(b2u)
     with open(merge_file, encoding="utf-8") as f:
         for line in f:
             if line.startswith("#version") or not line.strip():
                 continue
             left, right = line.split()
-            ranks[bytes(dec[c] for c in left + right)] = len(ranks)
-    from_vocab = {bytes(dec[c] for c in tok): i for tok, i in vocab.items() if tok not in specials}
-    if ranks != from_vocab:
+            if vocab.get(left + right) != n:
+                raise ValueError("ids do not follow the merge order")
+            n += 1
+    if n + len(specials) != len(vocab):
         raise ValueError("ids do not follow the merge order")
+    # token string -> bytes through a C-level translate table (GPT-2 char -> latin-1 char of its byte)
+    table = {ord(c): b for b, c in b2u.items()}
+    ranks = {tok.translate(table).encode("latin-1"): i for tok, i in vocab.items() if tok not in specials}
     return ranks
 
 
