@@ -152,7 +152,9 @@ def stage_status(stage: str, info: dict, markers: dict, cancelled: bool, executo
         tasks.update(from_markers(markers, stage, missing, cancelled))
     if executor == "local" and info.get("pid") and not _alive(int(info["pid"])):
         for t in tasks.values():  # the local chain is gone: what never ended, never will
-            if t["state"] in ("RUNNING?", "UNKNOWN"):
+            if t["state"] == "UNKNOWN":
+                t["state"], t["reason"] = "CANCELLED", "never started (an earlier stage did not complete)"
+            elif t["state"] in ("RUNNING?", "INTERRUPTED"):
                 t["state"] = "CANCELLED" if cancelled else "FAILED"
     st = {"job_id": job_id, "state": summarize(tasks), "tasks": tasks, "detail": ""}
     counts: dict[str, int] = {}
@@ -227,7 +229,7 @@ def cli_status(run, as_json: bool = False) -> int:
     print(f"{'stage':<11}{'job':<9}{'state':<14}{'source':<10}detail")
     for stage, s in st["stages"].items():
         srcs = sorted({t["source"] for t in s["tasks"].values()})
-        reasons = sorted({t.get("reason", "") for t in s["tasks"].values() if t.get("reason")})
+        reasons = sorted({t.get("reason", "") for t in s["tasks"].values() if t.get("reason") and t["reason"] not in s["detail"]})
         detail = "; ".join(x for x in [s["detail"], *reasons[:2]] if x)
         print(f"{stage:<11}{s['job_id']:<9}{s['state']:<14}{','.join(srcs):<10}{detail}")
     return 0

@@ -35,9 +35,10 @@ from typing import Optional
 from hpcmeg.launch.rundir import RunDir, committed_iterations, input_manifest, latest_iteration, write_manifest, write_marker
 from hpcmeg.launch.scripts import parse_iteration_list
 
-# `hpcmeg train` exit codes meaning "I saved a checkpoint because of a signal / the wall-time guard;
-# requeue me". Kept as plain numbers (hpcmeg.train.entry imports torch; this module must not).
-REQUEUE_EXIT_CODES = (3, 143)
+# `hpcmeg train` exit code meaning "every rank saved the same iteration because of a signal / the
+# wall-time guard; requeue me" (hpcmeg.train.entry.EXIT_REQUEUE; copied, as entry imports torch and this
+# module must not; tests/test_status.py checks they agree).
+REQUEUE_EXIT_CODES = (3,)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,251 @@
+"""The 'local' executor: the same preprocess -> train -> convert chain without Slurm, in the foreground.
+
+Contract: ``run_chain(prep) -> exit code`` (0: every stage done). Same run directory layout, markers,
+jobs.json (executor "local", this process's pid for ``hpcmeg cancel``) and log names as on Slurm
+(tag "local", e.g. ``logs/train/train.local.r0.1.log`` for rank 1 of the first start), so
+``hpcmeg status/logs`` read both alike. ``describe(prep)`` lists the commands for ``--dry-run``.
+
+Train runs world_size = nodes x tasks_per_node local processes with RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT set (what torchrun would set; hpcmeg.launch.env reads them). If one rank
+fails the others are stopped (srun --kill-on-bad-exit). When training stops early to be resumed
+(exit code 3), the run restarts in place under the same rules as the Slurm supervisor (restart cap,
+progress required). SIGTERM/SIGINT to this process (``hpcmeg cancel``, Ctrl-C) are forwarded to the
+ranks, which save and exit; the chain then stops with ``interrupted`` markers.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from hpcmeg.launch import scripts as S
+from hpcmeg.launch.container import ContainerError, ContainerSpec, local_wrap
+from hpcmeg.launch.rundir import RunDir, input_manifest, latest_iteration, write_jobs, write_manifest, write_marker
+from hpcmeg.launch.supervisor import REQUEUE_EXIT_CODES, convert_iteration, train_outcome
+from hpcmeg.recipe import RecipeError, write_resolved
+
+
+class _Stopped(Exception):
+    """SIGTERM/SIGINT arrived: finish what is running, then stop the chain."""
+
+
+class _Forwarder:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.signal: Optional[int] = None
+
+    def __call__(self, signum, frame) -> None:  # noqa: ARG002
+        self.signal = signum
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    def install(self):
+        return {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _spec(r) -> ContainerSpec:
+    c = r.container
+    return ContainerSpec(runtime=c.runtime, image=c.image, binds=tuple(c.binds), python=c.python)
+
+
+def _cmd(prep, stage: str, *args: str) -> list[str]:
+    r = prep.recipe
+    argv = S.hpcmeg_argv([sys.executable] if r.container.runtime == "none" else [r.container.python], stage, *args)
+    return local_wrap(_spec(r), argv, gpus=r.cluster.gpus_per_node > 0, always_bind=[str(prep.run.root)])
+
+
+def _plan(prep) -> list[tuple[str, Optional[int], list[str], dict]]:
+    """[(stage, task, argv, extra)] of everything but train and convert (whose args depend on run time)."""
+    r, d = prep.recipe, prep.derived
+    out = []
+    if "preprocess" in prep.stages and not r.data.data_path and not prep.skip_preprocess:
+        groups = S.shard_groups(prep.files, r.data.shards)
+        if len(groups) == 1:
+            prefixes = [d.data_prefix]
+        else:
+            shard_dir = Path(d.data_prefix).parent / "shards"
+            prefixes = [str(shard_dir / f"{Path(d.data_prefix).name}.shard{i:05d}") for i in range(len(groups))]
+        for i, (pre, g) in enumerate(zip(prefixes, groups)):
+            out.append(("preprocess", i, _cmd(prep, "preprocess", *S.preprocess_flags(r), "--output-prefix", pre,
+                                              "--input", *g), {}))
+        if len(groups) > 1:
+            for outp in S.dataset_outputs(d.data_prefix, r):
+                suffix = outp[len(d.data_prefix):]
+                ins = [p + suffix for p in prefixes]
+                out.append(("merge", None, _cmd(prep, "merge-datasets", "--output-prefix", outp, "--input", *ins), {}))
+    return out
+
+
+def describe(prep) -> list[str]:
+    r, d = prep.recipe, prep.derived
+    lines = [f"[{st}{'' if t is None else ' ' + str(t)}] " + S.q(argv) for st, t, argv, _ in _plan(prep)]
+    if prep.skip_preprocess:
+        lines.append(f"[preprocess] skipped: {d.data_prefix} matches its inputs")
+    if "train" in prep.stages:
+        lines.append(f"[train] {r.cluster.world_size()} process(es) with RANK=0..{r.cluster.world_size() - 1}: "
+                     + S.q(_cmd(prep, "train", str(prep.run.recipe))))
+    if "convert" in prep.stages and r.convert.enabled:
+        lines.append(f"[convert] " + S.q(_cmd(prep, "convert", d.checkpoint_dir, "<out_dir>/iter_N", "--iteration", "N",
+                                             "--dtype", r.convert.dtype)))
+    return lines
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(fw: _Forwarder, argv: list[str], log: Path, env: dict) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as f:  # appended, never truncated (same rule as on Slurm)
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                             stdin=subprocess.DEVNULL)
+    fw.procs.append(p)
+    return p
+
+
+def _wait_all(fw: _Forwarder, procs: list[subprocess.Popen]) -> int:
+    """Wait for every process; the first non-zero exit stops the rest. Returns the first failure's code."""
+    first_bad = 0
+    while True:
+        alive = [p for p in procs if p.poll() is None]
+        bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if bad and not first_bad:
+            first_bad = bad[0]
+            if first_bad not in REQUEUE_EXIT_CODES:  # one rank died: the others would hang in a collective
+                for p in alive:
+                    p.send_signal(signal.SIGTERM)
+        if not alive:
+            fw.procs = [p for p in fw.procs if p not in procs]
+            return first_bad
+        time.sleep(0.2)
+
+
+def _simple(fw, run: RunDir, stage: str, task: Optional[int], argv: list[str], env: dict) -> None:
+    tag = "local" if task is None else f"local_{task}"
+    write_marker(run, stage, "started", task=task)
+    print(f"[hpcmeg local] {stage}{'' if task is None else ' ' + str(task)}: {S.q(argv)}", flush=True)
+    rc = _wait_all(fw, [_launch(fw, argv, run.logs(stage) / f"{stage}.{tag}.r0.0.log", env)])
+    if fw.signal is not None:
+        write_marker(run, stage, "interrupted", task=task, exit_code=rc)
+        raise _Stopped()
+    if rc != 0:
+        reason = f"{stage} failed with exit code {rc} (see {run.logs(stage)})"
+        write_marker(run, stage, "failed", task=task, exit_code=rc, reason=reason)
+        raise RuntimeError(reason)
+    write_marker(run, stage, "done", task=task)
+
+
+def _train(fw, prep, env: dict) -> None:
+    from hpcmeg.train.signals import RequeueGuard
+
+    r, d, run = prep.recipe, prep.derived, prep.run
+    world = r.cluster.world_size()
+    guard = RequeueGuard(str(run.markers / "train.requeue-state.json"), max_restarts=r.cluster.max_requeues,
+                         max_no_progress=1)
+    restart = 0
+    while True:
+        start_it = latest_iteration(d.checkpoint_dir)
+        guard.on_start(restart, start_it)
+        write_marker(run, "train", "started", start_iteration=start_it, restart=restart)
+        port = r.cluster.master_port or _free_port()
+        argv = _cmd(prep, "train", str(run.recipe))
+        print(f"[hpcmeg local] train (restart {restart}): {world} x {S.q(argv)}", flush=True)
+        procs = []
+        for rank in range(world):
+            renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(_launch(fw, argv, run.logs("train") / f"train.local.r{restart}.{rank}.log", renv))
+        rc = _wait_all(fw, procs)
+        end_it = latest_iteration(d.checkpoint_dir)
+        if fw.signal is not None:
+            write_marker(run, "train", "interrupted", exit_code=rc, iteration=end_it, restart=restart)
+            raise _Stopped()
+        verdict = (False, "not asked")
+        if rc in REQUEUE_EXIT_CODES or (rc == 0 and (end_it is None or end_it < d.train_iters)):
+            dec = guard.decide(restart, end_it)
+            verdict = (dec.requeue, dec.reason)
+        out = train_outcome(rc, end_it, d.train_iters, verdict)
+        print(f"[hpcmeg local] train: {out.action}: {out.reason}", flush=True)
+        if out.action == "done":
+            write_marker(run, "train", "done", iteration=end_it, restart=restart)
+            return
+        if out.action == "fail":
+            write_marker(run, "train", "failed", exit_code=rc, iteration=end_it, reason=out.reason, restart=restart)
+            raise RuntimeError(out.reason)
+        write_marker(run, "train", "requeued", iteration=end_it, reason=out.reason, restart=restart)
+        restart += 1
+
+
+def run_chain(prep) -> int:
+    r, d, run = prep.recipe, prep.derived, prep.run.create()
+    try:
+        plan = _plan(prep)
+        env = {"PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in r.cluster.env.items()}}
+        S.env_exports(r.cluster.env)  # same name check as on Slurm
+    except (ContainerError, S.ScriptError) as e:
+        raise RecipeError([str(e)]) from None
+    write_resolved(r, run.recipe)
+    stages = {}
+    for st, t, _, _ in plan:
+        stages.setdefault(st, {"job_id": "local", "array": None})
+        if t is not None:
+            stages[st]["array"] = t + 1
+    if "train" in prep.stages:
+        stages["train"] = {"job_id": "local", "array": None, "checkpoint_dir": d.checkpoint_dir,
+                           "train_iters": d.train_iters}
+    n_convert = S.convert_task_count(r, d.train_iters) if "convert" in prep.stages and r.convert.enabled else 0
+    if n_convert:
+        stages["convert"] = {"job_id": "local", "array": n_convert}
+    write_jobs(run, {"executor": "local", "submitted": time.time(), "pid": os.getpid(), "recipe": str(run.recipe),
+                     "stages": stages})
+    if r.cluster.setup:
+        print("[hpcmeg local] note: cluster.setup lines are for Slurm batch scripts; not run locally", flush=True)
+    fw = _Forwarder()
+    old = fw.install()
+    print(f"run directory: {run.root}", flush=True)
+    try:
+        manifest = None
+        if plan:
+            manifest = (d.data_prefix, input_manifest(prep.files, S.tokenizer_settings(r)))
+        elif prep.skip_preprocess:
+            print(f"[hpcmeg local] preprocess: skipped, {d.data_prefix} matches its inputs and tokenizer", flush=True)
+        for st, t, argv, _ in plan:
+            _simple(fw, run, st, t, argv, env)
+        if manifest:
+            write_manifest(*manifest)
+        if "train" in prep.stages:
+            _train(fw, prep, env)
+        out_dir = r.convert.output_dir or str(run.root / "hf")
+        for i in range(n_convert):
+            task = {"task": i, "checkpoint_dir": d.checkpoint_dir, "iterations": str(r.convert.iterations)}
+            try:
+                it = convert_iteration(task)
+            except RuntimeError as e:
+                write_marker(run, "convert", "failed", task=i, reason=str(e))
+                raise
+            if it is None:
+                write_marker(run, "convert", "started", task=i)
+                write_marker(run, "convert", "done", task=i, iteration=None)
+                continue
+            argv = _cmd(prep, "convert", d.checkpoint_dir, str(Path(out_dir) / f"iter_{it:07d}"), "--iteration",
+                        str(it), "--dtype", r.convert.dtype)
+            _simple(fw, run, "convert", i, argv, env)
+    except _Stopped:
+        print(f"hpcmeg: the local chain was stopped ({signal.Signals(fw.signal).name}); resubmit to resume", file=sys.stderr)
+        return 128 + int(fw.signal)
+    except RuntimeError as e:
+        print(f"hpcmeg: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    print(f"done: {run.root}", flush=True)
+    return 0
