@@ -87,7 +87,7 @@ def test_huggingface_tokenizer_directory(tmp_path, stdlib_texts, fast):
 def test_tokenizer_training_layout(tmp_path, stdlib_texts):
     path, texts = stdlib_texts
     out = tmp_path / "tok"
-    assert train_main(["--input", path, "--json-key", "content", "--vocab-size", "2000", "-o", str(out)]) == 0
+    assert train_main(["train", "--input", path, "--json-key", "content", "--vocab-size", "2000", "-o", str(out)]) == 0
     vocab = json.loads((out / "vocab.json").read_text(encoding="utf-8"))
     merges = (out / "merges.txt").read_text(encoding="utf-8").splitlines()
     assert len(vocab) == 2000 and vocab["<|endoftext|>"] == 1999  # EOD last, GPT-2 style

@@ -36,6 +36,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from hpcmeg.data import indexed
+from hpcmeg.data.indexed import merge_main  # noqa: F401  (`hpcmeg merge-datasets` entry point)
 from hpcmeg.data.jsonl import LineBatch, expand_inputs, iter_line_batches, parse_document
 
 

@@ -92,6 +92,10 @@ def train_bpe(inputs: Sequence[str] | str, output_dir: str, vocab_size: int = 32
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`hpcmeg tokenizer train --input ... --output DIR` (the leading `train` word is optional here)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        argv = argv[1:]
     ap = argparse.ArgumentParser(prog="hpcmeg tokenizer train",
                                  description="Train a byte-level BPE on JSONL; save GPT-2 style vocab.json/merges.txt.")
     ap.add_argument("--input", nargs="+", required=True, help="JSONL file(s) or glob(s) (.jsonl.gz too)")

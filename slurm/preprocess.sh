@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# slurm/preprocess.sh: sharded `hpcmeg preprocess` on Slurm, then one merged dataset.
+#
+#   sbatch slurm/preprocess.sh                       # variables below edited, or:
+#   sbatch --export=ALL,INPUT_GLOB='/data/shards/*.jsonl.gz',OUTPUT_PREFIX=/data/out/codeparrot slurm/preprocess.sh
+#   bash slurm/preprocess.sh                         # same, submitting straight from the login node
+#
+# What happens (three modes of this one file, chosen by MODE):
+#   launch (default)  lists the shards matching INPUT_GLOB (sorted, written to <OUTPUT_PREFIX>.shards.txt),
+#                     submits this script as an array job (MODE=shard, one task per shard) and a merge
+#                     job (MODE=merge) with --dependency=afterok on the whole array; prints both ids.
+#   shard             task i runs `hpcmeg preprocess` on shard i -> <OUTPUT_PREFIX>_shard<i>_<key>_<level>
+#   merge             `hpcmeg merge-datasets` of the shard datasets in shard order -> <OUTPUT_PREFIX>_<key>_<level>,
+#                     then deletes the shard datasets (KEEP_SHARDS=1 keeps them).
+# The merged dataset equals one `hpcmeg preprocess` over all shards in sorted order. Every step writes
+# under temporary names and renames at the end, so a failed or preempted task leaves nothing that
+# looks finished; rerunning the script redoes the work.
+#
+#SBATCH --job-name=hpcmeg-preprocess
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH --time=00:30:00
+#SBATCH --output=hpcmeg-preprocess-%A_%a.out
+set -euo pipefail
+
+# ---- settings (override any of them with sbatch --export=ALL,NAME=value or the environment) ----
+INPUT_GLOB=${INPUT_GLOB:-data/shards/*.jsonl}        # one array task per matching file (.jsonl or .jsonl.gz)
+OUTPUT_PREFIX=${OUTPUT_PREFIX:-data/codeparrot}      # -> ${OUTPUT_PREFIX}_${key}_document.{bin,idx}
+JSON_KEYS=${JSON_KEYS:-text}                         # space-separated
+TOKENIZER_TYPE=${TOKENIZER_TYPE:-GPT2BPETokenizer}   # or HuggingFaceTokenizer (then TOKENIZER_MODEL=dir)
+VOCAB_FILE=${VOCAB_FILE:-}                           # empty: the GPT-2 files shipped with hpcmeg
+MERGE_FILE=${MERGE_FILE:-}
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
+APPEND_EOD=${APPEND_EOD:-1}
+SPLIT_SENTENCES=${SPLIT_SENTENCES:-0}
+EXTRA_ARGS=${EXTRA_ARGS:-}                           # more `hpcmeg preprocess` flags, e.g. --skip-bad-lines
+CPUS_PER_TASK=${CPUS_PER_TASK:-8}                    # per shard task; also the number of tokenizer workers
+SHARD_TIME=${SHARD_TIME:-02:00:00}
+SHARD_MEM=${SHARD_MEM:-}                             # e.g. 16G; empty = cluster default
+MAX_PARALLEL=${MAX_PARALLEL:-}                       # e.g. 32: at most that many shard tasks at once
+MERGE_TIME=${MERGE_TIME:-02:00:00}
+PARTITION=${PARTITION:-}                             # empty = cluster default
+ACCOUNT=${ACCOUNT:-}
+KEEP_SHARDS=${KEEP_SHARDS:-0}
+CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}         # none | apptainer | pyxis
+IMAGE=${IMAGE:-}                                     # apptainer .sif path or pyxis/enroot image
+CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-$PWD}           # pyxis --container-mounts / apptainer --bind
+HPCMEG=${HPCMEG:-hpcmeg}                             # the command, e.g. "python -m hpcmeg.cli"
+MODE=${MODE:-launch}
+
+log() { printf '[preprocess.sh %s] %s\n' "$MODE" "$*" >&2; }
+level=document; [ "$SPLIT_SENTENCES" = 1 ] && level=sentence
+shard_list="${OUTPUT_PREFIX}.shards.txt"
+shard_prefix() { printf '%s_shard%05d' "$OUTPUT_PREFIX" "$1"; }
+
+# run CMD... directly or inside the container
+in_container() {
+  case "$CONTAINER_RUNTIME" in
+    none) "$@" ;;
+    apptainer) apptainer exec --bind "$CONTAINER_MOUNTS" "$IMAGE" "$@" ;;
+    pyxis) srun --ntasks=1 --container-image="$IMAGE" --container-mounts="$CONTAINER_MOUNTS" \
+             --container-workdir="$PWD" "$@" ;;
+    *) log "CONTAINER_RUNTIME must be none, apptainer or pyxis (got '$CONTAINER_RUNTIME')"; exit 2 ;;
+  esac
+}
+if [ "$CONTAINER_RUNTIME" != none ] && [ -z "$IMAGE" ]; then
+  log "CONTAINER_RUNTIME=$CONTAINER_RUNTIME needs IMAGE=..."; exit 2
+fi
+
+case "$MODE" in
+launch)
+  mkdir -p "$(dirname "$OUTPUT_PREFIX")"
+  # sorted, one path per line; compgen keeps paths with spaces intact and reports no match as empty
+  LC_ALL=C compgen -G "$INPUT_GLOB" | LC_ALL=C sort > "$shard_list.tmp" || true
+  n=$(wc -l < "$shard_list.tmp")
+  if [ "$n" -eq 0 ]; then
+    rm -f "$shard_list.tmp"; log "INPUT_GLOB='$INPUT_GLOB' matches no file"; exit 2
+  fi
+  mv "$shard_list.tmp" "$shard_list"
+  self=$(readlink -f "$0")
+  common=(--parsable --job-name="${SLURM_JOB_NAME:-hpcmeg-preprocess}")
+  [ -n "$PARTITION" ] && common+=(--partition="$PARTITION")
+  [ -n "$ACCOUNT" ] && common+=(--account="$ACCOUNT")
+  logdir=$(dirname "$OUTPUT_PREFIX")
+  array="0-$((n - 1))"; [ -n "$MAX_PARALLEL" ] && array+="%$MAX_PARALLEL"
+  shard_args=(--array="$array" --cpus-per-task="$CPUS_PER_TASK" --time="$SHARD_TIME"
+              --output="$logdir/preprocess-%A_%a.out" --export=ALL,MODE=shard)
+  [ -n "$SHARD_MEM" ] && shard_args+=(--mem="$SHARD_MEM")
+  array_id=$(sbatch "${common[@]}" "${shard_args[@]}" "$self")
+  array_id=${array_id%%;*}
+  merge_id=$(sbatch "${common[@]}" --dependency=afterok:"$array_id" --cpus-per-task=1 --time="$MERGE_TIME" \
+             --output="$logdir/preprocess-merge-%j.out" --export=ALL,MODE=merge,NUM_SHARDS="$n" "$self")
+  merge_id=${merge_id%%;*}
+  log "$n shards: array job $array_id, merge job $merge_id (afterok)"
+  echo "ARRAY_JOB_ID=$array_id MERGE_JOB_ID=$merge_id"
+  ;;
+shard)
+  i=${SLURM_ARRAY_TASK_ID:?MODE=shard runs as an array task}
+  input=$(sed -n "$((i + 1))p" "$shard_list")
+  [ -n "$input" ] || { log "no shard $i in $shard_list"; exit 2; }
+  args=(--input "$input" --output-prefix "$(shard_prefix "$i")" --json-keys $JSON_KEYS
+        --tokenizer-type "$TOKENIZER_TYPE" --workers "${SLURM_CPUS_PER_TASK:-$CPUS_PER_TASK}")
+  [ -n "$VOCAB_FILE" ] && args+=(--vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
+  [ -n "$TOKENIZER_MODEL" ] && args+=(--tokenizer-model "$TOKENIZER_MODEL")
+  [ "$APPEND_EOD" = 1 ] && args+=(--append-eod)
+  [ "$SPLIT_SENTENCES" = 1 ] && args+=(--split-sentences)
+  log "shard $i: $input"
+  # shellcheck disable=SC2086  # HPCMEG and EXTRA_ARGS are word lists on purpose
+  in_container $HPCMEG preprocess "${args[@]}" $EXTRA_ARGS
+  ;;
+merge)
+  n=${NUM_SHARDS:-$(wc -l < "$shard_list")}
+  for key in $JSON_KEYS; do
+    parts=()
+    for ((i = 0; i < n; i++)); do parts+=("$(shard_prefix "$i")_${key}_${level}"); done
+    log "merging $n shards of '$key' -> ${OUTPUT_PREFIX}_${key}_${level}"
+    # shellcheck disable=SC2086
+    in_container $HPCMEG merge-datasets --input "${parts[@]}" --output-prefix "${OUTPUT_PREFIX}_${key}_${level}"
+    if [ "$KEEP_SHARDS" != 1 ]; then
+      for p in "${parts[@]}"; do rm -f "$p.bin" "$p.idx"; done
+    fi
+  done
+  log "done: ${OUTPUT_PREFIX}_{$(echo $JSON_KEYS | tr ' ' ,)}_${level}.{bin,idx}"
+  ;;
+*)
+  log "MODE must be launch, shard or merge (got '$MODE')"; exit 2 ;;
+esac
