@@ -35,7 +35,7 @@ from hpcmeg.convert.hf_tokenizer import TokenizerError, TokenizerSource, source_
 from hpcmeg.convert.merge import (
     WORD_EMB, CheckpointReadError, atomic_output_dir, committed_iterations, load_full_checkpoint,
 )
-from hpcmeg.train.checkpoint import RELEASE_DIRNAME, iter_dirname
+from hpcmeg.train.checkpoint import iter_dirname
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 SOURCE_FILE = "hpcmeg_source.json"
@@ -245,4 +245,4 @@ def cli_convert(args: argparse.Namespace) -> int:
 
 
 __all__ = ["convert_checkpoint", "convert_all", "cli_convert", "megatron_to_hf_state", "hf_to_megatron_state",
-           "hf_config_dict", "tokenizer_source", "ConvertError", "RELEASE_DIRNAME"]
+           "hf_config_dict", "tokenizer_source", "ConvertError"]
