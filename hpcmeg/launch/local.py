@@ -72,7 +72,7 @@ def _plan(prep) -> list[tuple[str, Optional[int], list[str], dict]]:
             shard_dir = Path(d.data_prefix).parent / "shards"
             prefixes = [str(shard_dir / f"{Path(d.data_prefix).name}.shard{i:05d}") for i in range(len(groups))]
         for i, (pre, g) in enumerate(zip(prefixes, groups)):
-            out.append(("preprocess", i, _cmd(prep, "preprocess", *S.preprocess_flags(r), "--output-prefix", pre,
+            out.append(("preprocess", i if len(groups) > 1 else None, _cmd(prep, "preprocess", *S.preprocess_flags(r), "--output-prefix", pre,
                                               "--input", *g), {}))
         if len(groups) > 1:
             for outp in S.dataset_outputs(d.data_prefix, r):
@@ -203,7 +203,7 @@ def run_chain(prep) -> int:
                            "train_iters": d.train_iters}
     n_convert = S.convert_task_count(r, d.train_iters) if "convert" in prep.stages and r.convert.enabled else 0
     if n_convert:
-        stages["convert"] = {"job_id": "local", "array": n_convert}
+        stages["convert"] = {"job_id": "local", "array": n_convert if n_convert > 1 else None}
     write_jobs(run, {"executor": "local", "submitted": time.time(), "pid": os.getpid(), "recipe": str(run.recipe),
                      "stages": stages})
     if r.cluster.setup:
@@ -229,15 +229,16 @@ def run_chain(prep) -> int:
             try:
                 it = convert_iteration(task)
             except RuntimeError as e:
-                write_marker(run, "convert", "failed", task=i, reason=str(e))
+                write_marker(run, "convert", "failed", task=i if n_convert > 1 else None, reason=str(e))
                 raise
+            t = i if n_convert > 1 else None  # marker names as on Slurm: one-task stages are not arrays
             if it is None:
-                write_marker(run, "convert", "started", task=i)
-                write_marker(run, "convert", "done", task=i, iteration=None)
+                write_marker(run, "convert", "started", task=t)
+                write_marker(run, "convert", "done", task=t, iteration=None)
                 continue
             argv = _cmd(prep, "convert", d.checkpoint_dir, str(Path(out_dir) / f"iter_{it:07d}"), "--iteration",
                         str(it), "--dtype", r.convert.dtype)
-            _simple(fw, run, "convert", i, argv, env)
+            _simple(fw, run, "convert", t, argv, env)
     except _Stopped:
         print(f"hpcmeg: the local chain was stopped ({signal.Signals(fw.signal).name}); resubmit to resume", file=sys.stderr)
         return 128 + int(fw.signal)

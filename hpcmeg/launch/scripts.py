@@ -310,8 +310,10 @@ def train_params(r, run: RunDir) -> dict[str, Any]:
     return p
 
 
-def array_params(r, run: RunDir, stage: str, time: str) -> dict[str, Any]:
-    p = _common_params(r, stage, run, time, array=stage != "merge")
+def array_params(r, run: RunDir, stage: str, time: str, array: bool = True) -> dict[str, Any]:
+    """One CPU task per job or array element. A one-element array is submitted as a plain job: Slurm 22.05
+    runs ``--array=0-0`` without SLURM_ARRAY_* and expands ``%a`` to 4294967294."""
+    p = _common_params(r, stage, run, time, array=array)
     p["cpus_per_task"] = r.cluster.preprocess_cpus
     p["additional_parameters"].update({"nodes": 1, "ntasks": 1, "signal": ARRAY_SIGNAL})
     if stage == "convert":
@@ -341,14 +343,15 @@ def build_plan(r, d, files: list[str], host_python: str, stages: tuple[str, ...]
                 shard_dir = Path(d.data_prefix).parent / "shards"
                 prefixes = [str(shard_dir / f"{Path(d.data_prefix).name}.shard{i:05d}") for i in range(len(groups))]
             manifest = {"files": files, "tokenizer": tokenizer_settings(r), "prefix": d.data_prefix}
-            tasks = [{"stage": "preprocess", "run_dir": str(run.root), "task": i, "args": [pre, *g],
-                      **({"manifest": manifest} if len(groups) == 1 else {})}
+            one = len(groups) == 1
+            tasks = [{"stage": "preprocess", "run_dir": str(run.root), "args": [pre, *g],
+                      **({"manifest": manifest} if one else {"task": i})}
                      for i, (pre, g) in enumerate(zip(prefixes, groups))]
-            plan.jobs.append(StageJob("preprocess", array_params(r, run, "preprocess", r.cluster.preprocess_time),
-                                      len(groups), tasks, preprocess_step(r, run, host_python)))
+            plan.jobs.append(StageJob("preprocess", array_params(r, run, "preprocess", r.cluster.preprocess_time, not one),
+                                      None if one else len(groups), tasks, preprocess_step(r, run, host_python)))
             plan.notes.append(f"preprocess: {len(files)} input file(s) in {len(groups)} array task(s)")
             if len(groups) > 1:
-                plan.jobs.append(StageJob("merge", array_params(r, run, "merge", r.cluster.preprocess_time), None,
+                plan.jobs.append(StageJob("merge", array_params(r, run, "merge", r.cluster.preprocess_time, False), None,
                                           [{"stage": "merge", "run_dir": str(run.root), "args": [], "manifest": manifest}],
                                           merge_step(r, run, host_python, prefixes, d.data_prefix)))
                 plan.notes.append(f"merge: {len(groups)} shards -> {d.data_prefix}")
@@ -359,11 +362,11 @@ def build_plan(r, d, files: list[str], host_python: str, stages: tuple[str, ...]
     if "convert" in stages and r.convert.enabled:
         n = convert_task_count(r, d.train_iters)
         out_dir = r.convert.output_dir or str(run.root / "hf")
-        tasks = [{"stage": "convert", "run_dir": str(run.root), "task": i, "args": [],
-                  "checkpoint_dir": d.checkpoint_dir, "iterations": str(r.convert.iterations), "out_dir": out_dir}
+        tasks = [{"stage": "convert", "run_dir": str(run.root), "args": [], "checkpoint_dir": d.checkpoint_dir,
+                  "iterations": str(r.convert.iterations), "out_dir": out_dir, **({"task": i} if n > 1 else {})}
                  for i in range(n)]
-        plan.jobs.append(StageJob("convert", array_params(r, run, "convert", r.cluster.convert_time), n, tasks,
-                                  convert_step(r, run, host_python, d.checkpoint_dir)))
+        plan.jobs.append(StageJob("convert", array_params(r, run, "convert", r.cluster.convert_time, n > 1),
+                                  n if n > 1 else None, tasks, convert_step(r, run, host_python, d.checkpoint_dir)))
         plan.notes.append(f"convert: {n} array task(s), iterations '{r.convert.iterations}' resolved at run time")
     return plan
 

@@ -146,6 +146,8 @@ def stage_status(stage: str, info: dict, markers: dict, cancelled: bool, executo
         if not missing:
             break
         got = src(job_id)
+        if keys == ["0"] and "" in got:  # a finished one-task array is reported under the bare job id
+            got["0"] = got.pop("")
         tasks.update({k: v for k, v in got.items() if k in missing})
     missing = [k for k in keys if k not in tasks]
     if missing:

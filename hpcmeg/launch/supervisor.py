@@ -173,7 +173,7 @@ def run_train(task: dict) -> dict:
 
 def convert_iteration(task: dict) -> Optional[int]:
     """The checkpoint iteration array task ``task['task']`` converts (None: nothing left to do)."""
-    ckpt, i, spec = task["checkpoint_dir"], int(task["task"]), str(task["iterations"]).strip()
+    ckpt, i, spec = task["checkpoint_dir"], int(task.get("task") or 0), str(task["iterations"]).strip()
     have = committed_iterations(ckpt)
     if spec == "last":
         it = latest_iteration(ckpt)

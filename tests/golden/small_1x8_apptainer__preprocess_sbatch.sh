@@ -1,0 +1,26 @@
+#!/bin/bash
+
+# Parameters
+#SBATCH --account=myproject
+#SBATCH --array=0-2%3
+#SBATCH --cpus-per-task=4
+#SBATCH --job-name=hpcmeg-preprocess-codeparrot-small
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --open-mode=append
+#SBATCH --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/preprocess/preprocess.%A_%a.batch.log
+#SBATCH --partition=gpu
+#SBATCH --signal=TERM@30
+#SBATCH --time=02:00:00
+
+# setup
+export PYTHONUNBUFFERED=1
+export NCCL_DEBUG=WARN
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# cluster.setup (shell by design: copied verbatim from the profile/recipe)
+module load apptainer
+
+# command
+export SUBMITIT_EXECUTOR=slurm
+/opt/hpcmeg/venv/bin/python -u -m submitit.core._submit /lustre/scratch/hpcmeg/runs/codeparrot-small/submitit/preprocess
