@@ -17,6 +17,7 @@ Contract
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -89,6 +90,10 @@ def _keep_newlines_lang_vars():
                 |
                 (?P<next_tok>\S+)        # or the next token
             ))"""
+        # Closing quotes/brackets after a sentence end are moved onto that sentence; the stock pattern
+        # also swallows the whitespace after them (and nltk then strips it). Match the closers only,
+        # so that whitespace stays in the text (at the start of the next sentence).
+        re_boundary_realignment = re.compile(r'["\')\]}\u2018\u2019\u201c\u201d\xab\xbb]+?(?=\s|--|$)', re.MULTILINE)
 
     return KeepTrailingWhitespace()
 
