@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("corpus") / "stdlib.jsonl")
-    write_stdlib_corpus(path, key="content", include_tests=False, max_files=120)
+    write_stdlib_corpus(path, key="content", include_tests=False, max_files=60)
     return path
 
 
