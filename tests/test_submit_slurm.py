@@ -1,0 +1,182 @@
+"""`hpcmeg submit` on the local Slurm cluster: the whole chain, status/logs/cancel for real, injection.
+
+The chain: preprocess array (2 shards) -> merge -> train (1 node x 2 CPU ranks, gloo) -> convert array
+(one task per checkpoint), every job through submitit and the host-side supervisor; the converted
+model must load in transformers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, hpcmeg_cmd
+from hpcmeg.data.corpus import write_stdlib_corpus
+
+pytestmark = pytest.mark.slurm
+
+# A model small enough that a step takes well under a second on 2 busy cores.
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2", "data.seq_length=64",
+        "model.max_position_embeddings=64", "train.micro_batch_size=2", "train.global_batch_size=4",
+        "train.lr_warmup_iters=2", "train.eval_interval=0", "data.split=90,10,0", "train.log_interval=5"]
+
+
+def sets(items: list[str]) -> list[str]:
+    return [x for item in items for x in ("--set", item)]
+
+
+def hpcmeg(*args, cwd=None, timeout=300, env=None, check=True) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    r = subprocess.run([*hpcmeg_cmd(), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=e)
+    if check:
+        assert r.returncode == 0, f"hpcmeg {' '.join(args)} -> {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def status(run_dir, env=None) -> dict:
+    return json.loads(hpcmeg("status", str(run_dir), "--json", env=env).stdout)
+
+
+def wait_states(run_dir, pred, timeout=240, poll=1.0) -> dict:
+    end = time.time() + timeout
+    while True:
+        st = status(run_dir)
+        if pred(st):
+            return st
+        if time.time() > end:
+            raise AssertionError(f"timed out; last status {json.dumps(st, indent=1)[-3000:]}")
+        time.sleep(poll)
+
+
+def corpus_shards(tmp: Path, n: int = 2, files: int = 160) -> list[Path]:
+    """The Python standard library as n JSONL shards (real code text)."""
+    whole = tmp / "stdlib.jsonl"
+    write_stdlib_corpus(str(whole), key="content", include_tests=False, max_files=files)
+    lines = whole.read_bytes().splitlines(keepends=True)
+    out = []
+    for k in range(n):
+        p = tmp / f"shard{k}.jsonl"
+        p.write_bytes(b"".join(lines[k::n]))
+        out.append(p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset(tmp_path_factory):
+    """A tokenized dataset made once (locally) for the tests that only train."""
+    tmp = tmp_path_factory.mktemp("tinydata")
+    (src,) = corpus_shards(tmp, n=1)
+    prefix = tmp / "cp"
+    hpcmeg("preprocess", "--input", str(src), "--output-prefix", str(prefix), "--json-keys", "content",
+           "--append-eod", "--workers", "1", "--quiet")
+    return str(prefix) + "_content_document"
+
+
+@pytest.fixture(scope="module")
+def no_sacct(tmp_path_factory):
+    """PATH with a `sacct` that fails like a cluster without accounting does (for single calls only)."""
+    d = tmp_path_factory.mktemp("nosacct")
+    f = d / "sacct"
+    f.write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
+    f.chmod(0o755)
+    return {"PATH": f"{d}:{os.environ['PATH']}"}
+
+
+def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
+    shards = corpus_shards(tmp_path)
+    over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",
+                   "train.train_iters=20", "checkpoint.save_interval=10", "convert.iterations=all"]
+    t0 = time.time()
+    r = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm", *sets(over),
+               "--wait", cwd=tmp_path, timeout=400)
+    elapsed = time.time() - t0
+    run = tmp_path / "runs" / "codeparrot-tiny"
+    assert f"run directory: {run}" in r.stdout and "submitted convert" in r.stdout
+    st = status(run)
+    states = {s: v["state"] for s, v in st["stages"].items()}
+    assert states == {"preprocess": "COMPLETED", "merge": "COMPLETED", "train": "COMPLETED",
+                      "convert": "COMPLETED"}, (states, elapsed)
+    assert len(st["stages"]["preprocess"]["tasks"]) == 2 and len(st["stages"]["convert"]["tasks"]) == 2
+    assert "checkpoint iteration 20/20" in st["stages"]["train"]["detail"]
+    # every job wrote its markers; the dataset manifest makes a resubmission skip preprocessing
+    names = {p.name for p in (run / "markers").iterdir()}
+    assert {"preprocess.0.done", "preprocess.1.done", "merge.done", "train.done", "convert.0.done",
+            "convert.1.done"} <= names
+    dry = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm",
+                 *sets(over), "--dry-run", cwd=tmp_path)
+    assert "preprocess: skipped" in dry.stdout and "nothing submitted" in dry.stdout
+    # status without accounting: same answers (squeue/scontrol still know the jobs)
+    st2 = status(run, env=no_sacct)
+    assert {s: v["state"] for s, v in st2["stages"].items()} == states
+    assert all(t["source"] != "sacct" for v in st2["stages"].values() for t in v["tasks"].values())
+    # logs: rank 0's metrics by default, rank 1 on request, batch logs with the supervisor's decisions
+    logs = hpcmeg("logs", str(run), "--stage", "train", "-n", "200").stdout
+    assert "iteration 20/20" in logs and "decision: done" in logs and ".r0.0.log" in logs and ".r0.1.log" not in logs
+    assert ".r0.1.log" in hpcmeg("logs", str(run), "--stage", "train", "--rank", "1").stdout
+    # the converted checkpoints load in transformers and predict finite logits
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    for it in (10, 20):
+        model = GPT2LMHeadModel.from_pretrained(run / "hf" / f"iter_{it:07d}").eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([[15496, 995, 198]])).logits
+        assert logits.shape == (1, 3, 50304) or logits.shape[:2] == (1, 3)
+        assert torch.isfinite(logits).all()
+    print(f"chain end to end: {elapsed:.1f} s")
+
+
+def test_cancel_stops_the_whole_chain(slurm_cluster, tmp_path, tiny_dataset):
+    over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.data_path=[{tiny_dataset}]",
+                   "train.train_iters=100000", "checkpoint.save_interval=0"]
+    hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm", *sets(over),
+           cwd=tmp_path)
+    run = tmp_path / "runs" / "codeparrot-tiny"
+    st = wait_states(run, lambda s: s["stages"]["train"]["state"] == "RUNNING")
+    assert st["stages"]["convert"]["state"] == "PENDING"
+    # a second submit while the chain is queued is refused
+    again = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm",
+                   *sets(over), cwd=tmp_path, check=False)
+    assert again.returncode == 1 and "still has jobs in the queue" in again.stderr
+    follow = subprocess.Popen([*hpcmeg_cmd(), "logs", str(run), "-f", "--stage", "train"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert "cancelled jobs" in hpcmeg("cancel", str(run)).stdout
+    st = wait_states(run, lambda s: all(v["state"] in ("CANCELLED", "FAILED", "COMPLETED")
+                                        for v in s["stages"].values()), timeout=60)
+    assert st["stages"]["train"]["state"] == "CANCELLED" and st["stages"]["convert"]["state"] == "CANCELLED"
+    assert st["cancelled"]
+    out, _ = follow.communicate(timeout=60)  # `logs -f` ends by itself once the chain has ended
+    assert follow.returncode == 0 and "===== hpcmeg train" in out
+    # the supervisor saw Slurm end the job and said so
+    deadline = time.time() + 20
+    while not (run / "markers" / "train.interrupted").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert (run / "markers" / "train.interrupted").exists()
+
+
+def test_metacharacters_stay_literal_and_the_job_runs(slurm_cluster, tmp_path):
+    """Run name, output root, input path and env value with $(...), backticks, ;, quotes (and a newline in
+    the env value): the preprocess job runs and sees every value literally; nothing executes."""
+    nasty = "r $(touch CANARY1) `touch CANARY2`; 'q\""
+    env_val = "v $(touch CANARY3)\n`touch CANARY4`; 'x\""
+    src_dir = tmp_path / "in $(touch CANARY5);`x`"
+    src_dir.mkdir()
+    (src,) = corpus_shards(src_dir, n=1, files=20)
+    over = [f"run.name={json.dumps(nasty)}", "run.output_root=" + json.dumps(str(tmp_path / "out ;$(x)")),
+            f"data.inputs=[{json.dumps(str(src))}]", "cluster.env={INJ: " + json.dumps(env_val) + "}",
+            "cluster.setup=['printf \"INJ=[%s]\\n\" \"$INJ\"']"]
+    hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm", *sets(over),
+           "--stages", "preprocess", "--wait", cwd=tmp_path, timeout=200)
+    run = tmp_path / "out ;$(x)" / nasty
+    st = status(run)
+    assert st["stages"]["preprocess"]["state"] == "COMPLETED"
+    assert (run / "data" / f"{nasty}_content_document.bin").stat().st_size > 0
+    batch = next((run / "logs" / "preprocess").glob("*.batch.log")).read_text()
+    assert f"INJ=[{env_val}]" in batch
+    assert not list(tmp_path.rglob("CANARY*")) and not list(Path.home().glob("CANARY*"))
