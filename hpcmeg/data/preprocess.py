@@ -105,9 +105,9 @@ def encode_batch(batch: LineBatch, cfg: PreprocessConfig, tokenizer, splitter, d
         lines.pop()
     parts = {k: ([], [], []) for k in cfg.json_keys}
     errors, docs = [], 0
-    eod = np.asarray([tokenizer.eod], dtype=dtype) if cfg.append_eod else None
     if cfg.append_eod and tokenizer.eod is None:
         raise ValueError("--append-eod: the tokenizer has no EOD/EOS token")
+    eod = np.asarray([tokenizer.eod], dtype=dtype) if cfg.append_eod else None
     for i, line in enumerate(lines):
         doc, reason = parse_document(line, cfg.json_keys)
         if reason is not None:
@@ -269,6 +269,8 @@ def preprocess_files(inputs: Sequence[str] | str, output_prefix: str, config: Pr
     cfg.json_keys = tuple(cfg.json_keys)
     paths = expand_inputs(inputs)
     tokenizer = _make_tokenizer(cfg)
+    if cfg.append_eod and tokenizer.eod is None:
+        raise ValueError(f"--append-eod: tokenizer {tokenizer.name} has no EOD/EOS token")
     splitter = _make_splitter(cfg)
     dtype = np.dtype(indexed.DType.optimal(tokenizer.vocab_size))
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
