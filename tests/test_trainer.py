@@ -1,0 +1,180 @@
+"""The training loop on CPU: it learns, fp16 overflow is skipped, bf16 NaN stops, metrics + plot.
+
+Data is real: Python standard-library sources tokenized with the GPT-2 BPE into a Megatron
+.bin/.idx. The model is shrunk (hidden 32, seq 32) so steps take ~0.1 s on a 2-core box; the
+vocabulary stays GPT-2's 50,304 rows, which dominates the cost.
+`stdlib_dataset` and `small_recipe` are shared with test_resume.py and test_dp.py.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hpcmeg.launch.env import dist_env
+from hpcmeg.recipe import load_recipe
+from hpcmeg.train.entry import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, build_trainer, train
+from hpcmeg.train.metrics import read_metrics
+
+TINY = "recipes/codeparrot_tiny.yaml"
+EOD = 50256
+
+
+def stdlib_dataset(directory, n_files: int = 120) -> str:
+    """Tokenize the first n_files stdlib modules (sorted, tests excluded) into <dir>/stdlib.{bin,idx}."""
+    from hpcmeg.data.corpus import iter_stdlib_sources
+    from hpcmeg.data.indexed import IndexedDatasetBuilder
+    from hpcmeg.data.tokenizer import build_tokenizer
+
+    prefix = os.path.join(str(directory), f"stdlib{n_files}")
+    if os.path.exists(prefix + ".idx"):
+        return prefix
+    os.makedirs(str(directory), exist_ok=True)
+    tok = build_tokenizer()
+    b = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for _, text in itertools.islice(iter_stdlib_sources(include_tests=False), n_files):
+        ids = tok.encode(text) + [EOD]
+        b.add_document(ids, [len(ids)])
+    b.finalize(prefix + ".idx")
+    return prefix
+
+
+SMALL = ["data.split=949,50,0", "data.seq_length=32", "model.num_layers=2", "model.hidden_size=32",
+         "model.num_attention_heads=2", "model.max_position_embeddings=32", "train.micro_batch_size=2",
+         "train.global_batch_size=4", "train.train_iters=8", "train.lr_warmup_iters=2", "train.log_interval=1",
+         "train.eval_interval=4", "train.eval_iters=1", "checkpoint.save_interval=0",
+         "cluster.cpu_tasks_per_node=1"]
+
+
+def small_recipe(out, prefix, *overrides, name="t"):
+    """The tiny recipe shrunk for tests, reading `prefix`, writing under `out`."""
+    return load_recipe(TINY, [f"run.output_root={out}", f"run.name={name}", f"data.data_path=[{prefix}]",
+                              *SMALL, *overrides])
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return stdlib_dataset(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """One intra-op thread: CI boxes are small and shared; spinning OpenMP threads make it crawl."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_dir(r) -> str:
+    return os.path.join(r.run.output_root, r.run.name)
+
+
+def test_it_learns_fast(dataset, tmp_path):
+    r = small_recipe(tmp_path, dataset, "train.train_iters=60", "train.global_batch_size=8",
+                     "train.micro_batch_size=4", "train.lr=0.005", "train.lr_warmup_iters=5",
+                     "train.eval_interval=60", "train.eval_iters=2", "train.log_interval=5")
+    assert train(r) == EXIT_OK
+    m = read_metrics(os.path.join(run_dir(r), "metrics.jsonl"))
+    first, last = m["train"][0]["loss"], m["train"][-1]["loss"]
+    assert first > 10.0  # ~ln(50304) = 10.8 at init
+    assert last < 6.5, f"loss {first:.2f} -> {last:.2f}"
+    assert m["eval"][-1]["val_loss"] < 7.0
+
+
+@pytest.mark.slow
+def test_it_learns_tiny_recipe(dataset, tmp_path):
+    """The tiny recipe's real model (4 x 128, seq 128, global batch 8) for 100 CPU steps."""
+    r = load_recipe(TINY, [f"run.output_root={tmp_path}", f"data.data_path=[{dataset}]", "data.split=949,50,0",
+                           "train.train_iters=100", "train.lr_warmup_iters=10", "train.eval_interval=100",
+                           "checkpoint.save_interval=0", "cluster.cpu_tasks_per_node=1"])
+    assert train(r) == EXIT_OK
+    m = read_metrics(os.path.join(run_dir(r), "metrics.jsonl"))
+    assert m["train"][0]["loss"] > 10.0
+    assert m["train"][-1]["loss"] < 6.0 and m["eval"][-1]["val_loss"] < 6.5
+
+
+def test_metrics_checkpoint_and_plot(dataset, tmp_path):
+    r = small_recipe(tmp_path, dataset)
+    assert train(r) == EXIT_OK
+    rd = run_dir(r)
+    m = read_metrics(os.path.join(rd, "metrics.jsonl"))
+    assert [x["iteration"] for x in m["train"]] == list(range(1, 9))
+    rec = m["train"][-1]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "tflops_per_gpu", "step_time_s", "peak_mem_gib"):
+        assert isinstance(rec[key], float) and rec[key] > 0, key
+    assert rec["mfu"] is None and rec["consumed_samples"] == 32  # CPU: no peak -> MFU n/a
+    assert m["train"][0]["lr"] == 0.0  # Megatron: the first warmup step runs at lr 0
+    assert [e["iteration"] for e in m["eval"]] == [4, 8]
+    assert m["start"][0]["n_params"] > 0 and m["start"][0]["data_parallel_size"] == 1
+    assert os.listdir(os.path.join(rd, "tensorboard"))
+    assert json.load(open(os.path.join(rd, "train_status.json")))["status"] == "finished"
+    assert open(os.path.join(rd, "checkpoints", "latest_checkpointed_iteration.txt")).read().strip() == "8"
+    from hpcmeg.train.checkpoint import load_checkpoint
+
+    it, state = load_checkpoint(os.path.join(rd, "checkpoints"), tp_rank=0, pp_rank=0, tp_size=1, pp_size=1)
+    assert it == 8 and state["args"].consumed_train_samples == 32 and state["args"].padded_vocab_size == 50304
+    assert state["hpcmeg"]["recipe"]["train"]["train_iters"] == 8
+    assert state["opt_param_scheduler"]["num_steps"] == 32
+    from hpcmeg.cli import main
+
+    png = os.path.join(str(tmp_path), "curves.png")
+    assert main(["plot", rd, "-o", png]) == 0
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fp16_overflow_is_skipped_and_scale_lowered(dataset, tmp_path):
+    """Gradients forced to inf on iterations 3 and 4: both skipped (hysteresis 2: the second
+    lowers the scale), the LR schedule does not advance, training continues to the end."""
+    r = small_recipe(tmp_path, dataset, "train.precision=fp16", "train.initial_loss_scale=1024",
+                     "train.eval_interval=0")
+    trainer, ctx = build_trainer(r, dist_env({}))
+    w = trainer.model.encoder.layers[0].mlp.dense_h_to_4h.weight
+    w.register_hook(lambda g: g * math.inf if trainer.state.iteration + 1 in (3, 4) else g)
+    try:
+        out = trainer.run()
+    finally:
+        trainer.metrics.close()
+        ctx.destroy()
+    assert out.status == "finished" and out.iteration == 8
+    t = {x["iteration"]: x for x in read_metrics(os.path.join(run_dir(r), "metrics.jsonl"))["train"]}
+    assert [t[i]["skipped"] for i in range(1, 9)] == [0, 0, 1, 1, 0, 0, 0, 0]
+    assert [t[i]["loss_scale"] for i in (2, 3, 4, 5)] == [1024, 1024, 1024, 512]
+    assert t[5]["lr"] == t[3]["lr"]  # two skipped steps: the schedule stood still
+    assert all(math.isfinite(t[i]["loss"]) for i in t) and t[8]["grad_norm"] > 0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert trainer.loss_scaler.scale == 512
+
+
+def test_bf16_nan_stops_with_the_iteration(dataset, tmp_path, capsys):
+    r = small_recipe(tmp_path, dataset, "train.precision=bf16", "checkpoint.save_interval=2")
+
+    def inject(trainer):
+        def poison(module, inputs, output):
+            return output * math.nan if trainer.state.iteration + 1 == 5 else output
+        trainer.model.encoder.register_forward_hook(poison)
+
+    assert train(r, on_built=inject) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "non-finite loss or gradient at iteration 5" in err and "bf16" in err
+    rd = run_dir(r)
+    assert json.load(open(os.path.join(rd, "train_status.json")))["status"] == "failed"
+    # the last good checkpoint (4) stays the latest: nothing was saved after the NaN
+    assert open(os.path.join(rd, "checkpoints", "latest_checkpointed_iteration.txt")).read().strip() == "4"
+
+
+def test_bad_recipe_exits_2(dataset, tmp_path, capsys):
+    from hpcmeg.cli import main
+
+    args = ["train", TINY, "--set", f"run.output_root={tmp_path}", "--set", f"data.data_path=[{dataset}]",
+            "--set", "data.split=949,50,0", "--set", "cluster.cpu_tasks_per_node=1", "--set", "train.train_iters=5"]  # warmup 20 > 5 iters
+    assert main(args) == EXIT_BAD_RECIPE
+    assert "shorten the warmup" in capsys.readouterr().err
+    assert main(args[:-2] + ["--set", "train.train_iters=50", "--set", "train.global_batch_size=6"]) == EXIT_BAD_RECIPE
