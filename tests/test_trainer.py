@@ -77,15 +77,16 @@ def run_dir(r) -> str:
 
 
 def test_it_learns_fast(dataset, tmp_path):
-    r = small_recipe(tmp_path, dataset, "train.train_iters=60", "train.global_batch_size=8",
-                     "train.micro_batch_size=4", "train.lr=0.005", "train.lr_warmup_iters=5",
-                     "train.eval_interval=60", "train.eval_iters=2", "train.log_interval=5")
+    """40 steps x 8 samples x 32 tokens: measured 10.5 -> 5.3 (validation 4.5)."""
+    r = small_recipe(tmp_path, dataset, "train.train_iters=40", "train.global_batch_size=8",
+                     "train.micro_batch_size=8", "train.lr=0.006", "train.lr_warmup_iters=4",
+                     "train.eval_interval=40", "train.eval_iters=2", "train.log_interval=4")
     assert train(r) == EXIT_OK
     m = read_metrics(os.path.join(run_dir(r), "metrics.jsonl"))
     first, last = m["train"][0]["loss"], m["train"][-1]["loss"]
     assert first > 10.0  # ~ln(50304) = 10.8 at init
-    assert last < 6.5, f"loss {first:.2f} -> {last:.2f}"
-    assert m["eval"][-1]["val_loss"] < 7.0
+    assert last < 6.0, f"loss {first:.2f} -> {last:.2f}"
+    assert m["eval"][-1]["val_loss"] < 6.0
 
 
 @pytest.mark.slow
@@ -134,7 +135,7 @@ def test_fp16_overflow_is_skipped_and_scale_lowered(dataset, tmp_path):
     """Gradients forced to inf on iterations 3 and 4: both skipped (hysteresis 2: the second
     lowers the scale), the LR schedule does not advance, training continues to the end."""
     r = small_recipe(tmp_path, dataset, "train.precision=fp16", "train.initial_loss_scale=1024",
-                     "train.eval_interval=0")
+                     "train.eval_interval=0", "train.train_iters=6")
     trainer, ctx = build_trainer(r, dist_env({}))
     w = trainer.model.encoder.layers[0].mlp.dense_h_to_4h.weight
     w.register_hook(lambda g: g * math.inf if trainer.state.iteration + 1 in (3, 4) else g)
@@ -143,12 +144,12 @@ def test_fp16_overflow_is_skipped_and_scale_lowered(dataset, tmp_path):
     finally:
         trainer.metrics.close()
         ctx.destroy()
-    assert out.status == "finished" and out.iteration == 8
+    assert out.status == "finished" and out.iteration == 6
     t = {x["iteration"]: x for x in read_metrics(os.path.join(run_dir(r), "metrics.jsonl"))["train"]}
-    assert [t[i]["skipped"] for i in range(1, 9)] == [0, 0, 1, 1, 0, 0, 0, 0]
+    assert [t[i]["skipped"] for i in range(1, 7)] == [0, 0, 1, 1, 0, 0]
     assert [t[i]["loss_scale"] for i in (2, 3, 4, 5)] == [1024, 1024, 1024, 512]
     assert t[5]["lr"] == t[3]["lr"]  # two skipped steps: the schedule stood still
-    assert all(math.isfinite(t[i]["loss"]) for i in t) and t[8]["grad_norm"] > 0
+    assert all(math.isfinite(t[i]["loss"]) for i in t) and t[6]["grad_norm"] > 0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert trainer.loss_scaler.scale == 512
 
@@ -158,16 +159,16 @@ def test_bf16_nan_stops_with_the_iteration(dataset, tmp_path, capsys):
 
     def inject(trainer):
         def poison(module, inputs, output):
-            return output * math.nan if trainer.state.iteration + 1 == 5 else output
+            return output * math.nan if trainer.state.iteration + 1 == 3 else output
         trainer.model.encoder.register_forward_hook(poison)
 
     assert train(r, on_built=inject) == EXIT_ERROR
     err = capsys.readouterr().err
-    assert "non-finite loss or gradient at iteration 5" in err and "bf16" in err
+    assert "non-finite loss or gradient at iteration 3" in err and "bf16" in err
     rd = run_dir(r)
     assert json.load(open(os.path.join(rd, "train_status.json")))["status"] == "failed"
-    # the last good checkpoint (4) stays the latest: nothing was saved after the NaN
-    assert open(os.path.join(rd, "checkpoints", "latest_checkpointed_iteration.txt")).read().strip() == "4"
+    # the last good checkpoint (2) stays the latest: nothing was saved after the NaN
+    assert open(os.path.join(rd, "checkpoints", "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
 
 def test_bad_recipe_exits_2(dataset, tmp_path, capsys):
