@@ -26,7 +26,7 @@ from typing import Optional
 from hpcmeg.launch import scripts as S
 from hpcmeg.launch.container import ContainerError, ContainerSpec, local_wrap
 from hpcmeg.launch.rundir import RunDir, input_manifest, latest_iteration, write_jobs, write_manifest, write_marker
-from hpcmeg.launch.supervisor import REQUEUE_EXIT_CODES, convert_iteration, train_outcome
+from hpcmeg.launch.supervisor import REQUEUE_EXIT_CODES, convert_iteration, effective_train_rc, train_outcome
 from hpcmeg.recipe import RecipeError, write_resolved
 
 
@@ -159,11 +159,12 @@ def _train(fw, prep, env: dict) -> None:
         argv = _cmd(prep, "train", str(run.recipe))
         print(f"[hpcmeg local] train (restart {restart}): {world} x {S.q(argv)}", flush=True)
         procs = []
+        attempt_start = time.time()
         for rank in range(world):
             renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             procs.append(_launch(fw, argv, run.logs("train") / f"train.local.r{restart}.{rank}.log", renv))
-        rc = _wait_all(fw, procs)
+        rc = effective_train_rc(_wait_all(fw, procs), run.root, attempt_start)
         end_it = latest_iteration(d.checkpoint_dir)
         if fw.signal is not None:
             write_marker(run, "train", "interrupted", exit_code=rc, iteration=end_it, restart=restart)

@@ -135,8 +135,9 @@ def write_marker(run: RunDir, stage: str, event: str, task: Optional[int] = None
     return write_atomic(run.markers / f"{marker_name(stage, task)}.{event}", json.dumps(body) + "\n")
 
 
-def read_markers(run: RunDir) -> dict[str, dict[str, dict]]:
+def read_markers(run: RunDir | str | os.PathLike) -> dict[str, dict[str, dict]]:
     """{name: {event: info}} for every marker file (name = stage or stage.task)."""
+    run = run if isinstance(run, RunDir) else RunDir(Path(run))
     out: dict[str, dict[str, dict]] = {}
     if not run.markers.is_dir():
         return out

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hpcmeg.launch.rundir import RunDir, committed_iterations, input_manifest, latest_iteration, write_manifest, write_marker
+from hpcmeg.launch.rundir import (RunDir, committed_iterations, input_manifest, latest_iteration, read_json,
+                                  write_manifest, write_marker)
 from hpcmeg.launch.scripts import parse_iteration_list
 
 # `hpcmeg train` exit code meaning "every rank saved the same iteration because of a signal / the
@@ -45,6 +46,24 @@ REQUEUE_EXIT_CODES = (3,)
 class TrainOutcome:
     action: str  # done | requeue | fail
     reason: str
+
+
+def effective_train_rc(rc: int, run_dir: str | os.PathLike, attempt_start: float) -> int:
+    """The trainer's own verdict when srun's exit code hides it.
+
+    srun --kill-on-bad-exit ends the step as soon as one rank exits non-zero, so when rank 0 exits 3
+    ("saved, requeue me") a slower rank may be killed and srun reports 143. Rank 0 writes
+    ``train_status.json`` (status "preempted" = resume me) before exiting: trust it when it was written
+    during this attempt."""
+    if rc in REQUEUE_EXIT_CODES or rc == 0:
+        return rc
+    try:
+        st = read_json(Path(run_dir) / "train_status.json", None) or {}
+    except ValueError:
+        return rc
+    if st.get("status") == "preempted" and float(st.get("time", 0)) >= attempt_start:
+        return REQUEUE_EXIT_CODES[0]
+    return rc
 
 
 def train_outcome(rc: int, end_iteration: Optional[int], train_iters: int, needs_requeue_ok: tuple[bool, str],
@@ -147,7 +166,8 @@ def run_train(task: dict) -> dict:
     end_time = _job_end_time()
     if end_time:
         env["SLURM_JOB_END_TIME"] = end_time
-    rc = _run_step(run, "train", [], env)
+    attempt_start = time.time()
+    rc = effective_train_rc(_run_step(run, "train", [], env), run.root, attempt_start)
     end_it = latest_iteration(ckpt)
     print(f"[hpcmeg supervisor] train step exit code {rc}; checkpointed iteration {start_it} -> {end_it}", flush=True)
     if ends.signal is not None:
