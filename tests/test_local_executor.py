@@ -1,0 +1,69 @@
+"""The 'local' executor (no Slurm): the same chain, run directory, markers and status as on Slurm.
+
+preprocess (2 shards -> merge) -> train with 2 local rank processes (RANK/WORLD_SIZE env, gloo) ->
+convert; the converted model loads in transformers. `hpcmeg cancel` stops a running local chain:
+the ranks save and the run can be resumed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, hpcmeg_cmd
+from hpcmeg.launch.rundir import latest_iteration, read_markers
+from test_submit_slurm import TINY, corpus_shards, hpcmeg, sets, status, tiny_dataset  # noqa: F401 (fixture)
+
+
+def test_local_chain_end_to_end(tmp_path):
+    corpus_shards(tmp_path)
+    over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",
+                   "train.train_iters=10", "checkpoint.save_interval=5", "convert.iterations=last"]
+    r = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local", *sets(over),
+               cwd=tmp_path, timeout=400)
+    run = tmp_path / "runs" / "codeparrot-tiny"
+    assert f"done: {run}" in r.stdout
+    st = status(run)
+    assert {s: v["state"] for s, v in st["stages"].items()} == {
+        "preprocess": "COMPLETED", "merge": "COMPLETED", "train": "COMPLETED", "convert": "COMPLETED"}
+    assert st["executor"] == "local" and len(st["stages"]["preprocess"]["tasks"]) == 2
+    logs = run / "logs"
+    assert (logs / "train" / "train.local.r0.0.log").exists() and (logs / "train" / "train.local.r0.1.log").exists()
+    assert "iteration 10/10" in hpcmeg("logs", str(run), "--stage", "train").stdout
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(run / "hf" / "iter_0000010").eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[15496, 995]])).logits).all()
+    # the same recipe again: the dataset is current, so only the plan changes
+    dry = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local", *sets(over),
+                 "--dry-run", cwd=tmp_path)
+    assert "preprocess] skipped" in dry.stdout and "[train] 2 process(es)" in dry.stdout
+
+
+def test_local_cancel_saves_and_resume_continues(tmp_path, tiny_dataset):
+    over = TINY + ["run.output_root=" + str(tmp_path), f"data.data_path=[{tiny_dataset}]", "train.train_iters=400",
+                   "checkpoint.save_interval=0", "convert.enabled=false"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([*hpcmeg_cmd(), "submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile",
+                             "local", *sets(over)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "codeparrot-tiny"
+    log = run / "logs" / "train" / "train.local.r0.0.log"
+    end = time.time() + 180
+    while not (log.exists() and "iteration" in log.read_text()):  # training is under way
+        assert proc.poll() is None and time.time() < end, proc.communicate()
+        time.sleep(0.5)
+    assert "sent SIGTERM" in hpcmeg("cancel", str(run)).stdout
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    it = latest_iteration(run / "checkpoints")
+    assert it is not None and 0 < it < 400  # saved on the signal although save_interval is 0
+    assert read_markers(run)["train"]["interrupted"]["iteration"] == it
+    st = status(run)
+    assert st["stages"]["train"]["state"] == "CANCELLED" and st["cancelled"]
+    assert json.loads((run / "train_status.json").read_text())["status"] == "preempted"
