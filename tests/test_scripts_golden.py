@@ -86,9 +86,9 @@ def test_golden_content_is_what_the_design_says():
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-def test_golden_scripts_pass_shellcheck():
-    files = sorted(GOLDEN.glob("*.sh"))
-    assert files
+def test_golden_and_plain_sbatch_scripts_pass_shellcheck():
+    files = sorted(GOLDEN.glob("*.sh")) + [REPO / "slurm" / "train.sh", REPO / "slurm" / "convert.sh"]
+    assert len(files) > 2
     r = subprocess.run(["shellcheck", "-s", "bash", *map(str, files)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:]
 

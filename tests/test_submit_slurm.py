@@ -180,3 +180,49 @@ def test_metacharacters_stay_literal_and_the_job_runs(slurm_cluster, tmp_path):
     batch = next((run / "logs" / "preprocess").glob("*.batch.log")).read_text()
     assert f"INJ=[{env_val}]" in batch
     assert not list(tmp_path.rglob("CANARY*")) and not list(Path.home().glob("CANARY*"))
+
+
+def _sacct_state(job: str, timeout=240) -> str:
+    end = time.time() + timeout
+    while time.time() < end:
+        if not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            rows = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True,
+                                  text=True).stdout.split()
+            if rows and all(x.split()[0] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING") for x in rows):
+                return " ".join(rows)
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} did not end in {timeout} s")
+
+
+def test_plain_sbatch_scripts_train_requeue_and_convert(slurm_cluster, tmp_path, tiny_dataset):
+    """slurm/train.sh + slurm/convert.sh driven by hand: the lead signal makes train.sh requeue itself
+    (same job id), the restart resumes and finishes, then the convert array converts every checkpoint."""
+    over = TINY + ["run.output_root=" + str(tmp_path), f"data.data_path=[{tiny_dataset}]", "train.train_iters=12",
+                   "checkpoint.save_interval=4", "checkpoint.keep_last=null"]
+    hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm", *sets(over),
+           "--dry-run", cwd=tmp_path)  # writes <run>/recipe.yaml with absolute paths
+    run = tmp_path / "codeparrot-tiny"
+    env = dict(os.environ, PYTHONPATH=str(REPO), HPCMEG=f"{sys.executable} -m hpcmeg.cli")
+    sb = ["sbatch", "--parsable", "--cpus-per-task=1", "--time=10", "--partition=debug"]
+    train = subprocess.run([*sb, "--ntasks-per-node=2", f"--output={tmp_path}/train-%j.out",
+                            f"--export=ALL,RECIPE={run / 'recipe.yaml'},MAX_REQUEUES=2",
+                            str(REPO / "slurm" / "train.sh")], env=env, capture_output=True, text=True, check=True)
+    job = train.stdout.strip().split(";")[0]
+    conv = subprocess.run([*sb, "--array=0-3", f"--dependency=afterok:{job}", "--kill-on-invalid-dep=yes",
+                           f"--output={tmp_path}/convert-%A_%a.out",
+                           f"--export=ALL,CKPT_DIR={run / 'checkpoints'},OUT_DIR={run / 'hf'},ITERATIONS=all",
+                           str(REPO / "slurm" / "convert.sh")], env=env, capture_output=True, text=True, check=True)
+    from hpcmeg.launch.rundir import latest_iteration
+
+    end = time.time() + 180
+    while (latest_iteration(run / "checkpoints") or 0) < 4:
+        assert time.time() < end, (tmp_path / f"train-{job}.out").read_text()
+        time.sleep(0.25)
+    subprocess.run(["scancel", "--signal=TERM", job], check=True)  # the time-limit lead signal, to the ranks
+    assert _sacct_state(job) == "COMPLETED", (tmp_path / f"train-{job}.out").read_text()
+    out = (tmp_path / f"train-{job}.out").read_text()
+    assert "requeueing job" in out and out.count("restart 1:") == 1 and "finished" in out
+    assert (run / "logs" / "train" / f"train.{job}.r1.1.log").exists()
+    assert _sacct_state(conv.stdout.strip().split(";")[0]) == "COMPLETED COMPLETED COMPLETED COMPLETED"
+    its = sorted(p.name for p in (run / "hf").iterdir())
+    assert its[-1] == "iter_0000012" and len(its) >= 3 and all((run / "hf" / i / "config.json").exists() for i in its)

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# slurm/convert.sh: Megatron-layout checkpoints -> Hugging Face GPT-2 directories, one array task per
+# iteration, for people who drive sbatch (`hpcmeg submit` generates the same stage for you).
+#
+#   sbatch --array=0-0 --dependency=afterok:<train job id> --kill-on-invalid-dep=yes \
+#          --export=ALL,CKPT_DIR=/lustre/runs/gpt2/checkpoints,OUT_DIR=/lustre/runs/gpt2/hf slurm/convert.sh
+#
+# ITERATIONS picks what to convert, resolved when the task runs (so it works after a time-out, from
+# whatever checkpoints exist): "last" (the tracker's iteration; one task), "all" (array task i converts
+# the i-th committed iteration; tasks beyond the list exit 0), or "100,200" (task i converts the i-th).
+# Output: OUT_DIR/iter_XXXXXXX/. Runs `hpcmeg convert` inside the container; CPU only.
+#
+#SBATCH --job-name=hpcmeg-convert
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=4
+#SBATCH --time=01:00:00
+#SBATCH --open-mode=append
+#SBATCH --output=hpcmeg-convert-%A_%a.out
+set -euo pipefail
+
+# ---- settings (override any of them with sbatch --export=ALL,NAME=value or the environment) ----
+CKPT_DIR=${CKPT_DIR:-checkpoints}                    # holds latest_checkpointed_iteration.txt
+OUT_DIR=${OUT_DIR:-hf}
+ITERATIONS=${ITERATIONS:-last}                       # last | all | comma list
+DTYPE=${DTYPE:-fp32}                                 # fp32 | bf16 | fp16
+CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}         # none | apptainer | pyxis
+IMAGE=${IMAGE:-}
+BINDS=${BINDS:-$(dirname "$CKPT_DIR")}               # comma list: apptainer --bind / pyxis --container-mounts
+HPCMEG=${HPCMEG:-hpcmeg}                             # the command inside the container
+
+log() { printf '[convert.sh %(%F %T)T] %s\n' -1 "$*"; }
+die() { log "ERROR: $*"; exit 1; }
+
+tracker="$CKPT_DIR/latest_checkpointed_iteration.txt"
+[ -f "$tracker" ] || die "no checkpoint in $CKPT_DIR (no latest_checkpointed_iteration.txt)"
+latest=$(cat "$tracker")
+[ "$latest" = release ] && latest=0
+case "$ITERATIONS" in
+  last) its=("$latest") ;;
+  all) its=()
+       for d in "$CKPT_DIR"/iter_[0-9][0-9][0-9][0-9][0-9][0-9][0-9]; do
+         [ -d "$d" ] || continue
+         it=$((10#${d##*/iter_}))
+         [ "$it" -le "$latest" ] && its+=("$it")   # newer than the tracker = an unfinished save
+       done ;;
+  *) IFS=, read -r -a its <<< "$ITERATIONS" ;;
+esac
+task=${SLURM_ARRAY_TASK_ID:-0}
+if [ "$task" -ge "${#its[@]}" ]; then
+  log "array task $task: only ${#its[@]} iteration(s) to convert (${its[*]:-none}); nothing to do"
+  exit 0
+fi
+it=${its[$task]}
+[[ "$it" =~ ^[0-9]+$ ]] || die "ITERATIONS=$ITERATIONS: '$it' is not an iteration number"
+[ -d "$CKPT_DIR/$(printf 'iter_%07d' "$it")" ] || die "iteration $it has no checkpoint in $CKPT_DIR"
+
+read -r -a hpcmeg_cmd <<< "$HPCMEG"
+srun_container=()
+prefix=()
+case "$CONTAINER_RUNTIME" in
+  none) ;;
+  apptainer) prefix=(apptainer exec --bind "$BINDS" "$IMAGE") ;;
+  pyxis) srun_container=(--container-image="$IMAGE" --container-mounts="$BINDS" --no-container-mount-home) ;;
+  *) die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: use none, apptainer or pyxis" ;;
+esac
+out="$OUT_DIR/$(printf 'iter_%07d' "$it")"
+log "array task $task: converting iteration $it -> $out"
+srun --ntasks=1 "${srun_container[@]}" "${prefix[@]}" \
+    "${hpcmeg_cmd[@]}" convert "$CKPT_DIR" "$out" --iteration "$it" --dtype "$DTYPE"
