@@ -182,3 +182,13 @@ def test_convert_array_size_and_shard_groups():
     assert S.shard_groups(list("abcde"), 2) == [["a", "b", "c"], ["d", "e"]]
     assert S.shard_groups(list("abc"), 0) == [["a"], ["b"], ["c"]]
     assert S.shard_groups(list("ab"), 5) == [["a"], ["b"]]
+
+
+def test_paths_the_container_cannot_see_are_reported():
+    from hpcmeg.launch.submit import unbound_paths
+
+    r = absolutize(load_recipe(REPO / "recipes" / "codeparrot_small.yaml", ["data.vocab_file=/home/me/vocab.json"]))
+    warn = unbound_paths(r, derive(r, orig_vocab_size=50257), INPUTS + ["/scratch/x.jsonl"])
+    assert len(warn) == 1 and "data.vocab_file '/home/me/vocab.json'" in warn[0]  # /lustre/... is bound
+    r2 = absolutize(load_recipe(REPO / "recipes" / "codeparrot_tiny.yaml", ["data.vocab_file=/home/me/vocab.json"]))
+    assert unbound_paths(r2, derive(r2, orig_vocab_size=50257), []) == []  # no container: nothing to bind

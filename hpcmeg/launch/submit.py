@@ -101,11 +101,30 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
         skip = dataset_is_current(d.data_prefix, outs, input_manifest(files, S.tokenizer_settings(r)))
     prep = Prepared(r, d, run, files, skip, stages)
     if r.cluster.executor == "slurm":
+        warnings = unbound_paths(r, d, files)
         try:
             prep.plan = S.build_plan(r, d, files, host_python or sys.executable, stages, skip_preprocess=skip)
         except (S.ScriptError, ContainerError) as e:
             raise RecipeError([str(e)]) from None
+        prep.plan.notes += warnings
     return prep
+
+
+def unbound_paths(r: Recipe, d, files: list[str]) -> list[str]:
+    """Warnings for recipe paths a container would not see (not under the run dir or container.binds)."""
+    if r.container.runtime == "none":
+        return []
+    roots = [d.run_dir] + [b.split(":")[0] for b in r.container.binds]
+    paths = {"data.inputs": files[0] if files else None, "data.vocab_file": r.data.vocab_file,
+             "data.merge_file": r.data.merge_file, "data.tokenizer_model": r.data.tokenizer_model,
+             "data.output_prefix": r.data.output_prefix, "checkpoint.dir": d.checkpoint_dir,
+             "checkpoint.load": r.checkpoint.load, "convert.output_dir": r.convert.output_dir}
+    out = []
+    for key, p in paths.items():
+        if p and not any(os.path.abspath(p) == x or os.path.abspath(p).startswith(x.rstrip("/") + "/") for x in roots):
+            out.append(f"warning: {key} '{p}' is outside the run directory and container.binds; the container "
+                       f"will not see it unless the image or the site binds it (add its parent to container.binds)")
+    return out
 
 
 def write_run_files(prep: Prepared, dependencies: Optional[dict[str, str]] = None) -> list[Path]:
@@ -233,6 +252,11 @@ def cli_submit(args) -> int:
     except Exception as e:  # submitit raises for sbatch errors: show Slurm's message in one line
         msg = " ".join(str(e).split())
         print(f"hpcmeg submit: submission failed: {msg}", file=sys.stderr)
+        done = (read_json(prep.run.jobs, {}) or {}).get("stages", {})
+        if done:
+            ids = ", ".join(f"{stage} {info['job_id']}" for stage, info in done.items())
+            print(f"hpcmeg submit: already submitted: {ids}; 'hpcmeg cancel {prep.run.root}' removes them",
+                  file=sys.stderr)
         return 1
     for note in prep.plan.notes:
         print(f"  {note}")
