@@ -87,9 +87,10 @@ def _leaves(d, prefix=""):
 
 
 def test_exit_interval_then_resume_is_exact(straight):
+    """Also: async save, keep_last, and 2 data-loader workers (the reference used none)."""
     prefix, out, rd_ref = straight
     r = small_recipe(out, prefix, *DROPOUT, "checkpoint.save_interval=2", "checkpoint.keep_last=2",
-                     "checkpoint.async_save=true", name="interrupted")
+                     "checkpoint.async_save=true", "data.num_workers=2", name="interrupted")
     assert train(r, exit_interval=3) == EXIT_REQUEUE
     rd = run_dir(r)
     status = json.load(open(os.path.join(rd, "train_status.json")))
@@ -152,3 +153,14 @@ def test_release_weights_start_and_schedule_mismatch(straight, capsys):
     r_bad = small_recipe(out, prefix, *DROPOUT, "train.lr=0.01", f"train.train_iters={N + 2}", name="straight")
     assert train(r_bad) == EXIT_BAD_RECIPE
     assert "max_lr" in capsys.readouterr().err
+
+
+def test_exit_duration_saves_and_asks_for_requeue(straight):
+    """train.exit_duration_minutes (the wall-time guard's own clock): save at the first check, exit 3."""
+    prefix, out, _ = straight
+    r = small_recipe(out, prefix, "train.exit_duration_minutes=0.0001", name="walltime")
+    assert train(r) == EXIT_REQUEUE
+    status = json.load(open(os.path.join(run_dir(r), "train_status.json")))
+    assert status["status"] == "preempted" and status["iteration"] == 1 and "wall-time" in status["reason"]
+    assert load_checkpoint(os.path.join(run_dir(r), "checkpoints"), tp_rank=0, pp_rank=0, tp_size=1,
+                           pp_size=1)[0] == 1

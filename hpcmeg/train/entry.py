@@ -159,6 +159,8 @@ def build_trainer(r: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=N
         n_params = model.num_params()
         fpt = flops_per_token(n_params, m.num_layers, m.hidden_size, r.data.seq_length)
         peak = peak_flops_for(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)  # the peak probe's matrices are not training memory
         try:
             schedule = schedule_from_recipe(t, t.global_batch_size, d.train_samples)
         except ValueError as e:
