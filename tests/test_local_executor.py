@@ -18,6 +18,7 @@ from hpcmeg.launch.rundir import latest_iteration, read_markers
 from test_submit_slurm import TINY, corpus_shards, hpcmeg, sets, status, tiny_dataset  # noqa: F401 (fixture)
 
 
+@pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist
 def test_local_chain_end_to_end(tmp_path):
     corpus_shards(tmp_path)
     over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",

@@ -58,6 +58,7 @@ def _weights(run):
     return flat
 
 
+@pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist
 def test_requeued_training_resumes_and_matches_uninterrupted_run(slurm_cluster, tmp_path, tiny_dataset):
     import subprocess
 

@@ -87,6 +87,7 @@ def no_sacct(tmp_path_factory):
     return {"PATH": f"{d}:{os.environ['PATH']}"}
 
 
+@pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist
 def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
     shards = corpus_shards(tmp_path)
     over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",
@@ -194,6 +195,7 @@ def _sacct_state(job: str, timeout=240) -> str:
     raise AssertionError(f"job {job} did not end in {timeout} s")
 
 
+@pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist
 def test_plain_sbatch_scripts_train_requeue_and_convert(slurm_cluster, tmp_path, tiny_dataset):
     """slurm/train.sh + slurm/convert.sh driven by hand: the lead signal makes train.sh requeue itself
     (same job id), the restart resumes and finishes, then the convert array converts every checkpoint."""
