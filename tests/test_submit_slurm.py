@@ -89,7 +89,7 @@ def no_sacct(tmp_path_factory):
 
 @pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist
 def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
-    shards = corpus_shards(tmp_path)
+    corpus_shards(tmp_path)
     over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",
                    "train.train_iters=20", "checkpoint.save_interval=10", "convert.iterations=all"]
     t0 = time.time()

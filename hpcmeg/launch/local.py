@@ -91,7 +91,7 @@ def describe(prep) -> list[str]:
         lines.append(f"[train] {r.cluster.world_size()} process(es) with RANK=0..{r.cluster.world_size() - 1}: "
                      + S.q(_cmd(prep, "train", str(prep.run.recipe))))
     if "convert" in prep.stages and r.convert.enabled:
-        lines.append(f"[convert] " + S.q(_cmd(prep, "convert", d.checkpoint_dir, "<out_dir>/iter_N", "--iteration", "N",
+        lines.append("[convert] " + S.q(_cmd(prep, "convert", d.checkpoint_dir, "<out_dir>/iter_N", "--iteration", "N",
                                              "--dtype", r.convert.dtype)))
     return lines
 
