@@ -180,3 +180,17 @@ def test_bad_recipe_exits_2(dataset, tmp_path, capsys):
     assert main(args) == EXIT_BAD_RECIPE
     assert "shorten the warmup" in capsys.readouterr().err
     assert main(args[:-2] + ["--set", "train.train_iters=50", "--set", "train.global_batch_size=6"]) == EXIT_BAD_RECIPE
+
+
+def test_prepare_cache_then_train_hits_the_cache(dataset, tmp_path, capsys):
+    from hpcmeg.cli import main
+
+    sets = [f"run.output_root={tmp_path}", "run.name=t", f"data.data_path=[{dataset}]", *SMALL]
+    assert main(["prepare-cache", TINY] + [x for s in sets for x in ("--set", s)]) == EXIT_OK
+    assert "index cache ready" in capsys.readouterr().out
+    cache = os.path.join(str(tmp_path), "t", "index-cache")
+    before = {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache) if f.endswith(".npy")}
+    assert len(before) == 6  # train + valid: document/sample/shuffle indices
+    assert train(small_recipe(tmp_path, dataset)) == EXIT_OK
+    after = {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache) if f.endswith(".npy")}
+    assert after == before  # same requested counts -> same keys -> nothing rebuilt

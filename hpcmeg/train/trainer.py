@@ -119,7 +119,7 @@ class Trainer:
                 self.evaluate()
                 now = time.perf_counter()  # eval and save time stay out of the step timing
                 win.t0 = now
-            if code == 1:
+            if code == 1 and st.iteration < n_iters:  # a stop on the last step is just the end
                 reason = reason or "stop requested on another rank"
                 self.save()
                 self.metrics.write({"kind": "event", "what": "preempted", "iteration": st.iteration, "reason": reason})
