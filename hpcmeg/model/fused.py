@@ -20,6 +20,7 @@ Everything here also runs on CPU in fp32 (tests compare it against ops.py within
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -86,8 +87,12 @@ def _ce_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(lf, dim=-1) - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-# A compiled copy for eager CUDA callers; inside an already-compiled model Dynamo inlines it.
-_ce_from_logits_compiled = torch.compile(_ce_from_logits)
+@functools.cache
+def _ce_from_logits_compiled():
+    """The compiled copy for eager CUDA callers, built on first use: calling torch.compile at
+    import time pulls in Dynamo/Inductor (7-12 s on CPU) even for runs that never take this path.
+    Inside an already-compiled model Dynamo inlines the plain function instead."""
+    return torch.compile(_ce_from_logits)
 
 
 def _autocast_cast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -141,5 +146,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         return loss.view(labels.shape)
     logits = F.linear(hidden, weight)
     if logits.is_cuda and not torch.compiler.is_compiling():
-        return _ce_from_logits_compiled(logits, labels)
+        return _ce_from_logits_compiled()(logits, labels)
     return _ce_from_logits(logits, labels)
