@@ -14,6 +14,7 @@ submission (a failure mid-chain still leaves ids for ``hpcmeg cancel``).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import os
 import shlex
@@ -65,8 +66,12 @@ def absolutize(r: Recipe) -> Recipe:
     return dataclasses.replace(r, run=run, data=data, checkpoint=ck, convert=cv)
 
 
-def expand_inputs(specs: list[str]) -> list[str]:
-    """data.inputs -> sorted files per spec, in spec order; one line per spec that matches nothing."""
+def expand_inputs(specs: list[str], allow_missing: bool = False) -> list[str]:
+    """data.inputs -> sorted files per spec, in spec order; one line per spec that matches nothing.
+
+    With ``allow_missing`` (``--dry-run`` on a machine that does not see the data, e.g. a laptop
+    rendering a cluster's scripts) an unmatched spec stays as one literal shard and a warning is
+    printed instead of an error."""
     out, bad = [], []
     for spec in specs:
         if any(c in spec for c in "*?["):
@@ -76,6 +81,10 @@ def expand_inputs(specs: list[str]) -> list[str]:
         if not found:
             bad.append(f"data.inputs: '{spec}' matches no file (paths are relative to the directory you submit from)")
         out += found
+    if bad and allow_missing:
+        for line in bad:
+            print(f"hpcmeg submit: warning (dry run): {line}; kept as one literal shard", file=sys.stderr)
+        return out + [spec for spec in specs if not any(f == spec or fnmatch.fnmatch(f, spec) for f in out)]
     if bad:
         raise RecipeError(bad)
     return out
@@ -89,16 +98,18 @@ def parse_stages(text: str) -> tuple[str, ...]:
     return tuple(s for s in ALL_STAGES if s in st)
 
 
-def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Optional[str] = None) -> Prepared:
+def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Optional[str] = None,
+            dry_run: bool = False) -> Prepared:
     r = absolutize(r)
     d = derive(r)
     run = RunDir(Path(d.run_dir))
     files: list[str] = []
     skip = False
     if "preprocess" in stages and not r.data.data_path:
-        files = expand_inputs(r.data.inputs)
+        files = expand_inputs(r.data.inputs, allow_missing=dry_run)
         outs = S.dataset_outputs(d.data_prefix, r)
-        skip = dataset_is_current(d.data_prefix, outs, input_manifest(files, S.tokenizer_settings(r)))
+        if all(os.path.isfile(f) for f in files):  # (a dry run may carry unmatched specs)
+            skip = dataset_is_current(d.data_prefix, outs, input_manifest(files, S.tokenizer_settings(r)))
     prep = Prepared(r, d, run, files, skip, stages)
     if r.cluster.executor == "slurm":
         warnings = unbound_paths(r, d, files)
@@ -226,7 +237,7 @@ def print_dry_run(prep: Prepared, written: list[Path]) -> None:
 def cli_submit(args) -> int:
     stages = parse_stages(getattr(args, "stages", ",".join(ALL_STAGES)))
     r = load_recipe(args.recipe, args.overrides, args.profile)
-    prep = prepare(r, stages)
+    prep = prepare(r, stages, dry_run=bool(args.dry_run))
     if r.cluster.executor == "local":
         from hpcmeg.launch import local
 
