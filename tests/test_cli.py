@@ -54,3 +54,16 @@ def test_validate_prints_derived():
     r = run("validate", "recipes/codeparrot_small.yaml")
     assert r.returncode == 0, r.stderr
     assert "grad_accum_steps: 2" in r.stdout and "padded_vocab_size: 50304" in r.stdout
+
+
+def test_submit_dry_run_codeparrot_small(tmp_path):
+    # the data lives on a cluster's filesystem, not here: the dry run still renders every script
+    r = run("submit", "recipes/codeparrot_small.yaml", "--dry-run", "--set", f"run.output_root={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    assert "grad_accum_steps: 2" in r.stdout and "padded_vocab_size: 50304" in r.stdout
+    run_dir = tmp_path / "codeparrot-small"
+    assert (run_dir / "recipe.yaml").exists()
+    scripts = list((run_dir / "scripts").glob("*"))
+    assert any("train" in p.name for p in scripts)
+    train = next(p for p in scripts if p.name.startswith("train") and p.suffix == ".sbatch").read_text()
+    assert "--requeue" in train and "--signal=TERM@" in train
