@@ -103,3 +103,110 @@ def test_loss_scaler_hysteresis_and_floor():
     s.update(True); s.update(True); assert s.scale == 2.0  # floor
     state = s.state_dict(); t = DynamicLossScaler(); t.load_state_dict(state)
     assert t.scale == 2.0
+
+
+# ---- bf16 params + fp32 master weights (MasterWeightAdamW) ----------------------------------
+
+def _master_setup(seed=0, lr=3e-3):
+    m = tiny_model(fused=True, seed=seed)
+    opt, impl = build_optimizer(m, lr, weight_decay=0.1, master_weights=True)
+    return m, opt, impl
+
+
+def test_master_update_matches_torch_adamw():
+    """The fused update (plain twin) equals torch AdamW on the fp32 masters for the same grads."""
+    from hpcmeg.train.optim import MasterWeightAdamW
+    ref = tiny_model(seed=3)
+    m = tiny_model(seed=3)
+    opt_ref, _ = build_optimizer(ref, 1e-2, weight_decay=0.1)
+    opt, impl = build_optimizer(m, 1e-2, weight_decay=0.1, master_weights=True)
+    assert isinstance(opt, MasterWeightAdamW) and impl.endswith("(plain)")
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        for lr in (1e-2 * (step + 1),):
+            for group in opt_ref.param_groups + opt.param_groups:
+                group["lr"] = lr
+        for pr, pm in zip(ref.parameters(), m.parameters()):
+            gb = torch.randn(pr.shape, generator=g).to(torch.bfloat16)  # bf16-representable grads
+            pr.grad, pm.grad = gb.float(), gb.clone()
+        opt_ref.step()
+        opt.step()
+        opt.zero_grad()
+    masters = [p for grp in opt.param_groups for p in grp["params"]]
+    refs = [p for grp in opt_ref.param_groups for p in grp["params"]]
+    for a, b in zip(masters, refs):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    for pm, mst in zip(opt._model_params, masters):  # the model holds the bf16 rounding of the master
+        assert torch.equal(pm.detach(), mst.to(torch.bfloat16))
+    # the checkpoint layout is torch AdamW's: a plain AdamW over fp32 params loads it
+    sd = opt.state_dict()
+    fresh = tiny_model(seed=3)
+    plain, _ = build_optimizer(fresh, 1e-2, weight_decay=0.1)
+    plain.load_state_dict({k: v for k, v in sd.items() if k != "fp32_from_fp16_params"})
+    for i, st in opt_ref.state_dict()["state"].items():
+        torch.testing.assert_close(plain.state_dict()["state"][i]["exp_avg_sq"], st["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_master_weights_clip_and_trainstep_learns():
+    m, opt, _ = _master_setup()
+    step = TrainStep(m, opt, "bf16", grad_clip=1.0, device="cpu")
+    assert step.bf16_params
+    x, y = batch()
+    first = step.run([(x, y)])
+    for _ in range(15):
+        last = step.run([(x, y)])
+    assert last.loss < first.loss - 0.5 and first.grad_norm > 0
+    # clip: the reported norm is the fp32 norm of the bf16 grads, and the update uses min(1, 1/norm)
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 1.0)
+    n = sum(p.numel() for p in m.parameters())
+    norm = opt.clip_grad_norm_(1.0)
+    assert abs(float(norm) - n ** 0.5) < 1e-3 * n ** 0.5
+    assert abs(float(opt._coef) - 1.0 / n ** 0.5) < 1e-6
+
+
+def test_master_weights_resume_is_exact():
+    """Save model + optimizer state after 2 steps, continue 2 more; a fresh run loading the state
+    (model first, then optimizer, as the trainer does) ends bit-identical."""
+    x, y = batch(seed=5)
+    m, opt, _ = _master_setup(seed=1)
+    step = TrainStep(m, opt, "bf16", grad_clip=1.0, device="cpu")
+    for _ in range(2):
+        step.run([(x, y)])
+    msd = {k: v.clone() for k, v in m.state_dict().items()}
+    osd = copy.deepcopy(opt.state_dict())
+    assert set(osd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(v.dtype == torch.bfloat16 for v in msd.values())
+    losses = [step.run([(x, y)]).loss for _ in range(2)]
+
+    m2, opt2, _ = _master_setup(seed=9)  # different init: everything must come from the state
+    m2.load_state_dict(msd)
+    opt2.load_state_dict(osd)
+    step2 = TrainStep(m2, opt2, "bf16", grad_clip=1.0, device="cpu")
+    losses2 = [step2.run([(x, y)]).loss for _ in range(2)]
+    assert losses == losses2
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    # weights-only start (no optimizer state): masters follow the loaded model
+    m3, opt3, _ = _master_setup(seed=9)
+    m3.load_state_dict(msd)
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in
+               zip((p for g in opt3.param_groups for p in g["params"]), opt3._model_params))
+
+
+def test_master_update_compiled_matches_plain():
+    """The compiled fused update (what CUDA runs) agrees with the plain twin (here on CPU)."""
+    from hpcmeg.train.optim import _compiled_update, adamw_master_update_
+    g = torch.Generator().manual_seed(0)
+    n = 4099
+    ins = [torch.randn(n, generator=g) for _ in range(3)]
+    ins[2] = ins[2].abs()
+    g16 = torch.randn(n, generator=g).to(torch.bfloat16)
+    hp = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 1 - 0.9 ** 3, 0.7, (1 - 0.95 ** 3) ** 0.5])
+    a = [ins[0].to(torch.bfloat16)] + [t.clone() for t in ins]
+    b = [t.clone() for t in a]
+    adamw_master_update_(a[0], a[1], g16, a[2], a[3], hp)
+    _compiled_update()(b[0], b[1], g16, b[2], b[3], hp)
+    for x, z in zip(a, b):
+        torch.testing.assert_close(x, z, rtol=1e-5, atol=1e-6)

@@ -18,8 +18,10 @@ Contract:
 compile_mode / compile_options go to torch.compile; with neither given on CUDA the default is
 {"triton.cudagraphs": True} (CUDA graphs; not for a DDP module). Never max-autotune (compile time);
 coordinate_descent_tuning did not finish compiling within the benchmark's budget.
-Precision: "bf16" = fp32 master params + bf16 autocast (measured vs bf16 params: see
-bench/results/train_throughput*.md); "fp16" = fp16 autocast + dynamic loss scaling.
+Precision: "bf16" = fp32 params + bf16 autocast, or, when the model's params are bf16
+(build_optimizer(master_weights=True): fp32 masters live in MasterWeightAdamW), the model runs in
+bf16 without autocast and clipping uses the optimizer's clip_grad_norm_ (fp32 norm over the bf16
+grads); "fp16" = fp16 autocast + dynamic loss scaling. Measurements: bench/results/train_throughput*.md.
 """
 from __future__ import annotations
 
@@ -71,6 +73,9 @@ class TrainStep:
                                            or (compile_options or {}).get("triton.cudagraphs"))
         self._compiled: dict[int, nn.Module] = {}  # id(module) -> torch.compile wrapper
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # bf16 params (master weights in the optimizer): autocast would only add fp32 LayerNorm outputs
+        self.bf16_params = precision == "bf16" and all(p.dtype == torch.bfloat16 for p in self.params)
+        self._opt_clips = hasattr(optimizer, "clip_grad_norm_")
 
     def _forward_fn(self, module: nn.Module) -> nn.Module:
         if not self.compile:
@@ -87,7 +92,7 @@ class TrainStep:
 
     def _autocast(self):
         dt = _AUTOCAST[self.precision]
-        if dt is None:
+        if dt is None or self.bf16_params:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dt)
 
@@ -100,8 +105,11 @@ class TrainStep:
             torch.compiler.cudagraph_mark_step_begin()
         masks = [mb[2] if len(mb) > 2 else None for mb in micro_batches]
         # token count of the whole step, so each micro batch's loss is a share of ONE mean
-        n_tok = sum((m.sum() if m is not None else torch.tensor(mb[1].numel()))
-                    for m, mb in zip(masks, micro_batches)).to(self.device, torch.float32)
+        if all(m is None for m in masks):  # a plain number: no host->device copy (a sync) per step
+            n_tok = float(sum(mb[1].numel() for mb in micro_batches))
+        else:
+            n_tok = sum((m.sum() if m is not None else torch.tensor(mb[1].numel()))
+                        for m, mb in zip(masks, micro_batches)).to(self.device, torch.float32)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for i, (mb, mask) in enumerate(zip(micro_batches, masks)):
@@ -132,7 +140,9 @@ class TrainStep:
                 self.optimizer.zero_grad(set_to_none=True)
                 return StepResult(mean_loss.item(), math.nan, True, scale)
             self.loss_scaler.update(False)
-        if self.grad_clip and self.grad_clip > 0:
+        if self._opt_clips:  # MasterWeightAdamW: gathers the bf16 grads, fp32 norm, clip folded into step()
+            gnorm = self.optimizer.clip_grad_norm_(self.grad_clip)
+        elif self.grad_clip and self.grad_clip > 0:
             gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
         else:
             gnorm = torch.nn.utils.get_total_norm(grads, foreach=True)
