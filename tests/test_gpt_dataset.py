@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from hpcmeg.data import index_cache
-from hpcmeg.data.blended import (blending_indices, build_train_valid_test_datasets, exhaustive_blending_indices,
-                                 parse_blend, size_per_dataset)
-from hpcmeg.data.gpt_dataset import (GPTDatasetConfig, build_document_index, build_gpt_indices, build_sample_index,
-                                     build_sample_index_loop, num_epochs_for, num_samples_per_split,
-                                     separate_final_epoch, split_ranges)
+from hpcmeg.data.blended import (blending_indices, blending_indices_loop, build_train_valid_test_datasets,
+                                 exhaustive_blending_indices, parse_blend, size_per_dataset)
+from hpcmeg.data.gpt_dataset import (GPTDatasetConfig, build_document_index, build_gpt_datasets, build_gpt_indices,
+                                     build_sample_index, build_sample_index_loop, num_epochs_for,
+                                     num_samples_per_split, separate_final_epoch, split_ranges)
+from hpcmeg.data.indexed import IndexedDatasetBuilder
 
 GOLD = os.path.join(os.path.dirname(__file__), "data", "megatron_golden")
 sys.path.insert(0, GOLD)
@@ -152,11 +153,12 @@ def test_samples_cover_the_token_stream_exactly(golden_data, tmp_path):
 
 
 def test_blending_rule_and_sizes():
-    di, dsi = blending_indices([0.3, 0.7], 10, use_numba=False)
-    assert di.tolist() == [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]  # worked by hand: argmax of w*max(i,1) - count
-    assert dsi.tolist() == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6]
-    di, _ = blending_indices([0.5, 0.5], 4, use_numba=False)
-    assert di.tolist() == [0, 1, 0, 1]  # ties: the first dataset wins
+    for fn in (blending_indices, blending_indices_loop):
+        di, dsi = fn([0.3, 0.7], 10)
+        assert di.tolist() == [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]  # worked by hand: argmax of w*max(i,1) - count
+        assert dsi.tolist() == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6]
+        di, _ = fn([0.5, 0.5], 4)
+        assert di.tolist() == [0, 1, 0, 1]  # ties: the first dataset wins
     assert size_per_dataset([0.3, 0.7], 1000, 0.005) == [302, 704]
     assert parse_blend("0.3 a 0.7 b") == (["a", "b"], [0.3, 0.7])
     assert parse_blend(["a", "b"]) == (["a", "b"], None)
@@ -234,9 +236,64 @@ def test_prepare_cache_then_training_loads(golden_data, tmp_path):
     assert len(os.listdir(tmp_path / "c")) == n_files
 
 
-def test_numba_blending_twin_agrees_when_available():
-    pytest.importorskip("numba")
-    w = [0.2, 0.3, 0.5]
-    a = blending_indices(w, 5000, use_numba=True)
-    b = blending_indices(w, 5000, use_numba=False)
-    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+def _weight_cases():
+    rs = np.random.RandomState(11)
+    cases = [[1.0], [0.5, 0.5], [0.3, 0.7], [0.2, 0.3, 0.5], [1 / 3] * 3, [0.25] * 4, [0.123, 0.877],
+             [1e-9, 1 - 1e-9], [1e-4, 0.3, 0.7 - 1e-4], [1e-12, 1e-12, 1.0], [3, 1, 1, 1, 1, 1, 1, 1]]
+    cases += [rs.dirichlet([a] * k).tolist() for a, k in [(1, 2), (1, 3), (1, 3), (1, 4), (0.1, 3), (1, 6),
+                                                          (0.2, 8), (1, 40)]]
+    return [np.array(w, np.float64) / np.sum(np.array(w, np.float64)) for w in cases]  # normalized like the blend
+
+
+@pytest.mark.parametrize("k", range(19))
+def test_fast_blending_is_bit_identical_to_the_loop(k):
+    """Speculated numpy blend == Megatron's one-step loop: equal/tiny/random weights, 1..40 datasets,
+    sizes around the period start-up and long enough for several blocks, resyncs and tilings."""
+    w = _weight_cases()[k].tolist()
+    for size in (0, 1, 2, 3, 65, 1000, 60_000 if len(w) < 10 else 5000):
+        ref, ref_s = blending_indices_loop(w, size)
+        got, got_s = blending_indices(w, size)
+        assert got.dtype == np.int16 and got_s.dtype == np.int64
+        assert np.array_equal(got, ref) and np.array_equal(got_s, ref_s), (w, size)
+
+
+def _tiny_dataset(path, n_docs):
+    rs = np.random.RandomState(n_docs)
+    builder = IndexedDatasetBuilder(str(path) + ".bin", np.uint16)
+    for _ in range(n_docs):
+        n = int(rs.randint(20, 80))
+        builder.add_document(rs.randint(0, 50000, size=n), [n])
+    builder.finalize(str(path) + ".idx")
+    return str(path)
+
+
+def test_split_rounding_to_empty_test_or_unused_valid_is_none(tmp_path):
+    # 300 documents: "949,50,1" rounds the test split to (300, 300), which training never reads
+    prefix = _tiny_dataset(tmp_path / "t300", 300)
+    cfg = GPTDatasetConfig(seq_length=32, seed=1, split="949,50,1", cache_dir=str(tmp_path / "c"))
+    train, valid, test = build_gpt_datasets(prefix, cfg, [200, 20, 8])
+    assert len(train) >= 200 and len(valid) >= 20 and test is None
+    # blends follow their members: no test split, no error
+    ds = build_train_valid_test_datasets(cfg, ["0.4", prefix, "0.6", prefix], [200, 20, 8])
+    assert len(ds[0]) == 200 and ds[2] is None
+    # 40 documents: "99,1,0" rounds valid to (40, 40); fine while no validation samples are asked for
+    small = _tiny_dataset(tmp_path / "t40", 40)
+    cfg = GPTDatasetConfig(seq_length=32, seed=1, split="99,1,0", cache_dir=str(tmp_path / "c"))
+    for n_valid in (0, None):
+        train, valid, test = build_gpt_datasets(small, cfg, [50, n_valid, None])
+        assert len(train) >= 50 and valid is None and test is None
+
+
+def test_split_rounding_to_empty_when_needed_names_split_count_and_fix(tmp_path):
+    small = _tiny_dataset(tmp_path / "t40", 40)
+    cfg = GPTDatasetConfig(seq_length=32, seed=1, split="99,1,0", cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError) as e:
+        build_gpt_datasets(small, cfg, [50, 16, None])
+    msg = str(e.value)
+    assert "\n" not in msg and "valid split" in msg and "0 of 40 sequences" in msg and "16 validation samples" in msg
+    assert "data.split=90,10,0" in msg
+    cfg = GPTDatasetConfig(seq_length=32, seed=1, split="1,99,0", cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match=r"the train split of data.split='1,99,0' gets 0 of 40 sequences"):
+        build_gpt_datasets(small, cfg, [50, 0, None])
+    with pytest.raises(ValueError, match="train split"):
+        build_train_valid_test_datasets(cfg, ["0.5", small, "0.5", small], [50, 0, None])

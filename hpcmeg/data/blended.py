@@ -9,9 +9,10 @@ docs/megatron-interop.md §3.5):
 - Blend order: for i in 0..size-1 pick d* = argmax_d (w_d * max(i,1) - count_d), first max wins;
   dataset_index[i] = d* (int16), dataset_sample_index[i] = count_d* (int64). No randomness.
 
-`blending_indices` is a tight pure-Python loop (K multiply-subtracts per sample, ~1 us/sample on
-the dev box); with numba importable the same loop is jit-compiled (optional, never required).
-The arrays are cached like the GPT indices (`index_cache.load_or_build`).
+`blending_indices` is numpy, no compile step, bit-identical to that loop: picks are proposed by
+copying the sequence p steps back (it is nearly periodic) and every pick is re-checked in double
+(`blend_speculative`), ~0.1 us/sample; `blending_indices_loop` is the plain one-step twin
+(~1.3 us/sample). The arrays are cached like the GPT indices (`index_cache.load_or_build`).
 """
 
 from __future__ import annotations
@@ -55,57 +56,198 @@ def size_per_dataset(weights: Sequence[float], size: int, surplus: float = 0.0) 
     return [int(math.ceil(math.ceil(size * w) * (1 + surplus))) for w in weights]
 
 
-def _blend_loop(weights: List[float], size: int, dataset_index, dataset_sample_index) -> None:
-    counts = [0] * len(weights)
-    ks = range(1, len(weights))
-    w0 = weights[0]
-    for i in range(size):
+def _loop_steps(w: List[float], start: int, stop: int, counts: List[int], out) -> None:
+    """Megatron's rule, one step at a time, for steps [start, stop); updates `counts` in place."""
+    ks, w0 = range(1, len(w)), w[0]
+    for i in range(start, stop):
         s = float(i) if i > 1 else 1.0
         best, err_max = 0, w0 * s - counts[0]
         for d in ks:
-            err = weights[d] * s - counts[d]
+            err = w[d] * s - counts[d]
             if err > err_max:
                 best, err_max = d, err
-        dataset_index[i] = best
-        dataset_sample_index[i] = counts[best]
+        out[i - start] = best
         counts[best] += 1
 
 
-def _blend_numba():
-    try:
-        import numba  # optional accelerator, only if already installed
-    except ImportError:
-        return None
-
-    @numba.njit(cache=False)
-    def loop(weights, size, dataset_index, dataset_sample_index):  # pragma: no cover - optional
-        counts = np.zeros(weights.shape[0], dtype=np.int64)
-        for i in range(size):
-            s = max(float(i), 1.0)
-            best, err_max = 0, weights[0] * s - counts[0]
-            for d in range(1, weights.shape[0]):
-                err = weights[d] * s - counts[d]
-                if err > err_max:
-                    best, err_max = d, err
-            dataset_index[i] = best
-            dataset_sample_index[i] = counts[best]
-            counts[best] += 1
-    return loop
+def dataset_sample_index_of(dataset_index: np.ndarray, num_datasets: int) -> np.ndarray:
+    """int64[size]: for each position, how many earlier positions hold the same dataset."""
+    size = dataset_index.shape[0]
+    out = np.empty(size, dtype=np.int64)
+    if num_datasets <= 16:
+        for d in range(num_datasets):
+            where = np.flatnonzero(dataset_index == d)
+            out[where] = np.arange(where.shape[0], dtype=np.int64)
+        return out
+    order = np.argsort(dataset_index, kind="stable")
+    counts = np.bincount(dataset_index, minlength=num_datasets)
+    out[order] = np.arange(size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return out
 
 
-def blending_indices(weights: Sequence[float], size: int, use_numba: bool = True) -> Tuple[np.ndarray, np.ndarray]:
-    """(dataset_index int16[size], dataset_sample_index int64[size]) for normalized `weights`."""
+_BLOCK_CELLS = 1 << 18  # steps x datasets checked per numpy pass (temporaries stay in cache)
+_WARM = 64  # steps 0 and 1 share s = 1, so the sequence is periodic only after a short start
+_RESYNC = 64  # exact steps a repair may take before the proposal is abandoned for this block
+
+
+def _copy_distances(w: np.ndarray, size: int) -> List[int]:
+    """Increasing p with w_d * p close to an integer for every d: picks p steps apart mostly agree."""
+    out: List[int] = []
+    for pmax in (64, 1024, 1 << 14, 1 << 18, 1 << 20):
+        pmax = min(pmax, size // 4, max(64, (1 << 22) // w.shape[0]))
+        if pmax < 1:
+            break
+        f = np.arange(1, pmax + 1, dtype=np.float64)[:, None] * w[None, :]
+        p = int(np.argmin(np.abs(f - np.rint(f)).max(axis=1))) + 1
+        if not out or p > out[-1]:
+            out.append(p)
+    return out
+
+
+def _check(P: np.ndarray, i: int, w: np.ndarray, counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Megatron's pick at steps i..i+n-1 given that steps before them picked P: (picks, counts before).
+
+    Counts are exact integers in float64 (< 2**53); errors are w*s - count in double, two roundings,
+    as Megatron computes them; ties keep the lower dataset (strict >, like its loop).
+    """
+    n = P.shape[0]
+    s = np.arange(i, i + n, dtype=np.float64)
+    best = np.empty(n, np.float64)
+    pick = np.zeros(n, np.intp)
+    before = np.empty((w.shape[0], n), np.float64)
+    err = np.empty(n, np.float64)
+    for d in range(w.shape[0]):
+        mine = P == d
+        np.cumsum(mine, dtype=np.float64, out=before[d])
+        before[d] -= mine
+        before[d] += counts[d]
+        np.multiply(s, w[d], out=err)
+        err -= before[d]
+        if d == 0:
+            best[:] = err
+        else:
+            better = err > best
+            np.copyto(pick, d, where=better)
+            np.maximum(best, err, out=best)
+    return pick, before
+
+
+def _repair(w: List[float], i: int, j: int, n: int, counts: List[int], P: List[int]) -> Tuple[List[int], int, bool]:
+    """Exact steps from block position j until the counts agree with the proposal's again.
+
+    Returns (picks for positions j..k-1, k, resynced). Once counts agree, the proposal's later picks
+    were already checked against the right counts, so the block continues past k.
+    """
+    ks, w0 = range(1, len(w)), w[0]
+    diff, nonzero, out, m = [0] * len(w), 0, [], j
+    while m < n and m - j < _RESYNC:
+        s = float(i + m)
+        best, err_max = 0, w0 * s - counts[0]
+        for d in ks:
+            err = w[d] * s - counts[d]
+            if err > err_max:
+                best, err_max = d, err
+        out.append(best)
+        counts[best] += 1
+        x = P[m - j]
+        if best != x:
+            old = diff[best]
+            diff[best] = old + 1
+            nonzero += (old == 0) - (old == -1)
+            old = diff[x]
+            diff[x] = old - 1
+            nonzero += (old == 0) - (old == 1)
+        m += 1
+        if nonzero == 0:
+            return out, m, True
+    return out, m, False
+
+
+def blend_speculative(weights: List[float], size: int) -> np.ndarray:
+    """dataset_index (int16) by Megatron's rule, speculated in numpy blocks and checked exactly.
+
+    Why it is exact: the pick sequence is nearly periodic with any p where w*p is near integers
+    (the error vector w*i - count then nearly repeats), so the picks p steps back are proposed for a
+    block; `_check` recomputes every pick of the block in double from the proposal's counts. Up to
+    the first disagreement the proposal is Megatron's sequence; from there `_repair` runs the exact
+    loop until the counts agree again (usually two swapped picks at a near-tie) and the block goes on.
+    Blocks never copy from unverified picks, except whole-block tiling of a short p, which is turned
+    off for that p once it needed a repair. With many datasets (no good p) it falls back to the loop.
+    """
+    K = len(weights)
+    w = np.asarray(weights, np.float64)
+    di = np.zeros(size, np.int16)
+    if K == 1:
+        return di
+    ladder = _copy_distances(w, size)
+    head = min(size, ladder[0] + _WARM) if ladder else size
+    counts_list = [0] * K
+    _loop_steps(weights, 0, head, counts_list, di)
+    counts = np.array(counts_list, np.float64)
+    block, tile_ok, i = max(256, _BLOCK_CELLS // K), {}, head
+    while i < size:
+        p = max(q for q in ladder if q + _WARM <= i)
+        n = min(block if tile_ok.get(p, True) else p, size - i)
+        later = [q + _WARM - i for q in ladder if q + _WARM > i]
+        n = min(n, later[0]) if later else n
+        P = np.resize(di[i - p:i], n).astype(np.intp)
+        pick, before = _check(P, i, w, counts)
+        bad = np.flatnonzero(pick != P)
+        end, done, repairs, counts_end = n, 0, 0, None
+        last = int(P[n - 1])
+        for j in bad.tolist():
+            if j < done:  # inside a repaired stretch
+                continue
+            repairs += 1
+            got, done, synced = _repair(weights, i, j, n, before[:, j].astype(np.int64).tolist(),
+                                        P[j:j + _RESYNC].tolist())
+            P[j:done] = got
+            if not synced:  # the proposal is off here: keep the exact prefix, propose anew from it
+                end = done
+                counts_end = before[:, j] + np.bincount(np.asarray(got, np.intp), minlength=K)
+                break
+        if repairs and n > p:
+            tile_ok[p] = False
+        di[i:i + end] = P[:end]
+        counts = counts_end if counts_end is not None else before[:, n - 1] + (np.arange(K) == last)
+        i += end
+        if repairs > 0.05 * end and not later and n <= p:  # no good p: Megatron's loop is cheaper
+            rest = [0] * (size - i)
+            cl = counts.astype(np.int64).tolist()
+            _loop_steps(weights, i, size, cl, rest)
+            di[i:] = rest
+            break
+    return di
+
+
+def blending_indices_loop(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The plain twin of `blending_indices`: Megatron's loop, one sample at a time (~1.3 us/sample)."""
     if len(weights) >= 32767:
         raise ValueError("at most 32766 datasets can be blended (int16 dataset index)")
-    fast = _blend_numba() if use_numba else None
-    if fast is not None:
-        di, dsi = np.zeros(size, np.int16), np.zeros(size, np.int64)
-        fast(np.asarray(weights, np.float64), size, di, dsi)
-        return di, dsi
     # Python lists are faster to index than numpy arrays in a scalar loop; convert once at the end
-    di, dsi = [0] * size, [0] * size
-    _blend_loop([float(w) for w in weights], size, di, dsi)
+    di, dsi, counts = [0] * size, [0] * size, [0] * len(weights)
+    ks, w = range(1, len(weights)), [float(v) for v in weights]
+    for i in range(size):
+        s = float(i) if i > 1 else 1.0
+        best, err_max = 0, w[0] * s - counts[0]
+        for d in ks:
+            err = w[d] * s - counts[d]
+            if err > err_max:
+                best, err_max = d, err
+        di[i], dsi[i] = best, counts[best]
+        counts[best] += 1
     return np.array(di, dtype=np.int16), np.array(dsi, dtype=np.int64)
+
+
+def blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(dataset_index int16[size], dataset_sample_index int64[size]) for normalized `weights`.
+
+    Bit-identical to Megatron's loop (see `blend_speculative`); `blending_indices_loop` is the twin.
+    """
+    if len(weights) >= 32767:
+        raise ValueError("at most 32766 datasets can be blended (int16 dataset index)")
+    di = blend_speculative([float(v) for v in weights], size)
+    return di, dataset_sample_index_of(di, len(weights))
 
 
 def exhaustive_blending_indices(sizes: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
@@ -184,7 +326,7 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, blend: Sequence[st
     out = []
     for i in range(len(SPLIT_NAMES)):
         split_members = [m[i] for m in members]
-        if split_members[0] is None:
+        if any(m is None for m in split_members):  # off, or empty and unused, in some member
             out.append(None)
             continue
         if weights is not None:

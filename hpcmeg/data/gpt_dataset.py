@@ -322,16 +322,33 @@ class GPTDataset:
 
 def build_gpt_datasets(prefix: str, config: GPTDatasetConfig, num_samples: Sequence[int | None],
                        indexed=None) -> List[Optional[GPTDataset]]:
-    """[train, valid, test] GPTDatasets of one prefix (None where the split is empty)."""
+    """[train, valid, test] GPTDatasets of one prefix (None where the split is empty and unused).
+
+    A split that rounds to no sequences (or no tokens) is None when training cannot need it: always
+    for test, and for valid when no validation samples are requested (0 or None). An empty train
+    split, or an empty valid split with validation samples requested, is a one-line ValueError.
+    """
     if indexed is None:
         from hpcmeg.data.indexed import IndexedDataset
 
         indexed = IndexedDataset(prefix, mmap=config.mmap)
+    sizes = indexed.sequence_lengths
     out: List[Optional[GPTDataset]] = []
-    for name, rng, n in zip(SPLIT_NAMES, split_ranges(config.split, len(indexed.sequence_lengths)), num_samples):
-        if rng is None:
+    for name, rng, n in zip(SPLIT_NAMES, split_ranges(config.split, len(sizes)), num_samples):
+        if rng is None:  # a share of 0 in data.split: the user turned this split off
             out.append(None)
             continue
         docs = np.arange(rng[0], rng[1], dtype=np.int32)
-        out.append(GPTDataset(indexed, prefix, name, docs, n, config))
+        tokens = int(np.sum(sizes[docs], dtype=np.int64))
+        if tokens > 0:
+            out.append(GPTDataset(indexed, prefix, name, docs, n, config))
+            continue
+        if name == "test" or (name == "valid" and not n):  # rounded to empty, and never read
+            out.append(None)
+            continue
+        need = f"{n} validation samples are requested" if name == "valid" else "training needs it"
+        fix = ("use data.split=90,10,0 or more data" if name == "valid"
+               else "give train a larger share of data.split or use more data")
+        raise ValueError(f"{prefix}: the {name} split of data.split={config.split!r} gets {len(docs)} of "
+                         f"{len(sizes)} sequences ({tokens} tokens) but {need}; {fix}")
     return out
