@@ -11,7 +11,7 @@ docs/megatron-interop.md §3.5):
 
 `blending_indices` is numpy, no compile step, bit-identical to that loop: picks are proposed by
 copying the sequence p steps back (it is nearly periodic) and every pick is re-checked in double
-(`blend_speculative`), ~0.1 us/sample; `blending_indices_loop` is the plain one-step twin
+(`blend_speculative`), ~0.15 us/sample for 2-3 datasets; `blending_indices_loop` is the plain one-step twin
 (~1.3 us/sample). The arrays are cached like the GPT indices (`index_cache.load_or_build`).
 """
 
