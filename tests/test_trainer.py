@@ -91,15 +91,16 @@ def test_it_learns_fast(dataset, tmp_path):
 
 @pytest.mark.slow
 def test_it_learns_tiny_recipe(dataset, tmp_path):
-    """The tiny recipe's real model (4 x 128, seq 128, global batch 8) for 100 CPU steps.
-    Measured: mean loss of steps 1-10 9.5, of steps 91-100 4.0, validation 4.0 (~2-4 min on 2 cores)."""
+    """The tiny recipe's real model (4 x 128, seq 128, global batch 8) for 60 CPU steps.
+    Measured at 100 steps: mean loss of steps 1-10 9.5, of steps 91-100 4.0, validation 4.0; 60 steps
+    keep CI time down (the demo runs the full 200)."""
     r = load_recipe(TINY, [f"run.output_root={tmp_path}", f"data.data_path=[{dataset}]", "data.split=949,50,0",
-                           "train.train_iters=100", "train.lr_warmup_iters=10", "train.eval_interval=100",
+                           "train.train_iters=60", "train.lr_warmup_iters=10", "train.eval_interval=60",
                            "checkpoint.save_interval=0", "cluster.cpu_tasks_per_node=1"])
     assert train(r) == EXIT_OK
     m = read_metrics(os.path.join(run_dir(r), "metrics.jsonl"))
     assert m["train"][0]["loss"] > 9.0  # log_interval 10: the mean of steps 1-10
-    assert m["train"][-1]["loss"] < 5.0 and m["eval"][-1]["val_loss"] < 5.0
+    assert m["train"][-1]["loss"] < 5.5 and m["eval"][-1]["val_loss"] < 5.5
 
 
 def test_metrics_checkpoint_and_plot(dataset, tmp_path):
