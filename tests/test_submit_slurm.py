@@ -79,12 +79,24 @@ def tiny_dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def no_sacct(tmp_path_factory):
-    """PATH with a `sacct` that fails like a cluster without accounting does (for single calls only)."""
-    d = tmp_path_factory.mktemp("nosacct")
-    f = d / "sacct"
-    f.write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
-    f.chmod(0o755)
-    return {"PATH": f"{d}:{os.environ['PATH']}"}
+    """A real client view of a cluster without accounting: the cluster's own slurm.conf with
+    AccountingStorageType=accounting_storage/none, so the real `sacct` answers "Slurm accounting
+    storage is disabled" (rc 1) while squeue/scontrol still talk to the same controller."""
+    d = tmp_path_factory.mktemp("noacct")
+    conf = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")).read_text().splitlines()
+    out = []
+    for line in conf:
+        if line.startswith("AccountingStorageType="):
+            out.append("AccountingStorageType=accounting_storage/none")
+        elif line.startswith(("AccountingStorageHost=", "JobAcctGatherType=")):
+            continue
+        else:
+            out.append(line)
+    (d / "slurm.conf").write_text("\n".join(out) + "\n")
+    env = {"SLURM_CONF": str(d / "slurm.conf")}
+    r = subprocess.run(["sacct", "-n", "-j", "1"], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.returncode != 0 and "accounting storage is disabled" in (r.stdout + r.stderr).lower()
+    return env
 
 
 @pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist
