@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                        ("cpu" if a.device == "auto" else a.device))
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    runs, report, trainer = {}, {}, None
+    runs, report = {}, {}
     os.makedirs(a.out, exist_ok=True)
     jpath, ppath = (os.path.join(a.out, f"loss_parity_{a.tag}.{e}") for e in ("json", "png"))
 
@@ -173,9 +173,28 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=1)
         os.replace(jpath + ".tmp", jpath)
 
+    state = {"trainer": None, "recipe": None}
+
+    def over_budget() -> bool:
+        return bool(a.budget_s) and time.time() - t_start > a.budget_s
+
+    def hf_run():
+        if state["trainer"] is None or "hf_gpt2" in runs:
+            return
+        if over_budget():
+            runs["hf_gpt2"] = dict(error="skipped: over --budget-s")
+            return
+        try:
+            runs["hf_gpt2"] = run_hf(state["recipe"], state["trainer"], dev, a.log_interval)
+        except Exception as ex:  # keep what the other runs give
+            runs["hf_gpt2"] = dict(error=repr(ex)[:400])
+        print("hf_gpt2", json.dumps(runs["hf_gpt2"])[:600], flush=True)
+        save()
+
+    # HF right after the first hpcmeg run (it needs that run's datasets), then the other variants
     for variant in [v for v in a.hpcmeg_variants.split(",") if v]:
         name = f"hpcmeg_{variant}"
-        if a.budget_s and time.time() - t_start > a.budget_s:
+        if over_budget():
             runs[name] = dict(error="skipped: over --budget-s")
             continue
         r = tt.bench_recipe(a.data, f"parity_{variant}_{int(time.time())}", prefix, vocab, merge, size=size,
@@ -184,18 +203,13 @@ def main(argv=None) -> int:
                             precision="bf16", extra=[f"train.log_interval={a.log_interval}"])
         try:
             runs[name], trainer_v = run_hpcmeg(r, master=variant == "master")
-            trainer = trainer or trainer_v
-            rec = r
+            if state["trainer"] is None:
+                state.update(trainer=trainer_v, recipe=r)
         except Exception as ex:  # keep what the other runs give
             runs[name] = dict(error=repr(ex)[:400])
         print(name, json.dumps(runs[name])[:600], flush=True)
         save()
-    if trainer is not None and not (a.budget_s and time.time() - t_start > a.budget_s):
-        try:
-            runs["hf_gpt2"] = run_hf(rec, trainer, dev, a.log_interval)
-        except Exception as ex:
-            runs["hf_gpt2"] = dict(error=repr(ex)[:400])
-        print("hf_gpt2", json.dumps(runs["hf_gpt2"])[:600], flush=True)
+        hf_run()
     hf = dict(runs.get("hf_gpt2", {}).get("val", []))
     for name, run in runs.items():
         if name.startswith("hpcmeg") and run.get("val") and hf:

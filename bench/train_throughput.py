@@ -152,7 +152,7 @@ def run_trainer(r, master: bool = False, environ=None, skip_final_save: bool = T
 def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, data: dict) -> dict:
     L, D, H = SIZES[size]
     r = bench_recipe(data["out"], f"tp_{size}_{variant}", data["prefix"], data["vocab"], data["merge"],
-                     size=(L, D, H), mb=mb, iters=warmup + steps)
+                     size=(L, D, H), mb=mb, iters=warmup + steps, warmup=max(1, (warmup + steps) // 4))
     torch.cuda.reset_peak_memory_stats()
     times, trainer = run_trainer(r, master=variant == "trainer_master")
     dt = sum(times[warmup:]) / len(times[warmup:])
