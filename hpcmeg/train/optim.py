@@ -220,7 +220,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             if self._master.is_cuda:  # async copy from pinned memory: no host sync per step
                 hp = hp.pin_memory().to(self._master.device, non_blocking=True)
             hp[6:7].copy_(self._coef.reshape(1))
-            fn(self._p16[a:b], self._master[a:b], self._g16[a:b], self._m[a:b], self._v[a:b], hp)
+            args = (self._p16[a:b], self._master[a:b], self._g16[a:b], self._m[a:b], self._v[a:b], hp)
+            try:
+                fn(*args)
+            except Exception as ex:  # a compiler failure must not stop training: run the plain twin
+                if fn is adamw_master_update_:
+                    raise
+                print(f"MasterWeightAdamW: compiled update failed ({type(ex).__name__}: {ex}); using the plain one",
+                      flush=True)
+                self.compiled, fn = False, adamw_master_update_
+                fn(*args)
         self._coef = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
