@@ -46,13 +46,14 @@ def cache_paths(cache_dir: str, md5: str, kind: str, split: str, names: Sequence
     return paths
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file in the same directory and os.replace."""
+def _atomic_write(path: str, write, suffix: str = "") -> None:
+    """Call ``write(f)`` on a temporary file in the same directory, fsync, then os.replace:
+    readers see the old file or the whole new one, never a torn one."""
     d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", suffix=suffix, dir=d)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -60,22 +61,16 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write `data` to `path` atomically."""
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_save_npy(path: str, array: np.ndarray) -> None:
-    """np.save to a temporary name, then os.replace (readers see the old file or the whole new one)."""
-    d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", suffix=".npy", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
+    """np.save to `path` atomically."""
+    _atomic_write(path, lambda f: np.save(f, np.ascontiguousarray(array), allow_pickle=False), suffix=".npy")
 
 
 @contextlib.contextmanager

@@ -96,18 +96,24 @@ def mergeable_ranks(vocab: dict[str, int], merge_file: str, specials: dict[str, 
     return ranks
 
 
+def _load_gpt2_vocab(vocab_file: str | None, merge_file: str | None):
+    """(vocab path, merges path, vocab dict, special tokens) for a GPT-2 style vocabulary with EOD."""
+    vocab_file, merge_file = _resolve_files(vocab_file, merge_file)
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    specials = _special_tokens(vocab)
+    if EOD_TOKEN not in specials:
+        raise ValueError(f"{vocab_file}: no {EOD_TOKEN} entry; GPT-2 style vocabularies need one for EOD")
+    return vocab_file, merge_file, vocab, specials
+
+
 class TiktokenBPE:
     """Fast path: tiktoken's Rust BPE from local vocab.json + merges.txt."""
 
     def __init__(self, vocab_file: str | None = None, merge_file: str | None = None, parse_special: bool = True):
         import tiktoken
 
-        self.vocab_file, self.merge_file = _resolve_files(vocab_file, merge_file)
-        with open(self.vocab_file, encoding="utf-8") as f:
-            vocab = json.load(f)
-        specials = _special_tokens(vocab)
-        if EOD_TOKEN not in specials:
-            raise ValueError(f"{self.vocab_file}: no {EOD_TOKEN} entry; GPT-2 style vocabularies need one for EOD")
+        self.vocab_file, self.merge_file, vocab, specials = _load_gpt2_vocab(vocab_file, merge_file)
         try:
             ranks = mergeable_ranks(vocab, self.merge_file, specials)
         except (ValueError, KeyError):
@@ -139,12 +145,7 @@ class TokenizersBPE:
     def __init__(self, vocab_file: str | None = None, merge_file: str | None = None, parse_special: bool = True):
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-        self.vocab_file, self.merge_file = _resolve_files(vocab_file, merge_file)
-        with open(self.vocab_file, encoding="utf-8") as f:
-            vocab = json.load(f)
-        specials = _special_tokens(vocab)
-        if EOD_TOKEN not in specials:
-            raise ValueError(f"{self.vocab_file}: no {EOD_TOKEN} entry; GPT-2 style vocabularies need one for EOD")
+        self.vocab_file, self.merge_file, vocab, specials = _load_gpt2_vocab(vocab_file, merge_file)
         tok = Tokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
