@@ -45,6 +45,8 @@ from typing import Any, Callable
 
 import torch
 
+from hpcmeg import fsutil
+from hpcmeg.fsutil import fsync_dir  # noqa: F401  (re-exported: was defined here)
 from hpcmeg.train.ckpt_layout import (  # noqa: F401  (re-exported: the one import for format users)
     CHECKPOINT_VERSION, HEAD_KEY, RELEASE_DIRNAME, SHARD_FILENAME, TRACKER_FILENAME, UnsafeCheckpointError,
     all_shard_relpaths, capture_rng_state, checkpoint_path, from_megatron_model, full_state_from_stages,
@@ -65,23 +67,10 @@ class CheckpointWarning(UserWarning):
 
 # ------------------------------------------------------------------------------------ file helpers
 
-def fsync_dir(path: str) -> None:
-    """Persist a directory entry change (rename/create) — POSIX needs an fsync on the directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    """Sidecars, manifest and tracker: temp + fsync + rename + parent-dir fsync (the tracker write is
+    the commit point, so the rename itself must be durable)."""
+    fsutil.write_text_atomic(path, text, sync_dir=True)
 
 
 class _CrcWriter:
@@ -251,8 +240,8 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict[str, Any], *, tp_
             path = os.path.join(save_dir, entry)
             if entry.endswith(_TMP_SUFFIX) or entry.endswith(_TRASH_SUFFIX):
                 shutil.rmtree(path, ignore_errors=True)
-            elif entry.startswith(TRACKER_FILENAME + ".tmp-"):
-                os.remove(path)
+            elif entry.startswith((fsutil.temp_prefix(TRACKER_FILENAME), TRACKER_FILENAME + ".tmp-")):
+                os.remove(path)  # a killed tracker write (fsutil's name, or the pre-fsutil one)
         os.makedirs(tmp)
     barrier()
     pending = PendingSave(save_dir, iteration, tp_size, pp_size, is_global_rank0, barrier, keep_last)
