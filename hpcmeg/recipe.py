@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import yaml
 
+from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.recipe_schema import (  # noqa: F401  (re-exported: the schema lives there)
     CHOICES,
     CheckpointConfig,
@@ -360,12 +361,10 @@ def dump_yaml(r: Recipe) -> str:
 
 
 def write_resolved(r: Recipe, path: str | os.PathLike) -> Path:
-    """Write the resolved recipe atomically (temp name, then rename)."""
+    """Write the resolved recipe atomically (hpcmeg.fsutil: temp name, fsync, rename), creating parent dirs."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(dump_yaml(r))
-    os.replace(tmp, path)
+    write_text_atomic(path, dump_yaml(r))
     return path
 
 

@@ -10,8 +10,8 @@ Protocol (why it is safe without torch.distributed):
 - Miss: take an exclusive `fcntl.flock` on `<md5>-<kind>-<split>.lock` in the cache dir; whoever
   gets it first builds, the others block in flock, then re-check and find a hit. The kernel drops
   the lock if the builder dies, so a crash never wedges the others.
-- Every file is written to a temporary name in the same directory and `os.replace`d, arrays first
-  and the description last, so a reader never sees a torn file.
+- Every file is written to a temporary name in the same directory, fsynced and `os.replace`d
+  (hpcmeg.fsutil), arrays first and the description last, so a reader never sees a torn file.
 - The lock is only an optimisation: the indices are a deterministic function of the description,
   so where flock is unavailable (Lustre mounted without `-o flock`: ENOSYS) or only node-local
   (`-o localflock`), two builders write identical bytes and the renames are atomic. We then build
@@ -26,10 +26,11 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
 from typing import Callable, Dict, Iterator, Sequence
 
 import numpy as np
+
+from hpcmeg import fsutil
 
 
 def describe(description: dict) -> tuple[str, str]:
@@ -46,31 +47,21 @@ def cache_paths(cache_dir: str, md5: str, kind: str, split: str, names: Sequence
     return paths
 
 
-def _atomic_write(path: str, write, suffix: str = "") -> None:
-    """Call ``write(f)`` on a temporary file in the same directory, fsync, then os.replace:
-    readers see the old file or the whole new one, never a torn one."""
-    d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", suffix=suffix, dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
+# mode=0o600: what these files always had (they used to come from tempfile.mkstemp); the builder's
+# ranks run as the same user. A cache shared between users would want the umask default instead.
+_CACHE_FILE_MODE = 0o600
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write `data` to `path` atomically."""
-    _atomic_write(path, lambda f: f.write(data))
+    """Write `data` to `path` atomically (hpcmeg.fsutil)."""
+    fsutil.write_bytes_atomic(path, data, mode=_CACHE_FILE_MODE)
 
 
 def atomic_save_npy(path: str, array: np.ndarray) -> None:
-    """np.save to `path` atomically."""
-    _atomic_write(path, lambda f: np.save(f, np.ascontiguousarray(array), allow_pickle=False), suffix=".npy")
+    """np.save to `path` atomically (hpcmeg.fsutil); a failing save leaves the old file and no temp."""
+    with fsutil.atomic_path(path, mode=_CACHE_FILE_MODE) as tmp:
+        with open(tmp, "wb") as f:  # a file object: np.save would append ".npy" to a bare name
+            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ Layout (all under ``<run.output_root>/<run.name>`` on the shared filesystem)::
     data/  checkpoints/  hf/    the stages' products (unless the recipe points elsewhere)
 
 Markers make `status` work without Slurm accounting and after `squeue`/`scontrol` forgot a job.
-Everything here is plain files written atomically (temp name + os.replace); no torch import.
+Everything here is plain files written atomically (hpcmeg.fsutil: temp name, fsync, os.replace); no torch import.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from hpcmeg.fsutil import write_text_atomic
 
 STAGES = ("preprocess", "merge", "train", "convert")
 EVENTS = ("started", "done", "failed", "requeued", "interrupted")
@@ -74,17 +76,10 @@ class RunDir:
 
 
 def write_atomic(path: str | os.PathLike, text: str, mode: Optional[int] = None) -> Path:
-    """Write text under a temporary name in the same directory, then rename: readers never see half a file."""
+    """Write text atomically (hpcmeg.fsutil), creating parent dirs; ``mode`` e.g. 0o755 for step scripts."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    if mode is not None:
-        os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    write_text_atomic(path, text, mode=mode)
     return path
 
 
