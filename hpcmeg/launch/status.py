@@ -3,7 +3,9 @@
 Contract: ``run_status(run_dir) -> dict`` ({"run_dir", "executor", "stages": {stage: {"job_id",
 "state", "tasks": {task: {...}}, "detail"}}}); ``cli_status(run, as_json)``, ``cli_logs(run, follow,
 stage, rank, lines)``, ``cli_cancel(run)`` return exit codes; ``wait_for_run(run_dir)`` blocks until
-every job is in a final state (0 if all COMPLETED).
+every job is in a final state (0 if all COMPLETED). ``parse_squeue/parse_sacct(text, job_id)`` and
+``parse_scontrol(text)`` are the pure parsers of the three commands' output (squeue and sacct share one
+line loop for their ``|``-separated lines).
 
 Where a job's state comes from, first answer wins per task: ``squeue`` (queued/running), then
 ``scontrol show job`` (also finished jobs, for MinJobAge ~5 min), then ``sacct`` (needs accounting:
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from hpcmeg.launch.rundir import (STAGES, RunDir, latest_iteration, marker_state, read_jobs, read_markers,
                                   write_atomic)
@@ -52,18 +54,35 @@ def _task_key(job_id: str, full_id: str) -> Optional[str]:
     return None
 
 
-def from_squeue(job_id: str) -> dict[str, dict]:
-    out = _run(["squeue", "-h", "-r", "-j", job_id, "-o", "%i|%T|%r|%M|%N"])
-    tasks: dict[str, dict] = {}
-    for line in (out or "").splitlines():
+def _pipe_rows(text: Optional[str], job_id: str, n_fields: int) -> Iterator[tuple[str, list[str]]]:
+    """(task key, fields) of each ``|``-separated squeue/sacct line that belongs to ``job_id``;
+    short lines and other jobs' ids (pending ranges '123_[1-3]') are skipped."""
+    for line in (text or "").splitlines():
         parts = line.split("|")
-        if len(parts) < 5:
+        if len(parts) < n_fields:
             continue
         key = _task_key(job_id, parts[0].strip())
         if key is not None:
-            tasks[key] = {"state": parts[1], "reason": "" if parts[2] in ("None", "(null)") else parts[2],
-                          "elapsed": parts[3], "nodes": parts[4], "source": "squeue"}
-    return tasks
+            yield key, parts
+
+
+def parse_squeue(text: Optional[str], job_id: str) -> dict[str, dict]:
+    """``squeue -o %i|%T|%r|%M|%N`` output -> {task key: info}."""
+    return {key: {"state": p[1], "reason": "" if p[2] in ("None", "(null)") else p[2], "elapsed": p[3],
+                  "nodes": p[4], "source": "squeue"}
+            for key, p in _pipe_rows(text, job_id, 5)}
+
+
+def parse_sacct(text: Optional[str], job_id: str) -> dict[str, dict]:
+    """``sacct -P -o JobID,State,ExitCode,Elapsed,NodeList`` output -> {task key: info}; the state's
+    first word only ('CANCELLED by 1000' -> 'CANCELLED')."""
+    return {key: {"state": p[1].split()[0] if p[1] else "UNKNOWN", "exit_code": p[2], "elapsed": p[3],
+                  "nodes": p[4], "source": "sacct"}
+            for key, p in _pipe_rows(text, job_id, 5)}
+
+
+def from_squeue(job_id: str) -> dict[str, dict]:
+    return parse_squeue(_run(["squeue", "-h", "-r", "-j", job_id, "-o", "%i|%T|%r|%M|%N"]), job_id)
 
 
 def parse_scontrol(text: str) -> list[dict[str, str]]:
@@ -95,17 +114,8 @@ def from_scontrol(job_id: str) -> dict[str, dict]:
 
 
 def from_sacct(job_id: str) -> dict[str, dict]:
-    out = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,ExitCode,Elapsed,NodeList"])
-    tasks: dict[str, dict] = {}
-    for line in (out or "").splitlines():
-        parts = line.split("|")
-        if len(parts) < 5:
-            continue
-        key = _task_key(job_id, parts[0].strip())
-        if key is not None:
-            tasks[key] = {"state": parts[1].split()[0] if parts[1] else "UNKNOWN", "exit_code": parts[2],
-                          "elapsed": parts[3], "nodes": parts[4], "source": "sacct"}
-    return tasks
+    return parse_sacct(_run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,ExitCode,Elapsed,NodeList"]),
+                       job_id)
 
 
 def from_markers(markers: dict, stage: str, keys: list[str], cancelled: bool) -> dict[str, dict]:
