@@ -57,6 +57,9 @@ VARIANTS = {
     "compile_cg_chunkce": dict(options=CG, ce="chunked"),
     "compile_cg_bf16params": dict(options=CG, bf16_params=True),  # speed bound only: bf16 Adam states
     "compile_cg_master": dict(options=CG, master=True),  # bf16 params + fp32 masters (MasterWeightAdamW)
+    "compile_cg_master_flash": dict(options=CG, master=True, attn="flash"),
+    "compile_cg_master_cudnn": dict(options=CG, master=True, attn="cudnn"),
+    "compile_cg_master_combo": dict(options={**CG, "combo_kernels": True}, master=True),
 }
 
 
@@ -191,8 +194,13 @@ def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int) -> 
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t_c
     t0 = time.perf_counter()
-    for i in range(steps):
-        r = step.run([data[i % 4]])
+    prev = None
+    for i in range(steps):  # the trainer's pattern: step i's numbers are read after step i+1 is queued
+        h = step.launch([data[i % 4]])
+        if prev is not None:
+            prev.result()
+        prev = h
+    r = prev.result()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
     n = model.num_params()

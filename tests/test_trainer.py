@@ -195,3 +195,36 @@ def test_prepare_cache_then_train_hits_the_cache(dataset, tmp_path, capsys):
     assert train(small_recipe(tmp_path, dataset)) == EXIT_OK
     after = {f: os.path.getmtime(os.path.join(cache, f)) for f in os.listdir(cache) if f.endswith(".npy")}
     assert after == before  # same requested counts -> same keys -> nothing rebuilt
+
+
+def test_one_step_in_flight_keeps_logs_and_stops_exact(dataset, tmp_path, capsys):
+    """The loop checks iteration k after queueing k+1 (no host sync per step). With log_interval 3
+    every window's loss is the mean of the same per-step losses a log_interval-1 run logs, the
+    weights are identical, and a NaN on a non-boundary iteration (3: not a log/eval/save one) is
+    still reported as iteration 3 with nothing saved after the last good checkpoint."""
+    per_step = small_recipe(tmp_path, dataset, "train.train_iters=9", name="every")
+    windows = small_recipe(tmp_path, dataset, "train.train_iters=9", "train.log_interval=3", name="win")
+    weights = {}
+    for r in (per_step, windows):
+        def keep(trainer, r=r):
+            weights[r.run.name] = trainer.model
+        assert train(r, on_built=keep) == EXIT_OK
+    a = [x["loss"] for x in read_metrics(os.path.join(run_dir(per_step), "metrics.jsonl"))["train"]]
+    b = read_metrics(os.path.join(run_dir(windows), "metrics.jsonl"))["train"]
+    assert [x["iteration"] for x in b] == [3, 6, 9]
+    for k, rec in enumerate(b):
+        assert rec["loss"] == pytest.approx(sum(a[3 * k:3 * k + 3]) / 3, rel=1e-6)
+    for (n1, p1), (n2, p2) in zip(weights["every"].named_parameters(), weights["win"].named_parameters()):
+        assert torch.equal(p1, p2), n1
+
+    r = small_recipe(tmp_path, dataset, "train.precision=bf16", "checkpoint.save_interval=2",
+                     "train.log_interval=5", name="nan")
+
+    def inject(trainer):
+        def poison(module, inputs, output):
+            return output * math.nan if trainer.state.iteration + 1 == 3 else output
+        trainer.model.encoder.register_forward_hook(poison)
+
+    assert train(r, on_built=inject) == EXIT_ERROR
+    assert "non-finite loss or gradient at iteration 3" in capsys.readouterr().err
+    assert open(os.path.join(run_dir(r), "checkpoints", "latest_checkpointed_iteration.txt")).read().strip() == "2"

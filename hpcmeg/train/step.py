@@ -4,7 +4,12 @@ Contract:
   TrainStep(model, optimizer, precision="bf16"|"fp16"|"fp32", grad_clip=1.0,
             loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", compile_mode=None,
             compile_options=None)
-  .run(micro_batches, ddp_model=None) -> StepResult(loss, grad_norm, skipped, loss_scale)
+  .launch(micro_batches, ddp_model=None) -> PendingStep: queues the whole step on the device and
+    returns without a host sync (bf16/fp32); .result() later waits for just this step's two
+    numbers (copied to pinned host memory behind the step). fp16 syncs once inside launch (the
+    overflow check must decide whether to step), so its PendingStep is already resolved.
+  .run(micro_batches, ddp_model=None) = launch(...).result() -> StepResult(loss, grad_norm, skipped,
+    loss_scale)
     micro_batches: list of (tokens [b,s], labels [b,s]) or (tokens, labels, loss_mask [b,s]).
     loss: mean per-token loss over ALL micro batches of this rank (masked tokens excluded);
       gradients are those of that mean, so k micro batches of b == one batch of k*b.
@@ -13,8 +18,9 @@ Contract:
   With ddp_model (a DistributedDataParallel around `model`), gradients are all-reduced only on
   the last micro batch (require_backward_grad_sync); DDP averages over ranks, so with equal
   token counts per rank the gradient is that of the global mean.
-  The LR schedule is the caller's: set param_group["lr"] before run(). NaN handling is the
-  caller's too: run() returns the loss as computed (one host sync per step, at the end).
+  The LR schedule is the caller's: set param_group["lr"] before launch(). NaN handling is the
+  caller's too: the result holds the loss as computed. The trainer keeps one step in flight
+  (it checks step k's numbers after queueing step k+1) so the GPU never waits for the host.
 compile_mode / compile_options go to torch.compile; with neither given on CUDA the default is
 {"triton.cudagraphs": True} (CUDA graphs; not for a DDP module). Never max-autotune (compile time);
 coordinate_descent_tuning did not finish compiling within the benchmark's budget.
@@ -47,6 +53,24 @@ class StepResult:
     """fp16 only: the step found inf/nan gradients and was not applied."""
     loss_scale: float | None
     """fp16: the loss scale used by this step; else None."""
+
+
+class PendingStep:
+    """A queued step: `skipped`/`loss_scale` are known at once, loss and grad norm on result()."""
+
+    def __init__(self, skipped: bool, loss_scale: float | None, vals: torch.Tensor | None = None,
+                 event=None, done: StepResult | None = None):
+        self.skipped, self.loss_scale = skipped, loss_scale
+        self._vals, self._event, self._done = vals, event, done  # vals [2] fp32: loss, grad norm
+
+    def result(self) -> StepResult:
+        if self._done is None:
+            if self._event is not None:
+                self._event.synchronize()  # waits for this step only, not for work queued after it
+            loss, gn = self._vals.tolist()
+            self._done = StepResult(loss, gn, self.skipped, self.loss_scale)
+            self._vals = self._event = None
+        return self._done
 
 
 class TrainStep:
@@ -97,6 +121,9 @@ class TrainStep:
         return torch.autocast(self.device.type, dtype=dt)
 
     def run(self, micro_batches: list, ddp_model: nn.Module | None = None) -> StepResult:
+        return self.launch(micro_batches, ddp_model).result()
+
+    def launch(self, micro_batches: list, ddp_model: nn.Module | None = None) -> PendingStep:
         if not micro_batches:
             raise ValueError("TrainStep.run: micro_batches is empty")
         fwd = self._forward_fn(ddp_model if ddp_model is not None else self.model)
@@ -138,7 +165,7 @@ class TrainStep:
             if found_inf.item() > 0:  # the one sync fp16 needs before stepping
                 self.loss_scaler.update(True)
                 self.optimizer.zero_grad(set_to_none=True)
-                return StepResult(mean_loss.item(), math.nan, True, scale)
+                return PendingStep(True, scale, done=StepResult(mean_loss.item(), math.nan, True, scale))
             self.loss_scaler.update(False)
         if self._opt_clips:  # MasterWeightAdamW: gathers the bf16 grads, fp32 norm, clip folded into step()
             gnorm = self.optimizer.clip_grad_norm_(self.grad_clip)
@@ -148,5 +175,11 @@ class TrainStep:
             gnorm = torch.nn.utils.get_total_norm(grads, foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, gn = torch.stack([mean_loss, gnorm.float().to(self.device)]).tolist()  # one sync
-        return StepResult(loss, gn, False, scale if self.loss_scaler is not None else None)
+        vals = torch.stack([mean_loss, gnorm.float().to(self.device)])
+        event = None
+        if vals.is_cuda:  # a non-blocking copy behind the step + an event: no host sync here
+            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            vals, event = host, torch.cuda.Event()
+            event.record()
+        return PendingStep(False, scale if self.loss_scaler is not None else None, vals, event)

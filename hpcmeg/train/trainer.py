@@ -5,12 +5,16 @@ Contract
   optimizer, LR schedule, TrainStep, datasets, metrics logger, parallel context, and a `stop`
   callable returning a reason string when this rank wants to stop (exit signal, wall time).
   `run() -> Outcome` trains from `state.iteration` to derived.train_iters.
-- One iteration: schedule.apply -> TrainStep.run(grad_accum_steps micro batches) -> prefetch the
-  next batches -> counters (iteration, consumed samples; the schedule advances only when the step
-  was applied, as Megatron's) -> ONE all-reduce MAX of a per-rank code (2 = non-finite loss or
-  grad norm on an applied step, 1 = stop requested, 0 = go on), so all ranks take the same
-  decision at the same iteration -> log (every log_interval; DP-averaged loss) -> eval (every
-  eval_interval) -> save (every save_interval, or now when stopping).
+- One iteration: schedule.apply -> TrainStep.launch(grad_accum_steps micro batches), queued
+  without a host sync -> prefetch the next batches -> counters (iteration, consumed samples; the
+  schedule advances only when the step was applied, as Megatron's) -> check the PREVIOUS
+  iteration's loss and grad norm (one step in flight, so the GPU never idles while the host
+  decides) -> ONE all-reduce MAX of a per-rank code (2 = non-finite loss or grad norm on an
+  applied step, 1 = stop requested, 0 = go on), so all ranks take the same decision at the same
+  iteration. Before a log, eval, save, stop or the last iteration the current iteration is
+  checked too (a second all-reduce), so nothing is logged or saved unchecked -> log (every
+  log_interval; DP-averaged loss) -> eval (every eval_interval) -> save (every save_interval, or
+  now when stopping).
 - Non-finite loss (bf16 / fp32, or fp16 on a step that was not skipped) raises TrainingDiverged
   naming the iteration; nothing is saved after it. fp16 overflow is TrainStep's: the step is skipped
   and the scale lowered; the loop only counts it.
@@ -84,6 +88,7 @@ class Trainer:
                                num_workers=r.data.num_workers, seed=t.seed)
         win = _Window()
         self.model.train()
+        pending = None  # (PendingStep, iteration, lr): queued on the device, numbers not checked yet
         t_iter = time.perf_counter()
         while st.iteration < n_iters:
             lr = self.schedule.apply(self.optimizer)
@@ -92,25 +97,33 @@ class Trainer:
             except StopIteration:
                 raise RuntimeError(f"the training dataset ran out at iteration {st.iteration} "
                                    f"({st.consumed_train_samples} samples consumed)") from None
-            res = self.step.run(micro, self.ddp_model)
-            batches.prefetch()  # the next step's loads/copies overlap this step's tail
+            handle = self.step.launch(micro, self.ddp_model)
+            batches.prefetch()  # the next step's loads/copies overlap this step's GPU work
             st.iteration += 1
             st.consumed_train_samples += gbs
-            if not res.skipped:
+            if not handle.skipped:  # known at launch: fp16 decides its skip inside launch()
                 self.schedule.step(gbs)
-            bad = not res.skipped and not (math.isfinite(res.loss) and math.isfinite(res.grad_norm))
+            it = st.iteration
+            # Check the PREVIOUS iteration now that this one is queued behind it: the GPU stays busy
+            # while the host waits for those two numbers (a one-step lag; nothing is saved unchecked).
+            prev, pending = pending, (handle, it, lr)
+            bad_prev = prev is not None and self._settle(prev, win)
             reason = self.stop()
-            if reason is None and self.exit_interval and st.iteration % self.exit_interval == 0:
+            if reason is None and self.exit_interval and it % self.exit_interval == 0:
                 reason = f"exit interval {self.exit_interval}"
-            code = self.ctx.all_reduce_max(2 if bad else (1 if reason else 0))
+            code = self.ctx.all_reduce_max(2 if bad_prev else (1 if reason else 0))
             if code == 2:
-                what = f"loss {res.loss}, grad norm {res.grad_norm}" if bad else "on another rank"
-                raise TrainingDiverged(f"non-finite loss or gradient at iteration {st.iteration} ({what}, "
-                                       f"{t.precision}); stopping without saving. Lower train.lr, raise "
-                                       f"train.lr_warmup_iters or try train.precision=fp32 to debug")
+                self._diverged(prev if bad_prev else None, prev[1] if prev else it)
+            at_boundary = (it % t.log_interval == 0 or it == n_iters or code == 1
+                           or (t.eval_interval and it % t.eval_interval == 0 and self.eval_set)
+                           or (r.checkpoint.save_interval and it % r.checkpoint.save_interval == 0))
+            if at_boundary:  # log, eval, save or stop next: this iteration must be checked first
+                bad = self._settle(pending, win)
+                if self.ctx.all_reduce_max(2 if bad else 0) == 2:
+                    self._diverged(pending if bad else None, it)
+                pending = None
             now = time.perf_counter()
             self.on_step_time(now - t_iter)
-            win.add(res, lr)
             if st.iteration % t.log_interval == 0 or st.iteration == n_iters:
                 self._log(win, now)
                 win = _Window()
@@ -134,6 +147,21 @@ class Trainer:
             self.save()
         self.wait_for_save()
         return Outcome("finished", st.iteration)
+
+    def _settle(self, pending, win: "_Window") -> bool:
+        """Wait for a queued iteration's loss and grad norm, add them to the log window; True
+        when they are non-finite on an applied step (a divergence)."""
+        handle, _, lr = pending
+        res = handle.result()
+        win.add(res, lr)
+        return not res.skipped and not (math.isfinite(res.loss) and math.isfinite(res.grad_norm))
+
+    def _diverged(self, pending, iteration: int):
+        res = pending[0].result() if pending is not None else None
+        what = f"loss {res.loss}, grad norm {res.grad_norm}" if res is not None else "on another rank"
+        raise TrainingDiverged(f"non-finite loss or gradient at iteration {iteration} ({what}, "
+                               f"{self.r.train.precision}); stopping without saving. Lower train.lr, raise "
+                               f"train.lr_warmup_iters or try train.precision=fp32 to debug")
 
     def _log(self, win: "_Window", now: float) -> None:
         # one small all-reduce per log interval: the loss is averaged over data-parallel ranks

@@ -1,0 +1,28 @@
+"""bench/profile_step.py's trace reduction: busy time is the UNION of GPU intervals (overlapping
+kernels on two streams count once), idle gaps are excluded, kernels land in the right category."""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def test_summarize_union_and_categories(tmp_path):
+    import profile_step
+
+    ev = [  # microseconds; 2 steps
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>", "ts": 50, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_gelu_0", "ts": 300, "dur": 50},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 360, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},  # host side: ignored
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    s = profile_step.summarize(str(path), steps=2)
+    assert s["wall_ms_per_step"] == 0.185  # 0 .. 370 us over 2 steps
+    assert s["gpu_busy_ms_per_step"] == 0.105  # (150 + 50 + 10) / 2: the overlap counted once
+    cats = s["ms_per_step_by_category"]
+    assert cats == {"gemm": 0.05, "attention": 0.05, "triton_pointwise": 0.025, "memcpy": 0.005}
+    assert s["top_kernels"][0]["calls_per_step"] == 0.5
