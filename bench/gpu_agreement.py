@@ -61,6 +61,8 @@ def op_checks(rows):
     compare("layer_norm", lambda *t: fused.layer_norm(*t, 1e-5), lambda *t: ops.layer_norm(*t, 1e-5),
             [x, w, bias], rows)
     compare("bias_gelu", fused.bias_gelu, ops.bias_gelu, [x, bias], rows)
+    w4, b4 = torch.randn(4 * h, h, device="cuda") * 0.03, torch.randn(4 * h, device="cuda")
+    compare("linear_bias_gelu", fused.linear_bias_gelu, ops.linear_bias_gelu, [x, w4, b4], rows)
     compare("bias_dropout_add_layer_norm",
             lambda a, c, d, e, f: fused.bias_dropout_add_layer_norm(a, c, d, 0.1, False, e, f, 1e-5),
             lambda a, c, d, e, f: ops.bias_dropout_add_layer_norm(a, c, d, 0.1, False, e, f, 1e-5),
@@ -77,7 +79,7 @@ def op_checks(rows):
             print(f"causal_attention[{be}] unavailable: {str(ex)[:120]}", flush=True)
     hid, W = torch.randn(b, s, h, device="cuda"), torch.randn(50304, h, device="cuda") * 0.02
     labels = torch.randint(0, 50304, (b, s), device="cuda")
-    for impl in ("compiled", "chunked"):
+    for impl in ("fused", "compiled", "chunked"):
         compare(f"linear_cross_entropy[{impl}]",
                 lambda a, c: fused.linear_cross_entropy(a, c, labels, impl=impl),
                 lambda a, c: ops.linear_cross_entropy(a, c, labels), [hid, W], rows)

@@ -60,6 +60,9 @@ VARIANTS = {
     "compile_cg_master_flash": dict(options=CG, master=True, attn="flash"),
     "compile_cg_master_cudnn": dict(options=CG, master=True, attn="cudnn"),
     "compile_cg_master_combo": dict(options={**CG, "combo_kernels": True}, master=True),
+    # ablations of two session-3 changes: the previous CE formulation / the bias outside the h->4h matmul
+    "compile_cg_master_oldce": dict(options=CG, master=True, ce="compiled"),
+    "compile_cg_master_oldmlp": dict(options=CG, master=True, mlp="bias_outside"),
 }
 
 
@@ -165,18 +168,33 @@ def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, 
                tokens_per_s=round(toks), tflops=round(toks * flops_per_token(n, L, D, SEQ) / 1e12, 1),
                peak_mem_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2),
                optimizer=type(trainer.optimizer).__name__, warmup_s=round(sum(times[:warmup]), 1),
-               step_ms_min=round(min(times[warmup:]) * 1e3, 2))
+               step_ms_min=round(min(times[warmup:]) * 1e3, 2),
+               step_ms_median=round(sorted(times[warmup:])[len(times[warmup:]) // 2] * 1e3, 2),
+               step_ms_max=round(max(times[warmup:]) * 1e3, 2))
     del trainer
     return out
 
 
 def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
+    v = VARIANTS[variant]
+    if v.get("mlp") != "bias_outside":
+        return _step_variant_run(size, variant, mb, steps, warmup)
+    from hpcmeg.model import fused
+    keep = fused.linear_bias_gelu  # the pre-session-3 MLP: matmul, then Inductor's bias+GELU
+    fused.linear_bias_gelu = lambda x, w, b: fused.bias_gelu(torch.nn.functional.linear(x, w), b)
+    try:
+        return _step_variant_run(size, variant, mb, steps, warmup)
+    finally:
+        fused.linear_bias_gelu = keep
+
+
+def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
     L, D, H = SIZES[size]
     v = VARIANTS[variant]
     bf16p, master = v.get("bf16_params", False), v.get("master", False)
     cfg = GPTConfig(L, D, H, 4 * D, SEQ, pad_vocab_size(VOCAB), hidden_dropout=0.0,
                     attention_dropout=0.0, fused=True, attention_backend=v.get("attn", "auto"),
-                    fused_ce=v.get("ce", "compiled"), fp32_residual_connection=v.get("fp32_res", False))
+                    fused_ce=v.get("ce", "fused"), fp32_residual_connection=v.get("fp32_res", False))
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     if bf16p:

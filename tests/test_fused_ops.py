@@ -43,6 +43,35 @@ def test_layer_norm_and_bias_gelu():
     assert (ops.bias_gelu(y, torch.zeros(1)) - torch.nn.functional.gelu(y)).abs().max() > 1e-4
 
 
+def test_linear_bias_gelu():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 5, 48), torch.randn(96, 48) * 0.2, torch.randn(96)
+    fo, fg = _grads(fused.linear_bias_gelu, x, w, b)
+    po, pg = _grads(ops.linear_bias_gelu, x, w, b)
+    assert len(fg) == 3
+    _assert_same(fo + fg, po + pg)
+
+
+def test_cross_entropy_from_logits_bf16_and_fp32():
+    """The custom backward (softmax - onehot) against autograd of F.cross_entropy, with a
+    non-uniform upstream gradient (a loss mask) and repeated labels."""
+    torch.manual_seed(0)
+    logits, labels = torch.randn(4, 9, 300) * 3, torch.randint(0, 300, (4, 9))
+    labels[0, :3] = 7
+    g = torch.rand(4, 9)
+    for dt, tol in ((torch.float32, TOL), (torch.bfloat16, dict(rtol=2e-2, atol=2e-3))):
+        a = logits.to(dt).clone().requires_grad_()
+        b = logits.to(dt).clone().requires_grad_()
+        la = fused._ce_fused(a, labels)
+        lb = torch.nn.functional.cross_entropy(b.float().flatten(0, 1), labels.flatten(), reduction="none").view(4, 9)
+        assert la.dtype == torch.float32
+        torch.testing.assert_close(la, lb, **TOL)
+        (la * g).sum().backward()
+        (lb * g).sum().backward()
+        assert a.grad.dtype == dt
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), **tol)
+
+
 def test_bias_dropout_add_layer_norm_eval_and_train():
     torch.manual_seed(0)
     x, bias, res, w, b = torch.randn(2, 7, 32), torch.randn(32), torch.randn(2, 7, 32), torch.randn(32), torch.randn(32)
@@ -68,7 +97,7 @@ def test_causal_attention_matches_math():
     torch.testing.assert_close(out2[:, :-1], fo[0][:, :-1], **TOL)
 
 
-@pytest.mark.parametrize("impl", ["compiled", "chunked"])
+@pytest.mark.parametrize("impl", ["fused", "compiled", "chunked"])
 def test_linear_cross_entropy(impl):
     torch.manual_seed(0)
     h, w = torch.randn(3, 10, 24), torch.randn(200, 24) * 0.3

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "flash_attn", "efficient", "math")
-CE_IMPLS = ("compiled", "chunked")
+CE_IMPLS = ("fused", "compiled", "chunked")
 
 
 def pad_vocab_size(orig: int, multiple: int = 128, tp: int = 1) -> int:
@@ -61,9 +61,11 @@ class GPTConfig:
     """Megatron's --fp32-residual-connection. False: under autocast the residual stream is kept in
     the autocast dtype (as in Megatron, where bf16 params make it bf16), halving its memory traffic;
     True: the residual stream stays in the params' dtype (fp32 under autocast)."""
-    fused_ce: str = "compiled"
-    """Fused path only. 'compiled': one-pass fp32 logsumexp over bf16 logits (fuses under
-    torch.compile); 'chunked': token chunks, logits recomputed in backward (least memory)."""
+    fused_ce: str = "fused"
+    """Fused path only. 'fused': bf16 logits, one fp32 logsumexp pass forward and one
+    softmax-minus-onehot pass backward (hpcmeg/model/fused.py); 'compiled': the same loss under
+    plain autograd (its gather backward builds a dense fp32 [tokens, vocab] tensor); 'chunked':
+    token chunks, logits recomputed in backward (least memory)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

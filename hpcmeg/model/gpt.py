@@ -73,7 +73,7 @@ class MLP(nn.Module):
         self.ops = fused_ops if cfg.fused else plain_ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.ops.bias_gelu(F.linear(x, self.dense_h_to_4h.weight), self.dense_h_to_4h.bias)
+        h = self.ops.linear_bias_gelu(x, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias)
         return F.linear(h, self.dense_4h_to_h.weight), self.dense_4h_to_h.bias
 
 

@@ -32,6 +32,11 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return 0.5 * y * (1.0 + torch.tanh(GELU_C * (y + 0.044715 * y * y * y)))
 
 
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU(x W^T + b): the MLP's first half. x [b, s, h], weight [ffn, h], bias [ffn] -> [b, s, ffn]."""
+    return bias_gelu(F.linear(x, weight), bias)
+
+
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                      p: float, training: bool) -> torch.Tensor:
     """residual + dropout(x + bias): the end of every residual branch."""

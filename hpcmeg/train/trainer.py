@@ -27,6 +27,7 @@ Contract
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -78,6 +79,12 @@ class Trainer:
     # --------------------------------------------------------------------------------- loop
 
     def run(self) -> Outcome:
+        try:
+            return self._run()
+        finally:
+            gc.unfreeze()  # give the frozen objects back to the collector (many runs in one process)
+
+    def _run(self) -> Outcome:
         r, t, st = self.r, self.r.train, self.state
         n_iters, gbs = self.d.train_iters, t.global_batch_size
         if st.iteration >= n_iters:
@@ -89,6 +96,7 @@ class Trainer:
         win = _Window()
         self.model.train()
         pending = None  # (PendingStep, iteration, lr): queued on the device, numbers not checked yet
+        first = st.iteration
         t_iter = time.perf_counter()
         while st.iteration < n_iters:
             lr = self.schedule.apply(self.optimizer)
@@ -122,6 +130,12 @@ class Trainer:
                 if self.ctx.all_reduce_max(2 if bad else 0) == 2:
                     self._diverged(pending if bad else None, it)
                 pending = None
+            if it == first + 3:
+                # compile, CUDA-graph capture and the loaders are built by now: move their objects
+                # out of the collector's reach, so later GC passes stay short (a full collection
+                # over Dynamo's caches can stall the host for tens of ms, longer than the queued step)
+                gc.collect()
+                gc.freeze()
             now = time.perf_counter()
             self.on_step_time(now - t_iter)
             if st.iteration % t.log_interval == 0 or st.iteration == n_iters:
