@@ -79,7 +79,15 @@ def op_checks(rows):
             print(f"causal_attention[{be}] unavailable: {str(ex)[:120]}", flush=True)
     hid, W = torch.randn(b, s, h, device="cuda"), torch.randn(50304, h, device="cuda") * 0.02
     labels = torch.randint(0, 50304, (b, s), device="cuda")
-    for impl in ("fused", "compiled", "chunked"):
+    if fused.HAVE_TRITON_CE:  # the Triton CE forward alone, at GPT-2's vocabulary, against its twin
+        from hpcmeg.model import triton_ce
+        lg = (torch.randn(4096, 50304, device="cuda") * 3).to(torch.bfloat16)
+        lb = torch.randint(0, 50304, (4096,), device="cuda")
+        errs = [rel(a, b) for a, b in zip(triton_ce.ce_forward(lg, lb), triton_ce.reference(lg, lb))]
+        rows.append(dict(check="triton_ce.ce_forward vs reference (bf16 logits, V=50304)",
+                         max_rel_err=max(errs), ok=max(errs) < 1e-5))
+        print(f"triton_ce.ce_forward                     max rel err {max(errs):.2e}", flush=True)
+    for impl in ("fused", "fused_inductor", "compiled", "chunked"):
         compare(f"linear_cross_entropy[{impl}]",
                 lambda a, c: fused.linear_cross_entropy(a, c, labels, impl=impl),
                 lambda a, c: ops.linear_cross_entropy(a, c, labels), [hid, W], rows)

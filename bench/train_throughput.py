@@ -62,6 +62,7 @@ VARIANTS = {
     "compile_cg_master_combo": dict(options={**CG, "combo_kernels": True}, master=True),
     # ablations of two session-3 changes: the previous CE formulation / the bias outside the h->4h matmul
     "compile_cg_master_oldce": dict(options=CG, master=True, ce="compiled"),
+    "compile_cg_master_inductorce": dict(options=CG, master=True, ce="fused_inductor"),  # no Triton CE forward
     "compile_cg_master_oldmlp": dict(options=CG, master=True, mlp="bias_outside"),
 }
 
@@ -170,7 +171,8 @@ def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, 
                optimizer=type(trainer.optimizer).__name__, warmup_s=round(sum(times[:warmup]), 1),
                step_ms_min=round(min(times[warmup:]) * 1e3, 2),
                step_ms_median=round(sorted(times[warmup:])[len(times[warmup:]) // 2] * 1e3, 2),
-               step_ms_max=round(max(times[warmup:]) * 1e3, 2))
+               step_ms_max=round(max(times[warmup:]) * 1e3, 2),
+               times_ms=[round(t * 1e3, 2) for t in times])  # every iteration, warm-up included
     del trainer
     return out
 

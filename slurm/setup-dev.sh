@@ -5,7 +5,8 @@
 #    so pip never pulls a multi-GB CUDA torch on a machine without GPUs) and hpcmeg[test] (editable);
 #  * the local two-node Slurm cluster (slurm/local-cluster.sh start), unless HPCMEG_NO_SLURM=1.
 # Idempotent: a second run installs nothing and takes a few seconds.
-# Knobs: HPCMEG_VENV (default ./.venv), HPCMEG_TORCH (default torch==2.13.0), HPCMEG_NO_SLURM=1.
+# Knobs: HPCMEG_VENV (default ./.venv), HPCMEG_TORCH (default torch==2.13.0), HPCMEG_TRITON (default
+# triton==3.6.0, CPU-interpreter tests only), HPCMEG_NO_SLURM=1.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${HPCMEG_VENV:-.venv}
@@ -33,6 +34,13 @@ if ! "$VENV/bin/python" -c 'import hpcmeg, pytest, tiktoken, submitit, gpt3_toke
   "$VENV/bin/pip" install -q --disable-pip-version-check \
       -c <(echo "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')") -e '.[test]'
   touch "$VENV/.hpcmeg-installed"
+fi
+# Triton only so the tests can run hpcmeg's Triton kernels in Triton's CPU interpreter
+# (TRITON_INTERPRET=1). Never a package dependency: on GPU machines triton comes with the CUDA torch
+# build (the NGC container pins its own) and must not be replaced.
+if ! "$VENV/bin/python" -c 'import triton' 2>/dev/null; then
+  log "installing ${HPCMEG_TRITON:-triton==3.6.0} (for the Triton CPU-interpreter tests)"
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps "${HPCMEG_TRITON:-triton==3.6.0}"
 fi
 if [ "${HPCMEG_NO_SLURM:-0}" != 1 ]; then
   SLURM_CI_FAKE_PYXIS=${SLURM_CI_FAKE_PYXIS:-1} bash slurm/local-cluster.sh start

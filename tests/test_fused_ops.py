@@ -72,6 +72,41 @@ def test_cross_entropy_from_logits_bf16_and_fp32():
         torch.testing.assert_close(a.grad.float(), b.grad.float(), **tol)
 
 
+_TRITON_CE_CHECK = r"""
+import torch
+from hpcmeg.model import triton_ce
+torch.manual_seed(0)
+for dt in (torch.float32, torch.bfloat16):
+    # V = 9000: two full 4096-column chunks and a 808-column tail; a row stride > V (a column slice)
+    full = (torch.randn(5, 9100) * 4).to(dt)
+    logits = full[:, :9000]
+    labels = torch.tensor([0, 8999, 4095, 4096, 17])
+    logits[1, 8999] = 30.0  # a large target logit in the tail chunk: the running max must rescale
+    loss, lse = triton_ce.ce_forward(logits, labels)
+    rl, rlse = triton_ce.reference(logits, labels)
+    torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, rl, rtol=1e-5, atol=1e-5)
+    assert loss[1] < 0.01 and loss.dtype == torch.float32
+torch.library.opcheck(triton_ce.cross_entropy_lse, (torch.randn(6, 300), torch.randint(0, 300, (6,))))
+print("ok")
+"""
+
+
+def test_triton_ce_forward_in_the_interpreter():
+    """hpcmeg/model/triton_ce.py's kernel run by Triton's CPU interpreter against its PyTorch twin
+    (the same kernel compiled for the GPU is checked by bench/gpu_agreement.py on the H200)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _TRITON_CE_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
 def test_bias_dropout_add_layer_norm_eval_and_train():
     torch.manual_seed(0)
     x, bias, res, w, b = torch.randn(2, 7, 32), torch.randn(32), torch.randn(2, 7, 32), torch.randn(32), torch.randn(32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "flash_attn", "efficient", "math")
-CE_IMPLS = ("fused", "compiled", "chunked")
+CE_IMPLS = ("fused", "fused_inductor", "compiled", "chunked")
 
 
 def pad_vocab_size(orig: int, multiple: int = 128, tp: int = 1) -> int:
@@ -62,8 +62,9 @@ class GPTConfig:
     the autocast dtype (as in Megatron, where bf16 params make it bf16), halving its memory traffic;
     True: the residual stream stays in the params' dtype (fp32 under autocast)."""
     fused_ce: str = "fused"
-    """Fused path only. 'fused': bf16 logits, one fp32 logsumexp pass forward and one
-    softmax-minus-onehot pass backward (hpcmeg/model/fused.py); 'compiled': the same loss under
+    """Fused path only. 'fused': bf16 logits, one fp32 logsumexp pass forward (the Triton kernel of
+    hpcmeg/model/triton_ce.py on CUDA; 'fused_inductor': Inductor's two-pass lowering instead) and
+    one softmax-minus-onehot pass backward (hpcmeg/model/fused.py); 'compiled': the same loss under
     plain autograd (its gather backward builds a dense fp32 [tokens, vocab] tensor); 'chunked':
     token chunks, logits recomputed in backward (least memory)."""
 

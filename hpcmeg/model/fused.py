@@ -16,7 +16,9 @@ What "fused" means here, op by op:
     addmm + GELU needs 83 us.
   * linear_cross_entropy: never builds fp32 logits for the whole batch. 'fused' (default): bf16
     logits, then _CrossEntropyFromLogits, whose forward is one fp32 logsumexp pass (+ a gather
-    of N target logits) and whose backward writes softmax - onehot in ONE pass over the logits.
+    of N target logits; on CUDA with Triton the one-read kernel of triton_ce.py, else Inductor's
+    lowering, 'fused_inductor' forces the latter) and whose backward writes softmax - onehot in
+    ONE pass over the logits.
     Autograd's own backward of gather materialised a dense fp32 [N, V] zeros+scatter tensor
     (2.5 GB at 124M, micro batch 12) and read it back: 0.53 + ~0.5 ms per step on the H200.
     'compiled': the previous formulation (logsumexp - gather under plain autograd), kept for
@@ -35,8 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# Import-time facts, never mutated: whether the flash-attn package exists.
+# Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
+# imports (then hpcmeg/model/triton_ce.py registers torch.ops.hpcmeg.cross_entropy_lse, the
+# one-pass CE forward used on CUDA; it must be registered before torch.compile traces the model).
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+try:
+    from hpcmeg.model import triton_ce as _triton_ce  # noqa: F401
+    HAVE_TRITON_CE = True
+except ImportError:  # no triton (CPU-only installs): the Inductor/eager formulation below
+    HAVE_TRITON_CE = False
 
 _SDPA_ORDER = {
     "auto": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -107,22 +116,32 @@ class _CrossEntropyFromLogits(torch.autograd.Function):
     elementwise pass that Inductor fuses into a single kernel (read logits, write the grad)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        lf = logits.float()
-        lse = torch.logsumexp(lf, dim=-1)
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+        if use_triton:  # one read of the logits (hpcmeg/model/triton_ce.py)
+            loss, lse = torch.ops.hpcmeg.cross_entropy_lse(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            loss, lse = loss.view(labels.shape), lse.view(labels.shape)
+        else:
+            lf = logits.float()
+            lse = torch.logsumexp(lf, dim=-1)
+            loss = lse - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(logits, labels, lse)
-        return lse - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return loss
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         logits, labels, lse = ctx.saved_tensors
         p = torch.exp(logits.float() - lse.unsqueeze(-1))  # softmax, fp32 in registers
         hit = torch.arange(logits.shape[-1], device=logits.device) == labels.unsqueeze(-1)
-        return ((p - hit.to(p.dtype)) * g.unsqueeze(-1)).to(logits.dtype), None
+        return ((p - hit.to(p.dtype)) * g.unsqueeze(-1)).to(logits.dtype), None, None
 
 
-def _ce_fused(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return _CrossEntropyFromLogits.apply(logits, labels)
+def _ce_fused(logits: torch.Tensor, labels: torch.Tensor, triton: bool = True) -> torch.Tensor:
+    use = triton and HAVE_TRITON_CE and logits.is_cuda
+    return _CrossEntropyFromLogits.apply(logits, labels, use)
+
+
+def _ce_fused_no_triton(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return _ce_fused(logits, labels, triton=False)
 
 
 @functools.cache
@@ -183,7 +202,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         loss = _ChunkedLinearCE.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), chunk_tokens)
         return loss.view(labels.shape)
     logits = F.linear(hidden, weight)
-    fn = _ce_fused if impl == "fused" else _ce_from_logits
+    fn = {"fused": _ce_fused, "fused_inductor": _ce_fused_no_triton, "compiled": _ce_from_logits}[impl]
     if logits.is_cuda and not torch.compiler.is_compiling():
         return _compiled(fn)(logits, labels)
     return fn(logits, labels)
