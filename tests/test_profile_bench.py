@@ -26,3 +26,15 @@ def test_summarize_union_and_categories(tmp_path):
     cats = s["ms_per_step_by_category"]
     assert cats == {"gemm": 0.05, "attention": 0.05, "triton_pointwise": 0.025, "memcpy": 0.005}
     assert s["top_kernels"][0]["calls_per_step"] == 0.5
+
+
+def test_trainer_timing_leaves_out_the_drain():
+    """The trainer keeps one step in flight, so its last iteration also waits for its own step:
+    bench/train_throughput.trainer_timing averages warm-up+1 .. last-1 (a 48 ms drain would
+    otherwise add ~1/30 to a 24 ms step)."""
+    import train_throughput as tt
+
+    times = [30000.0, 400.0, 24.0, 24.0, 24.0, 24.0, 48.0]
+    t = tt.trainer_timing(times, warmup=2, mb=12, n_params=124_475_904, size=(12, 768, 12))
+    assert t["step_ms"] == 24.0 and t["timed_iterations"] == 4 and t["last_iteration_ms"] == 48.0
+    assert t["tokens_per_s"] == round(12 * 1024 / 0.024)
