@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from hpcmeg import fsutil
 from hpcmeg.data import index_cache
 from hpcmeg.data.blended import (blending_indices, blending_indices_loop, build_train_valid_test_datasets,
                                  exhaustive_blending_indices, parse_blend, size_per_dataset)
@@ -194,7 +195,8 @@ def test_cache_built_once_by_concurrent_processes(tmp_path):
     assert results[0] == results[1] == results[2]
     files = sorted(os.listdir(tmp_path / "cache"))
     assert sum(f.endswith(".npy") for f in files) == 3 and sum(f.endswith("description.txt") for f in files) == 1
-    assert not [f for f in files if f.startswith(".tmp")]
+    # fsutil names a temporary ".<target>.tmp-<pid>-<random>"; its target exists once the build is done
+    assert not [f for f in files if any(f.startswith(fsutil.temp_prefix(t)) for t in files)]
     # a second call is a pure cache hit: the build function must not run
     again = index_cache.load_or_build(args[0], "GPTDataset", "train", {"dataset": "concurrency-test", "n": 5000},
                                       lambda: pytest.fail("rebuilt on a cache hit"),

@@ -116,6 +116,54 @@ def test_parse_scontrol_line():
     assert row["JobState"] == "PENDING" and row["Restarts"] == "2" and row["Reason"] == "BeginTime"
 
 
+def test_parse_squeue_array_tasks_and_noise():
+    """``squeue -h -r -o %i|%T|%r|%M|%N`` of array job 123: one entry per real task of THIS job only."""
+    text = "\n".join([
+        "123_0|RUNNING|None|1:02|node[01-02]",
+        "123_1|PENDING|Resources|0:00|",
+        "123_[2-3]|PENDING|Priority|0:00|",      # a pending range is no single task
+        "1234_5|RUNNING|None|0:01|node03",       # another job whose id starts with ours
+        "12_3|RUNNING|None|0:01|node03",
+        "99|RUNNING|None|0:01|node04",
+        "123_4|RUNNING|None",                    # short (truncated) line
+        "squeue: error: Invalid job id specified",
+        "",
+        " 123_5 |COMPLETING|(null)|2:00|node05",  # padded id, (null) reason
+    ])
+    assert ST.parse_squeue(text, "123") == {
+        "0": {"state": "RUNNING", "reason": "", "elapsed": "1:02", "nodes": "node[01-02]", "source": "squeue"},
+        "1": {"state": "PENDING", "reason": "Resources", "elapsed": "0:00", "nodes": "", "source": "squeue"},
+        "5": {"state": "COMPLETING", "reason": "", "elapsed": "2:00", "nodes": "node05", "source": "squeue"},
+    }
+    # a plain (non-array) job answers under the key ""
+    assert ST.parse_squeue("77|PENDING|Dependency|0:00|\n", "77") == {
+        "": {"state": "PENDING", "reason": "Dependency", "elapsed": "0:00", "nodes": "", "source": "squeue"}}
+    assert ST.parse_squeue(None, "123") == {} and ST.parse_squeue("", "123") == {}
+
+
+def test_parse_sacct_states_and_noise():
+    """``sacct -n -P -X -o JobID,State,ExitCode,Elapsed,NodeList``: first word of the state, UNKNOWN when empty."""
+    text = "\n".join([
+        "123_0|COMPLETED|0:0|00:01:02|node01",
+        "123_1|CANCELLED by 0|0:15|00:00:30|node02",
+        "123_2||0:0|00:00:00|None assigned",     # empty state
+        "123_[3-5]|PENDING|0:0|00:00:00|None assigned",
+        "123_0.batch|COMPLETED|0:0|00:01:02|node01",  # a step, not a task
+        "1230_1|FAILED|1:0|00:00:01|node09",
+        "123_6|FAILED",                          # short line
+        "garbled",
+    ])
+    assert ST.parse_sacct(text, "123") == {
+        "0": {"state": "COMPLETED", "exit_code": "0:0", "elapsed": "00:01:02", "nodes": "node01", "source": "sacct"},
+        "1": {"state": "CANCELLED", "exit_code": "0:15", "elapsed": "00:00:30", "nodes": "node02", "source": "sacct"},
+        "2": {"state": "UNKNOWN", "exit_code": "0:0", "elapsed": "00:00:00", "nodes": "None assigned",
+              "source": "sacct"},
+    }
+    assert ST.parse_sacct("55|OUT_OF_MEMORY|0:125|00:10:00|node7", "55") == {
+        "": {"state": "OUT_OF_MEMORY", "exit_code": "0:125", "elapsed": "00:10:00", "nodes": "node7", "source": "sacct"}}
+    assert ST.parse_sacct(None, "123") == {} and ST.parse_sacct("", "123") == {}
+
+
 def test_status_without_accounting_falls_back_to_markers(tmp_path, monkeypatch):
     """Slurm does not know the ids (forgotten or never there) and sacct fails: the markers answer."""
     fake = tmp_path / "bin"
