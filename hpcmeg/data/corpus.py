@@ -6,7 +6,8 @@ A real, CodeParrot-like code corpus that exists on every machine without a downl
 Contract
 - One line per unique, non-empty, valid-UTF-8 `.py` file: {"<key>": source, "path": relative path}.
 - Deterministic: files sorted by relative path, duplicates (same bytes) keep the first path only,
-  so the same interpreter always yields the same bytes. `.gz` output is written with mtime 0.
+  so the same interpreter always yields the same bytes. `.gz` output is written with mtime 0 and
+  no file name in its header.
 - Written under a temporary name and renamed at the end.
 """
 
@@ -21,6 +22,8 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from typing import Iterator, Sequence
+
+from hpcmeg.fsutil import atomic_path
 
 # directories that hold the test suites (CPython's own plus the per-package ones)
 _TEST_DIRS = {"test", "tests", "idle_test", "unittest/test", "lib2to3/tests"}
@@ -74,24 +77,18 @@ def write_stdlib_corpus(out_path: str, key: str = "content", include_tests: bool
                         max_files: int | None = None, root: str | None = None) -> CorpusStats:
     """Write the stdlib corpus to `out_path` (.jsonl, or .jsonl.gz when it ends in .gz)."""
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp{os.getpid()}"
     files = nbytes = 0
-    try:
-        with open(tmp, "wb") as raw:
-            out = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if out_path.endswith(".gz") else raw
-            for rel, text in iter_stdlib_sources(include_tests, root):
-                if max_files is not None and files >= max_files:
-                    break
-                out.write(json.dumps({key: text, "path": rel}, ensure_ascii=False).encode("utf-8") + b"\n")
-                files += 1
-                nbytes += len(text.encode("utf-8"))
-            if out is not raw:
-                out.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_path(out_path) as tmp, open(tmp, "wb") as raw:
+        # filename="": gzip would otherwise record the temp file's (pid-carrying) name in its header
+        out = gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) if out_path.endswith(".gz") else raw
+        for rel, text in iter_stdlib_sources(include_tests, root):
+            if max_files is not None and files >= max_files:
+                break
+            out.write(json.dumps({key: text, "path": rel}, ensure_ascii=False).encode("utf-8") + b"\n")
+            files += 1
+            nbytes += len(text.encode("utf-8"))
+        if out is not raw:
+            out.close()
     return CorpusStats(files=files, bytes=nbytes, path=out_path)
 
 

@@ -14,7 +14,10 @@ Contract
 - Token dtype: uint16 when the (unpadded) vocabulary is < 65,500, else int32 (`DType.optimal`).
 - Writing is streaming: token bytes go straight to disk; RAM holds only the int32 lengths and the
   int64 document indices (4-8 bytes per sequence). Both files are written under temporary names and
-  renamed by `finalize`, `.idx` last, so an interrupted run never leaves a pair that loads.
+  renamed by `finalize`, `.idx` last, so an interrupted run never leaves a pair that loads. The `.idx`
+  goes through hpcmeg.fsutil (fsynced); the streamed `.bin` keeps its own temp name and is not fsynced
+  (that would stall finalize on many-GB files), so a pair is atomic against a killed process, not
+  against a host crash.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import sys
 from typing import Sequence
 
 import numpy as np
+
+from hpcmeg import fsutil
 
 MMIDIDX_MAGIC = b"MMIDIDX\x00\x00"
 TNTIDX_MAGIC = b"TNTIDX\x00\x00"
@@ -164,14 +169,14 @@ class IndexedDatasetBuilder:
         self._bin.close()
         lengths = np.frombuffer(self._lengths, dtype=np.int32)
         doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
-        tmp_idx = _tmp_name(idx_path)
-        with open(tmp_idx, "wb") as f:
-            write_mmidx_index(f, self.dtype, lengths, doc_idx)
-        # remove a stale .idx first so that a crash between the two renames cannot pair old index + new bin
-        if os.path.exists(idx_path):
-            os.remove(idx_path)
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, idx_path)
+        # atomic_path renames the finished .idx into place when the block ends, after the .bin
+        with fsutil.atomic_path(idx_path) as tmp_idx:
+            with open(tmp_idx, "wb") as f:
+                write_mmidx_index(f, self.dtype, lengths, doc_idx)
+            # remove a stale .idx first so that a crash between the two renames cannot pair old index + new bin
+            if os.path.exists(idx_path):
+                os.remove(idx_path)
+            os.replace(self._tmp_bin, self.bin_path)
         self._closed = True
 
     def abort(self) -> None:

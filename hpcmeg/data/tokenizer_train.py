@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 from hpcmeg.data.jsonl import expand_inputs, open_maybe_gzip
 from hpcmeg.data.tokenizer import EOD_TOKEN, bytes_to_unicode
+from hpcmeg.fsutil import write_text_atomic
 
 
 def iter_texts(paths: Sequence[str], key: str, max_docs: int | None = None) -> Iterator[str]:
@@ -84,10 +85,7 @@ def train_bpe(inputs: Sequence[str] | str, output_dir: str, vocab_size: int = 32
                                              "model_max_length": 1024}, indent=2),
     }
     for name, text in files.items():
-        path = os.path.join(output_dir, name)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        write_text_atomic(os.path.join(output_dir, name), text, encoding="utf-8")
     return vocab
 
 
