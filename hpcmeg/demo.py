@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.recipe import derive, load_recipe
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "codeparrot_tiny.yaml"
@@ -117,9 +118,7 @@ def run_demo(output_root: str = "runs", profile: str | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a missing plot must not hide the rest of the summary
         print(f"[demo] could not draw the loss curve: {e}", file=sys.stderr)
     text = summarize(run_dir, model_dir, completion, png, time.time() - t0)
-    tmp = run_dir / ".summary.md.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, run_dir / "summary.md")
+    write_text_atomic(run_dir / "summary.md", text)
     print(text, flush=True)
     return 0 if model_dir else 1
 

@@ -36,6 +36,7 @@ import traceback
 import numpy as np
 import torch
 
+from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.launch.env import DistEnv, dist_env
 from hpcmeg.recipe import Recipe, RecipeError, derive, load_recipe, to_dict, write_resolved
 
@@ -225,11 +226,8 @@ def build_trainer(r: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=N
 def _write_status(run_dir: str, status: str, iteration, code: int, reason: str = "") -> None:
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, STATUS_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"status": status, "iteration": iteration, "exit_code": code, "reason": reason,
-                   "time": time.time()}, f)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"status": status, "iteration": iteration, "exit_code": code,
+                                        "reason": reason, "time": time.time()}))
 
 
 def _wall_clock_end(r: Recipe, ctx) -> float | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from hpcmeg.fsutil import atomic_path
+
 
 def _metrics_path(run: str) -> str:
     return run if os.path.isfile(run) else os.path.join(run, "metrics.jsonl")
@@ -58,10 +60,13 @@ def plot_run(run: str, output: str | None = None) -> str:
         ax_mfu.plot([i for i, _ in mfu], [v for _, v in mfu], color="tab:purple", alpha=0.6, label="MFU %")
         ax_mfu.set_ylabel("MFU (%)")
     fig.tight_layout()
-    tmp = f"{output}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, output)
+    try:
+        with atomic_path(output) as tmp:
+            # format given: the temp name has no extension to infer it from (and PNG is what this
+            # always wrote, whatever `output` ends in)
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return output
 
 

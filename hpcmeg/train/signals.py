@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Callable, Iterable, Mapping
 
+from hpcmeg.fsutil import write_text_atomic
+
 DEFAULT_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
 
@@ -215,10 +217,7 @@ class RequeueGuard:
             raise ValueError(f"{self.path}: corrupt requeue state ({e}); delete the file to reset it") from None
 
     def _write(self, st: dict) -> None:
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(st, f)
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, json.dumps(st))
 
     def on_start(self, restart_count: int, iteration: int | None) -> None:
         st = self._read()
