@@ -143,3 +143,31 @@ def test_checkpoint_save_removes_a_killed_tracker_temp(tmp_path):
                       pp_size=1, is_shard_writer=True, barrier=lambda: None, is_global_rank0=True)
     assert sorted(os.listdir(tmp_path)) == sorted([C.TRACKER_FILENAME, "iter_0000003"])
     assert (tmp_path / C.TRACKER_FILENAME).read_text() == "3\n"
+
+
+# -- callers that moved onto fsutil: what they write must not depend on the temporary's name --------
+
+def test_corpus_gzip_bytes_do_not_carry_the_temp_name(tmp_path):
+    from hpcmeg.data.corpus import write_stdlib_corpus
+
+    a, b = tmp_path / "a" / "c.jsonl.gz", tmp_path / "b" / "c.jsonl.gz"
+    write_stdlib_corpus(str(a), max_files=3)
+    write_stdlib_corpus(str(b), max_files=3)  # another random temp name
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes()[3] == 0  # gzip FLG: no FNAME field (it used to hold ".../c.jsonl.gz.tmp<pid>")
+    assert os.listdir(a.parent) == ["c.jsonl.gz"]
+
+
+def test_plot_replaces_the_png_and_leaves_no_temp(tmp_path):
+    import json
+
+    from hpcmeg.train.plot import plot_run
+
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for i in range(1, 6):
+            f.write(json.dumps({"kind": "train", "iteration": i, "loss": 4.0 - 0.1 * i}) + "\n")
+    out = tmp_path / "curves.svg"  # any name: the format is PNG, as it always was
+    out.write_bytes(b"old")
+    assert plot_run(str(tmp_path), str(out)) == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == ["curves.svg", "metrics.jsonl"]
