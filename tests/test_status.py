@@ -162,6 +162,8 @@ def test_parse_sacct_states_and_noise():
     assert ST.parse_sacct("55|OUT_OF_MEMORY|0:125|00:10:00|node7", "55") == {
         "": {"state": "OUT_OF_MEMORY", "exit_code": "0:125", "elapsed": "00:10:00", "nodes": "node7", "source": "sacct"}}
     assert ST.parse_sacct(None, "123") == {} and ST.parse_sacct("", "123") == {}
+    # a state field of blanks only: UNKNOWN, not an IndexError
+    assert ST.parse_sacct("123_7| |0:0|00:00:00|node3", "123")["7"]["state"] == "UNKNOWN"
 
 
 def test_status_without_accounting_falls_back_to_markers(tmp_path, monkeypatch):

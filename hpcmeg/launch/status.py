@@ -76,7 +76,7 @@ def parse_squeue(text: Optional[str], job_id: str) -> dict[str, dict]:
 def parse_sacct(text: Optional[str], job_id: str) -> dict[str, dict]:
     """``sacct -P -o JobID,State,ExitCode,Elapsed,NodeList`` output -> {task key: info}; the state's
     first word only ('CANCELLED by 1000' -> 'CANCELLED')."""
-    return {key: {"state": p[1].split()[0] if p[1] else "UNKNOWN", "exit_code": p[2], "elapsed": p[3],
+    return {key: {"state": (p[1].split() or ["UNKNOWN"])[0], "exit_code": p[2], "elapsed": p[3],
                   "nodes": p[4], "source": "sacct"}
             for key, p in _pipe_rows(text, job_id, 5)}
 

@@ -100,6 +100,13 @@ class ParallelContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 
+    def all_reduce_max_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place MAX of a tensor over all ranks, queued on the device's stream order (no host
+        sync: with NCCL the result is ready once the work queued before it is)."""
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def dp_mean_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place average of a tensor over this rank's data-parallel group."""
         if self.distributed and self.dp_size > 1:

@@ -119,8 +119,9 @@ class WallTimeGuard:
 
     @property
     def effective_margin_s(self) -> float:
-        # the step runs before the next check, then the save must fit: both come out of the margin
-        return self.margin_s + self.save_factor * self.longest_save_s + self.longest_step_s
+        # the trainer keeps one step in flight and agrees on a stop one iteration later, so up to two
+        # steps run after the check that fires; then the save must fit: all of it comes out of the margin
+        return self.margin_s + self.save_factor * self.longest_save_s + 2 * self.longest_step_s
 
     def remaining_s(self, now: float | None = None) -> float | None:
         if self.end_time is None:

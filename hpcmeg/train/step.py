@@ -6,8 +6,9 @@ Contract:
             compile_options=None)
   .launch(micro_batches, ddp_model=None) -> PendingStep: queues the whole step on the device and
     returns without a host sync (bf16/fp32); .result() later waits for just this step's two
-    numbers (copied to pinned host memory behind the step). fp16 syncs once inside launch (the
-    overflow check must decide whether to step), so its PendingStep is already resolved.
+    numbers (copied to pinned host memory behind the step; the caller may add its own device
+    values to that copy with add_check). fp16 syncs once inside launch (the overflow check must
+    decide whether to step), so its loss and skip are known at once.
   .run(micro_batches, ddp_model=None) = launch(...).result() -> StepResult(loss, grad_norm, skipped,
     loss_scale)
     micro_batches: list of (tokens [b,s], labels [b,s]) or (tokens, labels, loss_mask [b,s]).
@@ -56,21 +57,61 @@ class StepResult:
 
 
 class PendingStep:
-    """A queued step: `skipped`/`loss_scale` are known at once, loss and grad norm on result()."""
+    """A queued step. `skipped` / `loss_scale` are known at once; loss and grad norm, plus the
+    values queued with add_check(), come from result() / checked(), which wait for this step only."""
 
     def __init__(self, skipped: bool, loss_scale: float | None, vals: torch.Tensor | None = None,
-                 event=None, done: StepResult | None = None):
+                 done: StepResult | None = None):
         self.skipped, self.loss_scale = skipped, loss_scale
-        self._vals, self._event, self._done = vals, event, done  # vals [2] fp32: loss, grad norm
+        self.vals = vals  # device fp32 [2] (loss, grad norm); None when `done` is already known
+        self._done, self._host, self._event = done, None, None
+        self._queued = self._fetched = False
+        self._n_extra, self._extra = 0, []
+
+    def add_check(self, extra: torch.Tensor | None = None) -> None:
+        """Queue the device->host copy of vals (+ extra, a few numbers computed on the device after
+        the step, e.g. an agreed stop code): non-blocking into pinned memory, then an event. At most
+        once per step, right after launch, so the copy sits behind this step and before the next."""
+        if self._queued:
+            raise RuntimeError("PendingStep.add_check: already queued")
+        self._queued = True
+        parts = [self.vals] if self.vals is not None else []
+        if extra is not None:
+            parts.append(extra.float().reshape(-1))
+            self._n_extra = parts[-1].numel()
+        if not parts:
+            return
+        flat = torch.cat(parts)
+        if flat.is_cuda:
+            self._host = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+
+    def _fetch(self) -> None:
+        if self._fetched:
+            return
+        if not self._queued:
+            self.add_check()
+        if self._event is not None:
+            self._event.synchronize()
+        vals = self._host.tolist() if self._host is not None else []
+        self._extra = vals[len(vals) - self._n_extra:] if self._n_extra else []
+        if self._done is None:
+            self._done = StepResult(vals[0], vals[1], self.skipped, self.loss_scale)
+        self._host = self._event = None
+        self._fetched = True
 
     def result(self) -> StepResult:
-        if self._done is None:
-            if self._event is not None:
-                self._event.synchronize()  # waits for this step only, not for work queued after it
-            loss, gn = self._vals.tolist()
-            self._done = StepResult(loss, gn, self.skipped, self.loss_scale)
-            self._vals = self._event = None
+        self._fetch()
         return self._done
+
+    def checked(self) -> list[float]:
+        """The values queued with add_check(extra=...), as floats."""
+        self._fetch()
+        return self._extra
 
 
 class TrainStep:
@@ -175,11 +216,5 @@ class TrainStep:
             gnorm = torch.nn.utils.get_total_norm(grads, foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        vals = torch.stack([mean_loss, gnorm.float().to(self.device)])
-        event = None
-        if vals.is_cuda:  # a non-blocking copy behind the step + an event: no host sync here
-            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-            host.copy_(vals, non_blocking=True)
-            vals, event = host, torch.cuda.Event()
-            event.record()
-        return PendingStep(False, scale if self.loss_scaler is not None else None, vals, event)
+        vals = torch.stack([mean_loss, gnorm.float().to(self.device)])  # stays on the device: no sync
+        return PendingStep(False, scale if self.loss_scaler is not None else None, vals)

@@ -96,6 +96,7 @@ class Trainer:
         win = _Window()
         self.model.train()
         pending = None  # (PendingStep, iteration, lr): queued on the device, numbers not checked yet
+        last_reason = None
         first = st.iteration
         t_iter = time.perf_counter()
         while st.iteration < n_iters:
@@ -112,24 +113,30 @@ class Trainer:
             if not handle.skipped:  # known at launch: fp16 decides its skip inside launch()
                 self.schedule.step(gbs)
             it = st.iteration
-            # Check the PREVIOUS iteration now that this one is queued behind it: the GPU stays busy
-            # while the host waits for those two numbers (a one-step lag; nothing is saved unchecked).
-            prev, pending = pending, (handle, it, lr)
-            bad_prev = prev is not None and self._settle(prev, win)
             reason = self.stop()
             if reason is None and self.exit_interval and it % self.exit_interval == 0:
                 reason = f"exit interval {self.exit_interval}"
-            code = self.ctx.all_reduce_max(2 if bad_prev else (1 if reason else 0))
-            if code == 2:
-                self._diverged(prev if bad_prev else None, prev[1] if prev else it)
-            at_boundary = (it % t.log_interval == 0 or it == n_iters or code == 1
+            last_reason = reason or last_reason
+            self._queue_check(handle, reason)
+            # Settle the PREVIOUS iteration now that this one is queued behind it: the GPU stays busy
+            # while the host waits for its numbers and its agreed code (a one-step lag).
+            prev, pending = pending, (handle, it, lr)
+            stopping = False
+            if prev is not None:
+                code = self._settle(prev, win)
+                if code >= 2:
+                    self._diverged(prev)
+                stopping = code == 1  # a rank asked at it-1: everyone stops after `it`, already queued
+            at_boundary = (stopping or it % t.log_interval == 0 or it == n_iters
+                           or (self.exit_interval and it % self.exit_interval == 0)
                            or (t.eval_interval and it % t.eval_interval == 0 and self.eval_set)
                            or (r.checkpoint.save_interval and it % r.checkpoint.save_interval == 0))
             if at_boundary:  # log, eval, save or stop next: this iteration must be checked first
-                bad = self._settle(pending, win)
-                if self.ctx.all_reduce_max(2 if bad else 0) == 2:
-                    self._diverged(pending if bad else None, it)
+                code = self._settle(pending, win)
                 pending = None
+                if code >= 2:
+                    self._diverged((handle, it, lr))
+                stopping = stopping or code == 1
             if it == first + 3:
                 # compile, CUDA-graph capture and the loaders are built by now: move their objects
                 # out of the collector's reach, so later GC passes stay short (a full collection
@@ -146,8 +153,8 @@ class Trainer:
                 self.evaluate()
                 now = time.perf_counter()  # eval and save time stay out of the step timing
                 win.t0 = now
-            if code == 1 and st.iteration < n_iters:  # a stop on the last step is just the end
-                reason = reason or "stop requested on another rank"
+            if stopping and st.iteration < n_iters:  # a stop on the last step is just the end
+                reason = last_reason or "stop requested on another rank"
                 self.save()
                 self.metrics.write({"kind": "event", "what": "preempted", "iteration": st.iteration, "reason": reason})
                 self.metrics.print(f"saved iteration {st.iteration} and stopping ({reason}): resume me")
@@ -162,17 +169,33 @@ class Trainer:
         self.wait_for_save()
         return Outcome("finished", st.iteration)
 
-    def _settle(self, pending, win: "_Window") -> bool:
-        """Wait for a queued iteration's loss and grad norm, add them to the log window; True
-        when they are non-finite on an applied step (a divergence)."""
+    def _queue_check(self, handle, reason: str | None) -> None:
+        """Queue, behind the step just launched, this iteration's agreement code: 2 when this rank's
+        loss or grad norm is non-finite on an applied step, else 1 when it wants to stop, else 0;
+        MAX over all ranks (an all-reduce in stream order: with NCCL nothing waits on the host);
+        then the step's numbers and the agreed code are copied to the host (PendingStep.add_check)."""
+        if handle.vals is not None and not handle.skipped:
+            code = (~torch.isfinite(handle.vals).all()).to(torch.int64).reshape(1) * 2
+        else:
+            code = torch.zeros(1, dtype=torch.int64, device=self.ctx.device)
+        if reason:
+            code.clamp_(min=1)
+        self.ctx.all_reduce_max_(code)
+        handle.add_check(code)
+
+    def _settle(self, pending, win: "_Window") -> int:
+        """Wait for a queued iteration's loss, grad norm and agreed code (0 go on, 1 stop, 2 a rank
+        diverged); add the numbers to the log window."""
         handle, _, lr = pending
         res = handle.result()
         win.add(res, lr)
-        return not res.skipped and not (math.isfinite(res.loss) and math.isfinite(res.grad_norm))
+        return int(handle.checked()[0])
 
-    def _diverged(self, pending, iteration: int):
-        res = pending[0].result() if pending is not None else None
-        what = f"loss {res.loss}, grad norm {res.grad_norm}" if res is not None else "on another rank"
+    def _diverged(self, pending):
+        handle, iteration, _ = pending
+        res = handle.result()
+        mine = not res.skipped and not (math.isfinite(res.loss) and math.isfinite(res.grad_norm))
+        what = f"loss {res.loss}, grad norm {res.grad_norm}" if mine else "on another rank"
         raise TrainingDiverged(f"non-finite loss or gradient at iteration {iteration} ({what}, "
                                f"{self.r.train.precision}); stopping without saving. Lower train.lr, raise "
                                f"train.lr_warmup_iters or try train.precision=fp32 to debug")
