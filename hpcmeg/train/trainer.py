@@ -7,14 +7,17 @@ Contract
   `run() -> Outcome` trains from `state.iteration` to derived.train_iters.
 - One iteration: schedule.apply -> TrainStep.launch(grad_accum_steps micro batches), queued
   without a host sync -> prefetch the next batches -> counters (iteration, consumed samples; the
-  schedule advances only when the step was applied, as Megatron's) -> check the PREVIOUS
-  iteration's loss and grad norm (one step in flight, so the GPU never idles while the host
-  decides) -> ONE all-reduce MAX of a per-rank code (2 = non-finite loss or grad norm on an
-  applied step, 1 = stop requested, 0 = go on), so all ranks take the same decision at the same
-  iteration. Before a log, eval, save, stop or the last iteration the current iteration is
-  checked too (a second all-reduce), so nothing is logged or saved unchecked -> log (every
-  log_interval; DP-averaged loss) -> eval (every eval_interval) -> save (every save_interval, or
-  now when stopping).
+  schedule advances only when the step was applied, as Megatron's) -> queue, on the device behind
+  the step, this rank's code (2 = non-finite loss or grad norm on an applied step, 1 = stop
+  requested, 0 = go on), its all-reduce MAX and the copy of loss, grad norm and agreed code to
+  pinned host memory -> settle the PREVIOUS iteration (wait for its copy only: one step stays in
+  flight, so the GPU never idles while the host decides, with NCCL too) -> every rank takes the
+  same decision at the same iteration: 2 raises, 1 stops after the iteration already queued.
+  Before a log, eval, save, exit interval, stop or the last iteration the current iteration is
+  settled too, so nothing is logged or saved unchecked -> log (every log_interval; DP-averaged
+  loss) -> eval (every eval_interval) -> save (every save_interval, or now when stopping).
+  A stop signal is therefore acted on one or two steps after it arrives (the wall-time guard's
+  margin counts two steps); an exit interval stops exactly there.
 - Non-finite loss (bf16 / fp32, or fp16 on a step that was not skipped) raises TrainingDiverged
   naming the iteration; nothing is saved after it. fp16 overflow is TrainStep's: the step is skipped
   and the scale lowered; the loop only counts it.
