@@ -85,3 +85,85 @@ def test_two_process_dp_matches_one_process_tiny_recipe_model(tmp_path):
     rd1, _ = _run(1, tmp_path, prefix, "one", extra)
     rd2, out2 = _run(2, tmp_path, prefix, "two", extra)
     _compare(rd1, rd2, out2, 5)
+
+
+def _rank_worker(rank, port, out, prefix, mode, result_dir):
+    """One of 2 gloo ranks of `hpcmeg train` (in-process entry.train, like torchrun would run it)."""
+    import json
+    import math
+
+    from hpcmeg.recipe import load_recipe
+    from hpcmeg.train.entry import train
+
+    torch.set_num_threads(1)
+    extra = [e for e in SMALL if not e.startswith("cluster.")]
+    extra += ["train.log_interval=5", "train.eval_interval=0", "checkpoint.save_interval=0",
+              f"train.train_iters={12 if mode == 'nan' else 5000}"]
+    r = load_recipe(TINY, [f"run.output_root={out}", f"run.name={mode}", f"data.data_path=[{prefix}]", *extra])
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    seen = {}
+
+    def on_built(trainer):
+        seen["trainer"] = trainer
+        if mode == "nan" and rank == 1:  # rank 1 only, on iteration 7 (no log/eval/save boundary)
+            trainer.model.encoder.register_forward_hook(
+                lambda m, i, o: o * math.nan if trainer.state.iteration + 1 == 7 else o)
+        open(os.path.join(result_dir, f"ready{rank}"), "w").close()
+
+    code = train(r, environ=env, on_built=on_built)
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"code": code, "iteration": seen["trainer"].state.iteration}, f)
+
+
+def _two_ranks(tmp_path, mode, signal_rank1_after_s=None):
+    import json
+    import signal
+    import time
+
+    import torch.multiprocessing as mp
+
+    prefix = stdlib_dataset(tmp_path / "data")
+    res_dir = tmp_path / f"res-{mode}"
+    res_dir.mkdir()
+    ctx = mp.spawn(_rank_worker, args=(_free_port(), str(tmp_path), prefix, mode, str(res_dir)), nprocs=2, join=False)
+    if signal_rank1_after_s is not None:
+        deadline = time.time() + 120
+        metrics = tmp_path / mode / "metrics.jsonl"
+        while time.time() < deadline and not (metrics.exists() and '"kind": "train"' in metrics.read_text()):
+            time.sleep(0.1)  # rank 0 logged iteration 5: both ranks are stepping
+        time.sleep(signal_rank1_after_s)
+        os.kill(ctx.processes[1].pid, signal.SIGTERM)
+    while not ctx.join(timeout=300):
+        pass
+    return [json.loads((res_dir / f"rank{r}.json").read_text()) for r in range(2)], tmp_path / mode
+
+
+def test_two_ranks_stop_together_when_only_rank1_gets_sigterm(tmp_path):
+    """The per-iteration agreement (computed on the device, all-reduced, read one iteration later):
+    rank 0 never sees a signal, yet both ranks save the same iteration and ask for a requeue."""
+    import json
+
+    from hpcmeg.train.entry import EXIT_REQUEUE
+
+    res, rd = _two_ranks(tmp_path, "signal", signal_rank1_after_s=0.5)
+    assert [x["code"] for x in res] == [EXIT_REQUEUE, EXIT_REQUEUE]
+    it = res[0]["iteration"]
+    assert res[1]["iteration"] == it and 5 <= it < 5000
+    status = json.loads((rd / "train_status.json").read_text())
+    assert status["status"] == "preempted" and status["iteration"] == it and "stop requested on another rank" in status["reason"]
+    assert (rd / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(it)
+
+
+def test_two_ranks_stop_together_on_a_nan_on_rank1(tmp_path):
+    """NaN in rank 1's forward on iteration 7 (not a log boundary: found one iteration later):
+    both ranks stop with the error naming iteration 7, and nothing was saved."""
+    import json
+
+    from hpcmeg.train.entry import EXIT_ERROR
+
+    res, rd = _two_ranks(tmp_path, "nan")
+    assert [x["code"] for x in res] == [EXIT_ERROR, EXIT_ERROR]
+    status = json.loads((rd / "train_status.json").read_text())
+    assert status["status"] == "failed" and "non-finite loss or gradient at iteration 7" in status["reason"]
+    assert not (rd / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
