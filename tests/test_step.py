@@ -210,3 +210,37 @@ def test_master_update_compiled_matches_plain():
     _compiled_update()(b[0], b[1], g16, b[2], b[3], hp)
     for x, z in zip(a, b):
         torch.testing.assert_close(x, z, rtol=1e-5, atol=1e-6)
+
+
+def test_master_weights_accumulate_micro_batches_in_fp32():
+    """16 micro batches of bf16 grads: accumulate_grads_() sums them in fp32 (exact for these bf16
+    values), where autograd's running sum in the bf16 p.grad rounds at every add; TrainStep takes
+    the fp32 path by itself whenever a step has more than one micro batch."""
+    g = torch.Generator().manual_seed(0)
+    m, opt, _ = _master_setup(seed=4)
+    params = opt._model_params
+    parts = [[torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in params] for _ in range(16)]
+    exact = torch.cat([sum(mb[j].double() for mb in parts).reshape(-1) for j in range(len(params))])
+    running = [torch.zeros_like(p) for p in params]  # what p.grad holds after 16 bf16 accumulations
+    for i, mb in enumerate(parts):
+        for p, gp, r in zip(params, mb, running):
+            p.grad = gp.clone()
+            r += gp
+        if i < 15:
+            opt.accumulate_grads_()
+            assert all(p.grad is None for p in params)
+    opt.clip_grad_norm_(None)
+    assert opt._g.dtype == torch.float32
+    err32 = ((opt._g.double() - exact).norm() / exact.norm()).item()
+    err16 = ((torch.cat([r.reshape(-1) for r in running]).double() - exact).norm() / exact.norm()).item()
+    assert err32 < 1e-6 and err16 > 1e-4, (err32, err16)
+    opt.step()
+    assert opt._n_acc == 0 and opt._g is opt._g16  # the next step starts from the bf16 path again
+
+    m, opt, _ = _master_setup(seed=4)
+    step = TrainStep(m, opt, "bf16", grad_clip=1.0, device="cpu")
+    calls = []
+    orig = opt.accumulate_grads_
+    opt.accumulate_grads_ = lambda: (calls.append(1), orig())[1]
+    res = step.run([batch(n=2, seed=10 + i) for i in range(4)])
+    assert len(calls) == 3 and opt._n_acc == 0 and res.grad_norm > 0

@@ -139,7 +139,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     The model's trainable params are re-pointed into ONE flat bf16 buffer (ordered group by group);
     the optimizer owns flat fp32 buffers of master weights, exp_avg and exp_avg_sq, and a flat bf16
     grad buffer. Per step: clip_grad_norm_() copies the model grads into the flat buffer and takes
-    the global norm in fp32; step() runs adamw_master_update_ per group (compiled on CUDA).
+    the global norm in fp32; step() runs adamw_master_update_ per group (compiled on CUDA). With
+    several micro batches per step, accumulate_grads_() after each backward but the last sums them
+    in a flat fp32 buffer instead (TrainStep calls it), and step() reads that one.
     param_groups hold the fp32 masters (views), so schedules set group["lr"] as usual.
     state_dict() is torch AdamW's layout over the masters (state[i] = step, exp_avg, exp_avg_sq in
     each param's shape; param_groups with index lists) plus "fp32_from_fp16_params" (the masters,
@@ -175,6 +177,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.compiled = dev.type == "cuda" if compiled is None else compiled
         self._step_count = 0
         self._coef = None  # clip coefficient tensor set by clip_grad_norm_ for the next step()
+        # gradient accumulation over micro batches in fp32 (Megatron's default for bf16): allocated
+        # on the first accumulate_grads_() call, i.e. only when a step has more than one micro batch
+        self._g32, self._n_acc = None, 0
+        self._g = self._g16  # the flat gradient the next step() reads (bf16, or fp32 after accumulation)
         super().__init__(new_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         model.register_load_state_dict_post_hook(lambda module, keys: self._masters_from_model())
 
@@ -182,21 +188,46 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def _masters_from_model(self) -> None:
         self._master.copy_(self._p16)
 
-    @torch.no_grad()
-    def _gather_grads(self) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._model_params]
+    def _flat_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         views, off = [], 0
         for p in self._model_params:
-            views.append(self._g16[off:off + p.numel()].view(p.shape))
+            views.append(buf[off:off + p.numel()].view(p.shape))
             off += p.numel()
-        torch._foreach_copy_(views, grads)
+        return views
+
+    def _model_grads(self) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._model_params]
+
+    @torch.no_grad()
+    def accumulate_grads_(self) -> None:
+        """Add the model's (bf16) grads into an fp32 flat buffer and drop them: call after each
+        micro batch's backward except the last, so k micro batches sum in fp32, not in bf16
+        (Megatron accumulates bf16 grads in fp32 main_grad buffers for the same reason)."""
+        if self._g32 is None:
+            self._g32 = torch.zeros(self._g16.numel(), dtype=torch.float32, device=self._g16.device)
+        views = self._flat_views(self._g32)
+        if self._n_acc == 0:
+            torch._foreach_copy_(views, self._model_grads())
+        else:
+            torch._foreach_add_(views, [g.float() for g in self._model_grads()])
+        self._n_acc += 1
+        self.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def _gather_grads(self) -> None:
+        if self._n_acc:  # fp32 accumulator + the last micro batch's grads
+            torch._foreach_add_(self._flat_views(self._g32), [g.float() for g in self._model_grads()])
+            self._g = self._g32
+        else:
+            torch._foreach_copy_(self._flat_views(self._g16), self._model_grads())
+            self._g = self._g16
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Gather the model grads; return their global L2 norm (fp32 accumulation) and, when
         max_norm > 0, scale the next step's grads by min(1, max_norm / (norm + 1e-6)) (torch's rule)."""
         self._gather_grads()
-        norm = torch.linalg.vector_norm(self._g16, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(self._g, dtype=torch.float32)
         if max_norm and max_norm > 0:
             self._coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         else:
@@ -220,7 +251,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             if self._master.is_cuda:  # async copy from pinned memory: no host sync per step
                 hp = hp.pin_memory().to(self._master.device, non_blocking=True)
             hp[6:7].copy_(self._coef.reshape(1))
-            args = (self._p16[a:b], self._master[a:b], self._g16[a:b], self._m[a:b], self._v[a:b], hp)
+            args = (self._p16[a:b], self._master[a:b], self._g[a:b], self._m[a:b], self._v[a:b], hp)
             try:
                 fn(*args)
             except Exception as ex:  # a compiler failure must not stop training: run the plain twin
@@ -231,6 +262,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 self.compiled, fn = False, adamw_master_update_
                 fn(*args)
         self._coef = None
+        self._n_acc, self._g = 0, self._g16
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self._model_params:  # the model's grads; the flat buffer is overwritten per step

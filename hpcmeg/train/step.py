@@ -141,6 +141,7 @@ class TrainStep:
         # bf16 params (master weights in the optimizer): autocast would only add fp32 LayerNorm outputs
         self.bf16_params = precision == "bf16" and all(p.dtype == torch.bfloat16 for p in self.params)
         self._opt_clips = hasattr(optimizer, "clip_grad_norm_")
+        self._opt_accumulates = hasattr(optimizer, "accumulate_grads_")
 
     def _forward_fn(self, module: nn.Module) -> nn.Module:
         if not self.compile:
@@ -191,6 +192,9 @@ class TrainStep:
                 per_tok = per_tok * mask.to(self.device, per_tok.dtype)
             mb_sum = per_tok.float().sum()
             (mb_sum * (scale / n_tok)).backward()
+            if (self._opt_accumulates and ddp_model is None and self.loss_scaler is None
+                    and i < len(micro_batches) - 1):
+                self.optimizer.accumulate_grads_()  # bf16 params: sum micro batches in fp32
             loss_sum += mb_sum.detach()
         if ddp_model is not None:
             ddp_model.require_backward_grad_sync = True
