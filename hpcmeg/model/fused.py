@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hpcmeg.model.ops import cross_entropy_with_lse
+
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
 # imports (then hpcmeg/model/triton_ce.py registers torch.ops.hpcmeg.cross_entropy_lse, the
 # one-pass CE forward used on CUDA; it must be registered before torch.compile traces the model).
@@ -104,8 +106,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
 def _ce_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # logsumexp - target logit, both in fp32; under Inductor the .float() fuses into the reduction
-    lf = logits.float()
-    return torch.logsumexp(lf, dim=-1) - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return cross_entropy_with_lse(logits, labels)[0]
 
 
 class _CrossEntropyFromLogits(torch.autograd.Function):
@@ -121,9 +122,7 @@ class _CrossEntropyFromLogits(torch.autograd.Function):
             loss, lse = torch.ops.hpcmeg.cross_entropy_lse(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             loss, lse = loss.view(labels.shape), lse.view(labels.shape)
         else:
-            lf = logits.float()
-            lse = torch.logsumexp(lf, dim=-1)
-            loss = lse - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            loss, lse = cross_entropy_with_lse(logits, labels)
         ctx.save_for_backward(logits, labels, lse)
         return loss
 

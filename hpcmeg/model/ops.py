@@ -1,7 +1,8 @@
 """Plain PyTorch reference ops: the obviously-correct twins of hpcmeg/model/fused.py.
 
-Every function here has a same-named fast version in fused.py; tests/test_fused_ops.py checks
-that each pair agrees (fp32 on CPU) and bench/gpu_agreement.py does so on the GPU in bf16.
+Every function here has a same-named fast version in fused.py (cross_entropy_with_lse: the Triton
+kernel of triton_ce.py); tests/test_fused_ops.py checks that each pair agrees (fp32 on CPU, the
+Triton one in its interpreter) and bench/gpu_agreement.py does so on the GPU in bf16.
 These are the ops the model uses when GPTConfig.fused is False (CPU, debugging).
 
 Shapes: x [b, s, h] activations; q, k, v [b, s, heads, head_dim]; bias [h] or [ffn];
@@ -61,6 +62,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
     probs = F.dropout(probs, p=dropout_p, training=training).to(v.dtype)
     return (probs @ v).transpose(1, 2)  # [b, s, heads, d]
+
+
+def cross_entropy_with_lse(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, logsumexp), both fp32, of logits [..., V] against labels [...]: the one
+    written-out formulation that fused.py's CE paths and triton_ce.py's twin share."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    return lse - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1), lse
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -96,9 +96,7 @@ class ParallelContext:
         """MAX of an int over all ranks (a collective: every rank must call it)."""
         if not self.distributed:
             return int(value)
-        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        return int(self.all_reduce_max_(torch.tensor([int(value)], dtype=torch.int64, device=self.device)).item())
 
     def all_reduce_max_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place MAX of a tensor over all ranks, queued on the device's stream order (no host

@@ -181,6 +181,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         # on the first accumulate_grads_() call, i.e. only when a step has more than one micro batch
         self._g32, self._n_acc = None, 0
         self._g = self._g16  # the flat gradient the next step() reads (bf16, or fp32 after accumulation)
+        self._g16_views, self._g32_views = self._flat_views(self._g16), None
         super().__init__(new_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         model.register_load_state_dict_post_hook(lambda module, keys: self._masters_from_model())
 
@@ -189,6 +190,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self._master.copy_(self._p16)
 
     def _flat_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat buffer in the model params' shapes and order (built once per buffer)."""
         views, off = [], 0
         for p in self._model_params:
             views.append(buf[off:off + p.numel()].view(p.shape))
@@ -198,28 +200,29 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def _model_grads(self) -> list[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._model_params]
 
+    def _accumulate(self) -> None:
+        """fp32 accumulator (+)= the model's bf16 grads (mixed-dtype foreach: no fp32 copies)."""
+        if self._g32 is None:
+            self._g32 = torch.zeros(self._g16.numel(), dtype=torch.float32, device=self._g16.device)
+            self._g32_views = self._flat_views(self._g32)
+        (torch._foreach_add_ if self._n_acc else torch._foreach_copy_)(self._g32_views, self._model_grads())
+        self._n_acc += 1
+
     @torch.no_grad()
     def accumulate_grads_(self) -> None:
         """Add the model's (bf16) grads into an fp32 flat buffer and drop them: call after each
         micro batch's backward except the last, so k micro batches sum in fp32, not in bf16
         (Megatron accumulates bf16 grads in fp32 main_grad buffers for the same reason)."""
-        if self._g32 is None:
-            self._g32 = torch.zeros(self._g16.numel(), dtype=torch.float32, device=self._g16.device)
-        views = self._flat_views(self._g32)
-        if self._n_acc == 0:
-            torch._foreach_copy_(views, self._model_grads())
-        else:
-            torch._foreach_add_(views, [g.float() for g in self._model_grads()])
-        self._n_acc += 1
+        self._accumulate()
         self.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def _gather_grads(self) -> None:
         if self._n_acc:  # fp32 accumulator + the last micro batch's grads
-            torch._foreach_add_(self._flat_views(self._g32), [g.float() for g in self._model_grads()])
+            self._accumulate()
             self._g = self._g32
         else:
-            torch._foreach_copy_(self._flat_views(self._g16), self._model_grads())
+            torch._foreach_copy_(self._g16_views, self._model_grads())
             self._g = self._g16
 
     @torch.no_grad()

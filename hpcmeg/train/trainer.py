@@ -116,8 +116,9 @@ class Trainer:
             if not handle.skipped:  # known at launch: fp16 decides its skip inside launch()
                 self.schedule.step(gbs)
             it = st.iteration
+            at_exit_interval = bool(self.exit_interval and it % self.exit_interval == 0)
             reason = self.stop()
-            if reason is None and self.exit_interval and it % self.exit_interval == 0:
+            if reason is None and at_exit_interval:
                 reason = f"exit interval {self.exit_interval}"
             last_reason = reason or last_reason
             self._queue_check(handle, reason)
@@ -130,11 +131,11 @@ class Trainer:
                 if code >= 2:
                     self._diverged(prev)
                 stopping = code == 1  # a rank asked at it-1: everyone stops after `it`, already queued
-            at_boundary = (stopping or it % t.log_interval == 0 or it == n_iters
-                           or (self.exit_interval and it % self.exit_interval == 0)
-                           or (t.eval_interval and it % t.eval_interval == 0 and self.eval_set)
-                           or (r.checkpoint.save_interval and it % r.checkpoint.save_interval == 0))
-            if at_boundary:  # log, eval, save or stop next: this iteration must be checked first
+            do_log = it % t.log_interval == 0 or it == n_iters
+            do_eval = bool(t.eval_interval and it % t.eval_interval == 0 and self.eval_set)
+            do_save = bool(r.checkpoint.save_interval and it % r.checkpoint.save_interval == 0)
+            if stopping or do_log or do_eval or do_save or at_exit_interval:
+                # log, eval, save or stop next: this iteration must be checked first
                 code = self._settle(pending, win)
                 pending = None
                 if code >= 2:
@@ -148,11 +149,11 @@ class Trainer:
                 gc.freeze()
             now = time.perf_counter()
             self.on_step_time(now - t_iter)
-            if st.iteration % t.log_interval == 0 or st.iteration == n_iters:
+            if do_log:
                 self._log(win, now)
                 win = _Window()
                 now = time.perf_counter()
-            if t.eval_interval and st.iteration % t.eval_interval == 0 and self.eval_set:
+            if do_eval:
                 self.evaluate()
                 now = time.perf_counter()  # eval and save time stay out of the step timing
                 win.t0 = now
@@ -162,7 +163,7 @@ class Trainer:
                 self.metrics.write({"kind": "event", "what": "preempted", "iteration": st.iteration, "reason": reason})
                 self.metrics.print(f"saved iteration {st.iteration} and stopping ({reason}): resume me")
                 return Outcome("preempted", st.iteration, reason)
-            if r.checkpoint.save_interval and st.iteration % r.checkpoint.save_interval == 0:
+            if do_save:
                 self.save()
                 now = time.perf_counter()
                 win.t0 = now
