@@ -40,3 +40,20 @@ def slurm_cluster():
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """``dist_pool(world).run(fn, *args)``: a gloo process pool per world size, spawned once per session."""
+    from dist_pool import DistPool
+
+    pools: dict[int, DistPool] = {}
+
+    def get(world: int) -> DistPool:
+        if world not in pools:
+            pools[world] = DistPool(world)
+        return pools[world]
+
+    yield get
+    for p in pools.values():
+        p.close()
