@@ -40,6 +40,8 @@ class PipelineP2P:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N, never "cuda"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = group
 
     @classmethod
