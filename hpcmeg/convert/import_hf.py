@@ -29,7 +29,9 @@ import torch
 
 from hpcmeg.convert.hf import _TANH_GELUS, ConvertError, hf_to_megatron_state
 from hpcmeg.convert.hf_tokenizer import HF_TOKENIZER_FILES
-from hpcmeg.convert.merge import WORD_EMB, atomic_output_dir, pad_vocab_size, repad_vocab, split_full
+from hpcmeg.convert.merge import (WORD_EMB, OutputDirError, atomic_output_dir, check_output_dir, pad_vocab_size,
+                                  repad_vocab, split_full)
+from hpcmeg.errors import one_line
 from hpcmeg.convert.reshard import write_checkpoint_layout
 from hpcmeg.train.checkpoint import RELEASE_DIRNAME, make_checkpoint_dict, make_megatron_args, safe_torch_load
 
@@ -108,6 +110,10 @@ def _tokenizer_fields(hf_dir: str, tok_dir: str, vocab_size: int) -> tuple[dict[
 
 def import_hf(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128) -> str:
     """See the file header."""
+    if tp < 1 or pp < 1 or make_vocab_size_divisible_by < 1:
+        raise ConvertError(f"--tp {tp} --pp {pp} --make-vocab-size-divisible-by {make_vocab_size_divisible_by}: "
+                           f"each must be >= 1")
+    check_output_dir(ckpt_dir)  # before reading the weights, not after
     cfg = read_hf_config(hf_dir)
     n_layer, n_head, h = cfg["n_layer"], cfg["n_head"], cfg["n_embd"]
     if n_head % tp or n_layer % pp:
@@ -152,8 +158,8 @@ def import_hf(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, make_vocab_s
 def cli_import_hf(args) -> int:
     try:
         out = import_hf(args.hf_dir, args.ckpt_dir, args.tp, args.pp, args.make_vocab_size_divisible_by)
-    except (ConvertError, FileExistsError) as e:
-        print(f"hpcmeg import-hf: {e}", file=sys.stderr)
+    except (ConvertError, OutputDirError, OSError) as e:
+        print(f"hpcmeg import-hf: {one_line(e)}", file=sys.stderr)
         return 1
     print(f"hpcmeg import-hf: wrote {out} (release, tp={args.tp}, pp={args.pp}); fine-tune with "
           f"checkpoint.load: {out}")
