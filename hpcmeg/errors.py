@@ -16,7 +16,7 @@ _OS_HINTS = {
     errno.EROFS: "the filesystem is read-only; choose another path",
     errno.ENOSPC: "the filesystem is full; free space or choose another path",
     errno.EDQUOT: "the disk quota is exceeded; free space or choose another path",
-    errno.ENOTDIR: "a component of the path is a regular file, not a directory; choose another path",
+    errno.ENOTDIR: "a component of the path is a file; choose another path",
     errno.ENOENT: "check the path",
     errno.EISDIR: "it is a directory; give a file",
     errno.ENAMETOOLONG: "use a shorter path",

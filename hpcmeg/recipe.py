@@ -357,18 +357,25 @@ def vocab_size_from_files(data: DataConfig) -> int:
     """Unpadded vocabulary size: entries of vocab.json (the embedded GPT-2 file has 50,257)."""
     if data.vocab_file:
         try:
-            with open(data.vocab_file) as f:
-                return len(json.load(f))
+            with open(data.vocab_file, encoding="utf-8") as f:
+                vocab = json.load(f)
+            if not isinstance(vocab, dict) or not vocab:
+                raise ValueError(f"a JSON {type(vocab).__name__}, not a token -> id mapping")
+            return len(vocab)
         except (OSError, ValueError) as e:
-            raise RecipeError([f"data.vocab_file: cannot read '{data.vocab_file}': {e}"]) from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise RecipeError([f"data.vocab_file: cannot read {data.vocab_file!r} as a vocabulary ({why}); point "
+                               f"it at a GPT-2 style vocab.json, or null for the embedded GPT-2 one"]) from None
     if data.tokenizer_model:
         tj = Path(data.tokenizer_model) / "tokenizer.json"
         try:
-            with open(tj) as f:
+            with open(tj, encoding="utf-8") as f:
                 tok = json.load(f)
             return len(tok["model"]["vocab"]) + sum(1 for a in tok.get("added_tokens", []) if a["content"] not in tok["model"]["vocab"])
-        except (OSError, ValueError, KeyError) as e:
-            raise RecipeError([f"data.tokenizer_model: cannot read '{tj}': {e}"]) from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            raise RecipeError([f"data.tokenizer_model: cannot read {str(tj)!r} ({why}); point data.tokenizer_model "
+                               f"at a Hugging Face tokenizer directory"]) from None
     return GPT2_VOCAB_SIZE
 
 

@@ -79,7 +79,8 @@ def read_yaml(path: Path, what: str = "recipe") -> tuple[dict, dict[str, int]]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError([f"{path}: the top level must be a mapping of sections (run:, data:, ...), "
+        sections = "cluster:, container:" if what == "profile" else "run:, data:, ..."
+        raise RecipeError([f"{path}: the top level must be a mapping of sections ({sections}), "
                            f"not a {type(data).__name__}"])
     return data, line_map(text)
 

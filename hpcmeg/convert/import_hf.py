@@ -45,7 +45,12 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
         with open(path) as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConvertError(f"{path}: cannot read the model config ({e})") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConvertError(f"{path}: cannot read the model config ({why}); give a Hugging Face GPT-2 model "
+                           f"directory") from None
+    if not isinstance(cfg, dict):
+        raise ConvertError(f"{path}: a JSON {type(cfg).__name__}, not a model config; give a Hugging Face GPT-2 "
+                           f"model directory")
     if cfg.get("model_type") != "gpt2":
         raise ConvertError(f"{path}: model_type {cfg.get('model_type')!r}; only GPT-2 models (model_type gpt2) "
                            f"map onto hpcmeg's Megatron GPT")
@@ -57,6 +62,11 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
                     ("tie_word_embeddings", True), ("scale_attn_weights", True)):
         if cfg.get(key, ok) != ok:
             raise ConvertError(f"{path}: {key}={cfg[key]} is not supported (hpcmeg's GPT needs {key}={ok})")
+    bad = [k for k in ("n_layer", "n_head", "n_embd", "n_positions")
+           if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 1]
+    if bad:
+        raise ConvertError(f"{path}: {', '.join(bad)} missing or not a positive integer; the config of a GPT-2 "
+                           f"model has all four")
     return cfg
 
 
@@ -65,8 +75,13 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     def shards(index: str) -> list[str]:
-        with open(os.path.join(hf_dir, index)) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
+        path = os.path.join(hf_dir, index)
+        try:
+            with open(path) as f:
+                return sorted(set(str(v) for v in json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConvertError(f"{path}: cannot read the shard index ({type(e).__name__}: {e}); it needs a "
+                               f"weight_map of weight name -> file") from None
 
     if os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         files, loader = ["model.safetensors"], load_file

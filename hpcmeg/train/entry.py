@@ -407,7 +407,7 @@ def cli_prepare_cache(args) -> int:
         t0 = time.time()
         out = prepare_cache(dataset_config(r, d), blend_arg(r, d), counts)
     except (OSError, ValueError) as e:
-        print(f"hpcmeg prepare-cache: {e}", file=sys.stderr)
+        print(f"hpcmeg prepare-cache: {one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
     for name, n, ds in zip(("train", "valid", "test"), counts, out):
         print(f"{name}: requested {n} samples, built {len(ds) if ds is not None else 0}")
