@@ -134,7 +134,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
     ppath: Optional[Path] = None
     if data is None:
         data, lines = read_yaml(rpath) if rpath is not None else ({}, {})
-        if rpath is not None and not data and not overrides:
+        if rpath is not None and not data:
             raise RecipeError([f"{rpath}: the recipe is empty; a recipe has run:, data:, model: and train: "
                                f"sections (start from recipes/codeparrot_tiny.yaml)"])
     sets = override_items(overrides)

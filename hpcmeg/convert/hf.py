@@ -230,7 +230,11 @@ def convert_all(ckpt_dir: str, out_dir: str, **kw: Any) -> list[str]:
         raise CheckpointReadError(f"{ckpt_dir}: no committed checkpoint to convert")
     out_dir = os.path.abspath(out_dir)
     check_output_dir(os.path.join(out_dir, iter_dirname(its[0])), replaceable=_is_our_output)
-    made_root = not os.path.exists(out_dir)
+    made = []  # out_dir and the parents this call creates (deepest first): removed again on failure
+    d = out_dir
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
     done, new = [], []
     try:
         for it in its:
@@ -244,8 +248,11 @@ def convert_all(ckpt_dir: str, out_dir: str, **kw: Any) -> list[str]:
         # conversions and have been swapped for complete new ones; they stay)
         for sub in new:
             shutil.rmtree(sub, ignore_errors=True)
-        if made_root:
-            shutil.rmtree(out_dir, ignore_errors=True)
+        for d in made:
+            try:
+                os.rmdir(d)  # empty by now unless someone else writes there: then it stays
+            except OSError:
+                pass
         raise
     return done
 
