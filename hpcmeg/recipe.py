@@ -141,6 +141,9 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
     data = apply_overrides(data, overrides or [])
 
     def where(key: str) -> str:
+        return _printable(_where(key))
+
+    def _where(key: str) -> str:
         base = key.split("[")[0]
         if base in sets:  # the value came from the command line, not from a line of a file
             return f"--set {sets[base]}"
@@ -176,6 +179,12 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
     if problems:
         raise RecipeError(problems)
     return recipe
+
+
+def _printable(text: str) -> str:
+    """A key or --set item with a newline or another control character, shown escaped: a problem
+    stays one line whatever the user typed."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _ranged_fields(r: Recipe):

@@ -1,4 +1,6 @@
-"""The recipe schema: nested dataclasses, one docstring per field, every default in one place.
+"""The recipe schema: nested dataclasses, one docstring per field, every default and every numeric
+range in one place (``ranged(default, ge=..., gt=..., le=..., lt=...)`` next to the field; checked by
+``hpcmeg.recipe.validate``: counts >= 1, sizes > 0, probabilities and betas in [0, 1), ...).
 
 Section and field names follow Megatron-LM's flags where one exists (``--micro-batch-size`` is
 ``train.micro_batch_size``), so a Megatron user can guess them; the user guide has the table.

@@ -177,7 +177,7 @@ def build(cls, data: dict, prefix: str, problems: list[str], where, failed: set[
         if key not in fields:
             guess = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean '{guess[0]}'?" if guess else f"; known keys: {', '.join(fields)}"
-            problems.append(f"{where(path)}: unknown key '{key}'{hint}")
+            problems.append(f"{where(path)}: unknown key {str(key)!r}{hint}")
             if guess:
                 failed.add(f"{prefix}.{guess[0]}" if prefix else guess[0])
             continue
