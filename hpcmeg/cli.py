@@ -2,7 +2,9 @@
 
 Each subcommand's work is a function in the package that a library user can call too; this
 file maps subcommands to them (imported lazily, so ``hpcmeg --help`` and ``submit --dry-run``
-stay fast and never import torch). Recipe problems exit with status 2 and one line each.
+stay fast and never import torch). Recipe problems exit with status 2 and one line each; so do
+command-line errors (argparse's usage block is left out: `--help` shows it). A file-system fault
+(OSError) that a subcommand did not report itself is one line naming the path, exit status 1.
 """
 
 from __future__ import annotations
@@ -54,6 +56,28 @@ Typical use:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse prints the usage block too): the house rule for
+    bad input is one line naming what is wrong and what to do, exit status 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
+def _count(minimum: int):
+    """argparse type: an integer >= minimum (sizes, iterations, line counts)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} is below {minimum}")
+        return v
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file (see recipes/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -63,7 +87,7 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hpcmeg", description=DESCRIPTION,
+    parser = _Parser(prog="hpcmeg", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -93,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (with --all: one sub-directory per iteration)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--iteration", type=int, default=None, help="iteration to convert (default: latest)")
+    g.add_argument("--iteration", type=_count(0), default=None, help="iteration to convert (default: latest)")
     g.add_argument("--all", action="store_true", help="convert every iteration found")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights dtype (default fp32)")
     p.add_argument("--pytorch-bin", action="store_true", help="also write pytorch_model.bin for older tools")
@@ -102,16 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reshard", help="split or merge a checkpoint between tensor/pipeline layouts")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--tp", type=int, required=True, help="target tensor-parallel size")
-    p.add_argument("--pp", type=int, required=True, help="target pipeline-parallel size")
-    p.add_argument("--iteration", type=int, default=None, help="iteration to reshard (default: latest)")
+    p.add_argument("--tp", type=_count(1), required=True, help="target tensor-parallel size")
+    p.add_argument("--pp", type=_count(1), required=True, help="target pipeline-parallel size")
+    p.add_argument("--iteration", type=_count(0), default=None, help="iteration to reshard (default: latest)")
 
     p = sub.add_parser("import-hf", help="write a Megatron-layout 'release' checkpoint from a Hugging Face GPT-2 dir")
     p.add_argument("hf_dir", metavar="HF_DIR")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--tp", type=_count(1), default=1)
+    p.add_argument("--pp", type=_count(1), default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=_count(1), default=128)
 
     p = sub.add_parser("status", help="show the state of a run's jobs (works without Slurm accounting)")
     p.add_argument("run", metavar="RUN", help="run directory (printed by submit)")
@@ -121,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing as the logs grow")
     p.add_argument("--stage", choices=["preprocess", "train", "convert"], default=None)
-    p.add_argument("--rank", type=int, default=None, help="only this task/rank's log")
-    p.add_argument("-n", "--lines", type=int, default=40, help="lines from the end of each log (default 40)")
+    p.add_argument("--rank", type=_count(0), default=None, help="only this task/rank's log")
+    p.add_argument("-n", "--lines", type=_count(0), default=40, help="lines from the end of each log (default 40)")
 
     p = sub.add_parser("cancel", help="cancel every job of a run's chain")
     p.add_argument("run", metavar="RUN")
@@ -184,6 +208,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `hpcmeg logs ... | head`: the reader left; not an error worth a line
+        _silence_stdout()
+        return 141
+    except OSError as e:
+        # a user's path that cannot be read or written (permissions, a full disk, a file where a
+        # directory is needed): one line naming the path and what to do. Subcommands report their
+        # own expected failures; this is the net for file-system faults anywhere below them.
+        from hpcmeg.errors import os_error_line
+
+        cmd = argv[0] if argv and not argv[0].startswith("-") else ""
+        print(f"hpcmeg{' ' + cmd if cmd else ''}: {os_error_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -12,10 +12,13 @@ given explicitly or in the recipe); loading/validation is pure.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -35,6 +38,7 @@ from hpcmeg.recipe_schema import (  # noqa: F401  (re-exported: the schema lives
     Recipe,
     RunConfig,
     TrainConfig,
+    field_range,
 )
 
 from hpcmeg.recipe_yaml import RecipeError, build, read_yaml  # noqa: E402,F401  (RecipeError re-exported)
@@ -72,7 +76,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    data = json.loads(json.dumps(data))  # deep copy of plain YAML data
+    data = copy.deepcopy(data)  # plain YAML data; deepcopy keeps shared (aliased) nodes shared
     for item in overrides or []:
         parts, value = parse_override(item)
         node = data
@@ -82,6 +86,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node[p]
         node[parts[-1]] = value
     return data
+
+
+def override_items(overrides: list[str] | None) -> dict[str, str]:
+    """Dotted key -> the ``--set`` item that sets it (the last one wins, as in apply_overrides)."""
+    return {".".join(parse_override(item)[0]): item for item in overrides or []}
 
 
 def find_profile(name: str, search: list[Path]) -> Path:
@@ -117,137 +126,198 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
                 profile: str | None = None, data: dict | None = None) -> Recipe:
     """Load, merge (defaults < profile < recipe < overrides), validate, and return a Recipe.
 
-    Raises RecipeError listing every problem found (one line each)."""
+    Raises RecipeError listing every problem found, one line each, each naming where the value
+    came from: ``--set ITEM``, ``RECIPE:LINE: key``, ``PROFILE:LINE: key`` or the bare key."""
     rpath = Path(path) if path is not None else None
     lines: dict[str, int] = {}
+    plines: dict[str, int] = {}
+    ppath: Optional[Path] = None
     if data is None:
         data, lines = read_yaml(rpath) if rpath is not None else ({}, {})
+        if rpath is not None and not data:
+            raise RecipeError([f"{rpath}: the recipe is empty; a recipe has run:, data:, model: and train: "
+                               f"sections (start from recipes/codeparrot_tiny.yaml)"])
+    sets = override_items(overrides)
     data = apply_overrides(data, overrides or [])
 
     def where(key: str) -> str:
+        return _printable(_where(key))
+
+    def _where(key: str) -> str:
+        base = key.split("[")[0]
+        if base in sets:  # the value came from the command line, not from a line of a file
+            return f"--set {sets[base]}"
+        for k, item in sets.items():  # a whole section set (--set train={...}), or a new key under one
+            if base.startswith(k + ".") or k.startswith(base + "."):
+                return f"--set {item}: {key}"
         if rpath is not None and key in lines:
             return f"{rpath}:{lines[key]}: {key}"
+        if ppath is not None and key in plines:
+            return f"{ppath}:{plines[key]}: {key}"
         return key
 
     # cluster profile: its keys fill in what the recipe leaves unset
-    prof_name = profile or (data.get("cluster") or {}).get("profile") or "local"
+    cluster = data.get("cluster")
+    prof_name = profile or (cluster.get("profile") if isinstance(cluster, dict) else None) or "local"
     if not isinstance(prof_name, str):
         raise RecipeError([f"{where('cluster.profile')}: expected a profile name, got {prof_name!r}"])
     ppath = find_profile(prof_name, profile_search_path(rpath))
-    pdata, _ = read_yaml(ppath)
+    pdata, plines = read_yaml(ppath, what="profile")
     bad = set(pdata) - {"cluster", "container", "description"}
     problems: list[str] = [f"{ppath}: unknown section '{k}' (a profile holds cluster: and container:)" for k in sorted(bad)]
     pdata = {k: v for k, v in pdata.items() if k in ("cluster", "container")}
     merged = _deep_merge(pdata, data)
-    merged.setdefault("cluster", {})
-    merged["cluster"] = dict(merged["cluster"] or {}, profile=prof_name)
+    if not isinstance(merged.get("cluster"), (dict, type(None))):
+        problems.append(f"{where('cluster')}: expected a mapping of cluster settings, got {merged['cluster']!r}")
+        merged["cluster"] = {}
+    merged["cluster"] = dict(merged.get("cluster") or {}, profile=prof_name)
 
-    recipe = build(Recipe, merged, "", problems, where)
+    failed: set[str] = set()
+    recipe = build(Recipe, merged, "", problems, where, failed)
     recipe.source = str(rpath) if rpath is not None else None
-    # a misspelled section ('trian:') would also make its real section look empty; report the
-    # typo alone rather than a cascade of "missing value" lines about the section it meant
-    meant = {pr.split("did you mean '")[1].split("'")[0] for pr in problems
-             if "unknown key" in pr and "did you mean" in pr and "." not in pr.split(": unknown key")[0].split(": ")[-1]}
-    problems += [pr for pr in validate(recipe, where)
-                 if not any(pr.startswith(f"{sec}.") or f": {sec}." in pr for sec in meant)]
+    problems += validate(recipe, where, failed)
     if problems:
         raise RecipeError(problems)
     return recipe
 
 
-def validate(r: Recipe, where=lambda k: k) -> list[str]:
-    """Consistency checks that span fields. Returns one line per problem."""
+def _printable(text: str) -> str:
+    """A key or --set item with a newline or another control character, shown escaped: a problem
+    stays one line whatever the user typed."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
+def _ranged_fields(r: Recipe):
+    """(dotted key, value, Range) of every field whose schema entry carries a range."""
+    for sec in dataclasses.fields(r):
+        obj = getattr(r, sec.name)
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                rng = field_range(f)
+                if rng is not None:
+                    yield f"{sec.name}.{f.name}", getattr(obj, f.name), rng
+
+
+def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozenset()) -> list[str]:
+    """Range checks (the schema's `ranged` fields) and consistency checks that span fields.
+
+    Returns one line per problem. ``failed`` holds keys (or whole sections) whose value was
+    already refused while reading (type errors, typos): no check looks at them again, so one
+    mistake is one line, never a cascade about the placeholder left in its place."""
     p: list[str] = []
-    nonpositive: list[str] = []
+    bad = set(failed)
+
+    def ok(*keys: str) -> bool:
+        return not any(k in bad or k.split(".")[0] in bad for k in keys)
+
+    def refuse(key: str, text: str) -> None:
+        p.append(f"{where(key)}: {text}")
+        bad.add(key)
+
     m, t, par, c = r.model, r.train, r.parallel, r.cluster
+    for key, val, rng in _ranged_fields(r):
+        if not ok(key) or val is None or isinstance(val, bool) or not isinstance(val, (int, float)):
+            continue
+        if not math.isfinite(val) or not rng.accepts(val):
+            refuse(key, f"{val} is out of range; use a value {rng.describe()}")
     for (sec, key), allowed in CHOICES.items():
         val = getattr(getattr(r, sec), key)
-        if val not in allowed:
+        if ok(f"{sec}.{key}") and val not in allowed:
             guess = difflib.get_close_matches(str(val), allowed, n=1)
             hint = f"; did you mean '{guess[0]}'?" if guess else ""
-            p.append(f"{where(f'{sec}.{key}')}: '{val}' is not one of {', '.join(allowed)}{hint}")
-    if not r.run.name:
-        p.append(f"{where('run.name')}: a run needs a name")
-    elif any(ch in r.run.name for ch in "/\0") or r.run.name in (".", ".."):
-        p.append(f"{where('run.name')}: '{r.run.name}' must be a plain name (no '/'): it names the run directory")
-    for name, val in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
-                      ("model.num_attention_heads", m.num_attention_heads),
-                      ("model.max_position_embeddings", m.max_position_embeddings),
-                      ("data.seq_length", r.data.seq_length), ("train.micro_batch_size", t.micro_batch_size),
-                      ("train.global_batch_size", t.global_batch_size), ("parallel.tensor", par.tensor),
-                      ("parallel.pipeline", par.pipeline), ("cluster.nodes", c.nodes)]:
-        if val < 1:
-            nonpositive.append(f"{where(name)}: must be at least 1, got {val}")
-    if nonpositive:  # the divisibility checks below would divide by zero
-        return p + nonpositive
-    if m.hidden_size % m.num_attention_heads:
-        p.append(f"{where('model.hidden_size')}: {m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
-    if m.num_attention_heads % par.tensor:
-        p.append(f"{where('model.num_attention_heads')}: {m.num_attention_heads} heads are not divisible by parallel.tensor={par.tensor}")
-    stages = par.pipeline * (par.virtual_pipeline or 1)
-    if m.num_layers % stages:
-        what = f"parallel.pipeline={par.pipeline}" + (f" x parallel.virtual_pipeline={par.virtual_pipeline}" if par.virtual_pipeline else "")
-        p.append(f"{where('model.num_layers')}: {m.num_layers} layers are not divisible by {what}")
-    if r.data.seq_length > m.max_position_embeddings:
-        p.append(f"{where('data.seq_length')}: {r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
-    if par.sequence_parallel and par.tensor == 1:
-        p.append(f"{where('parallel.sequence_parallel')}: needs parallel.tensor > 1")
-    if par.virtual_pipeline and par.pipeline < 2:
-        p.append(f"{where('parallel.virtual_pipeline')}: needs parallel.pipeline > 1")
+            refuse(f"{sec}.{key}", f"{val!r} is not one of {', '.join(allowed)}{hint}")
+    if ok("run.name"):
+        name = r.run.name
+        if not name:
+            refuse("run.name", "a run needs a name")
+        elif any(ch in name for ch in "/\0") or name in (".", ".."):
+            refuse("run.name", f"{name!r} must be a plain name (no '/'): it names the run directory")
+        elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+            refuse("run.name", f"{name!r} contains a control character (a newline, tab...); use a plain name: "
+                               f"it names the run directory and appears in job names")
+    if ok("data.json_keys") and not r.data.json_keys:
+        refuse("data.json_keys", "give at least one JSON key holding the text, e.g. [text]")
+    if ok("model.hidden_size", "model.num_attention_heads") and m.hidden_size % m.num_attention_heads:
+        refuse("model.hidden_size", f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    if ok("model.num_attention_heads", "parallel.tensor") and m.num_attention_heads % par.tensor:
+        refuse("model.num_attention_heads", f"{m.num_attention_heads} heads are not divisible by parallel.tensor={par.tensor}")
+    if ok("model.num_layers", "parallel.pipeline", "parallel.virtual_pipeline"):
+        stages = par.pipeline * (par.virtual_pipeline or 1)
+        if m.num_layers % stages:
+            what = f"parallel.pipeline={par.pipeline}" + (f" x parallel.virtual_pipeline={par.virtual_pipeline}" if par.virtual_pipeline else "")
+            refuse("model.num_layers", f"{m.num_layers} layers are not divisible by {what}")
+    if ok("data.seq_length", "model.max_position_embeddings") and r.data.seq_length > m.max_position_embeddings:
+        refuse("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    if ok("parallel.sequence_parallel", "parallel.tensor") and par.sequence_parallel and par.tensor == 1:
+        refuse("parallel.sequence_parallel", f"needs parallel.tensor > 1")
+    if ok("parallel.virtual_pipeline", "parallel.pipeline") and par.virtual_pipeline and par.pipeline < 2:
+        refuse("parallel.virtual_pipeline", f"needs parallel.pipeline > 1")
+    layout = ("cluster.nodes", "cluster.gpus_per_node", "cluster.cpu_tasks_per_node", "parallel.tensor", "parallel.pipeline")
     world = c.world_size()
-    if world % (par.tensor * par.pipeline):
-        p.append(f"{where('cluster.nodes')}: {c.nodes} node(s) x {c.tasks_per_node()} task(s) per node = {world} ranks is not divisible by "
+    if ok(*layout) and world % (par.tensor * par.pipeline):
+        refuse("cluster.nodes", f"{c.nodes} node(s) x {c.tasks_per_node()} task(s) per node = {world} ranks is not divisible by "
                  f"parallel.tensor x parallel.pipeline = {par.tensor * par.pipeline}")
-    else:
+    elif ok(*layout, "train.global_batch_size", "train.micro_batch_size"):
         dp = world // (par.tensor * par.pipeline)
         if t.global_batch_size % (t.micro_batch_size * dp):
-            p.append(f"{where('train.global_batch_size')}: {t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size} "
+            refuse("train.global_batch_size", f"{t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size} "
                      f"x data-parallel size {dp} (= {c.nodes} node(s) x {c.tasks_per_node()} GPUs / (TP {par.tensor} x PP {par.pipeline})); "
                      f"use a multiple of {t.micro_batch_size * dp}, e.g. {max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}")
-    if (t.train_iters is None) == (t.train_samples is None):
-        p.append(f"{where('train.train_iters')}: set exactly one of train.train_iters and train.train_samples")
-    if t.min_lr > t.lr:
-        p.append(f"{where('train.min_lr')}: {t.min_lr} is above train.lr={t.lr}")
-    if t.lr_warmup_fraction is not None and not 0 <= t.lr_warmup_fraction <= 1:
-        p.append(f"{where('train.lr_warmup_fraction')}: must be within [0, 1]")
-    if not 0 <= m.hidden_dropout < 1 or not 0 <= m.attention_dropout < 1:
-        p.append(f"{where('model.hidden_dropout')}: dropouts must be within [0, 1)")
-    try:
-        split = parse_split(r.data.split)
-        if split[0] <= 0:
-            p.append(f"{where('data.split')}: the training share of '{r.data.split}' is zero")
-    except ValueError as e:
-        p.append(f"{where('data.split')}: {e}")
+    if ok("train.train_iters", "train.train_samples") and (t.train_iters is None) == (t.train_samples is None):
+        refuse("train.train_iters", f"set exactly one of train.train_iters and train.train_samples")
+    if ok("train.min_lr", "train.lr") and t.min_lr > t.lr:
+        refuse("train.min_lr", f"{t.min_lr} is above train.lr={t.lr}; lower train.min_lr")
+    sched = ("train.lr", "train.min_lr", "train.lr_decay_style", "train.lr_decay_iters", "train.lr_warmup_iters",
+             "train.lr_warmup_fraction", "train.train_iters", "train.train_samples", "train.global_batch_size")
+    if ok(*sched) and (t.train_iters is None) != (t.train_samples is None):
+        from hpcmeg.train.schedule import schedule_from_recipe  # pure arithmetic, no torch
+
+        try:
+            schedule_from_recipe(t, t.global_batch_size, t.train_samples or t.train_iters * t.global_batch_size)
+        except ValueError as e:
+            refuse("train.lr_warmup_iters", f"{e}; shorten the warmup (train.lr_warmup_iters or "
+                     f"train.lr_warmup_fraction) or lengthen the decay (train.lr_decay_iters)")
+    if ok("data.split"):
+        try:
+            split = parse_split(r.data.split)
+            if split[0] <= 0:
+                refuse("data.split", f"the training share of {r.data.split!r} is zero")
+        except ValueError as e:
+            refuse("data.split", f"{e}")
     blend = r.data.data_path
-    if blend and len(blend) > 1:
+    if ok("data.data_path") and blend and len(blend) > 1:
         try:
             parse_blend(blend)
         except ValueError as e:
-            p.append(f"{where('data.data_path')}: {e}")
-    if not blend and not r.data.inputs:
-        p.append(f"{where('data.inputs')}: give JSONL inputs to preprocess (data.inputs) or existing datasets (data.data_path)")
-    if c.max_requeues < 0:
-        p.append(f"{where('cluster.max_requeues')}: must be >= 0")
-    if c.executor == "slurm" and c.time_limit_minutes() is None:
-        p.append(f"{where('cluster.time')}: '{c.time}' is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
-    if c.executor == "slurm" and c.time_limit_minutes() is not None and c.signal_lead_s >= c.time_limit_minutes() * 60:
-        p.append(f"{where('cluster.signal_lead_s')}: {c.signal_lead_s} s is not shorter than cluster.time={c.time}")
-    if r.container.runtime != "none" and not r.container.image:
-        p.append(f"{where('container.image')}: container.runtime={r.container.runtime} needs an image")
+            refuse("data.data_path", f"{e}")
+    if ok("data.data_path", "data.inputs") and not blend and not r.data.inputs:
+        refuse("data.inputs", f"give JSONL inputs to preprocess (data.inputs) or existing datasets (data.data_path)")
+    if ok("cluster.executor") and c.executor == "slurm":
+        for key in ("time", "preprocess_time", "convert_time"):
+            if ok(f"cluster.{key}") and c.time_limit_minutes(getattr(c, key)) is None:
+                refuse(f"cluster.{key}", f"{getattr(c, key)!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
+        limit = c.time_limit_minutes()
+        if ok("cluster.time", "cluster.signal_lead_s") and limit is not None and c.signal_lead_s >= limit * 60:
+            refuse("cluster.signal_lead_s", f"{c.signal_lead_s} s is not shorter than cluster.time={c.time}; "
+                     f"lower it or raise cluster.time")
+    if ok("container.runtime", "container.image") and r.container.runtime != "none" and not r.container.image:
+        refuse("container.image", f"container.runtime={r.container.runtime} needs an image")
+    if ok("convert.iterations"):
+        it = str(r.convert.iterations).strip()
+        if it not in ("last", "all") and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", it):
+            refuse("convert.iterations", f"{it!r} must be last, all, or a comma list of iterations (100,200)")
     return p
 
 
 def parse_split(split: str) -> list[float]:
     """'949,50,1' (any separators) -> normalized [0.949, 0.05, 0.001] (padded with zeros to 3)."""
-    import re
-
     nums = [float(x) for x in re.findall(r"[.0-9]+", str(split))]
     if not nums or len(nums) > 3:
-        raise ValueError(f"'{split}' must be up to three numbers like 949,50,1")
+        raise ValueError(f"{split!r} must be up to three numbers like 949,50,1")
     nums += [0.0] * (3 - len(nums))
     total = sum(nums)
     if total <= 0:
-        raise ValueError(f"'{split}' sums to zero")
+        raise ValueError(f"{split!r} sums to zero")
     return [x / total for x in nums]
 
 
@@ -262,7 +332,7 @@ def parse_blend(items: list) -> list[tuple[float, str]]:
         try:
             wf = float(w)
         except (TypeError, ValueError):
-            raise ValueError(f"weight {w!r} before '{pref}' is not a number") from None
+            raise ValueError(f"weight {w!r} before {pref!r} is not a number") from None
         if wf < 0:
             raise ValueError(f"weight {w!r} is negative")
         out.append((wf, str(pref)))
@@ -296,18 +366,25 @@ def vocab_size_from_files(data: DataConfig) -> int:
     """Unpadded vocabulary size: entries of vocab.json (the embedded GPT-2 file has 50,257)."""
     if data.vocab_file:
         try:
-            with open(data.vocab_file) as f:
-                return len(json.load(f))
+            with open(data.vocab_file, encoding="utf-8") as f:
+                vocab = json.load(f)
+            if not isinstance(vocab, dict) or not vocab:
+                raise ValueError(f"a JSON {type(vocab).__name__}, not a token -> id mapping")
+            return len(vocab)
         except (OSError, ValueError) as e:
-            raise RecipeError([f"data.vocab_file: cannot read '{data.vocab_file}': {e}"]) from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise RecipeError([f"data.vocab_file: cannot read {data.vocab_file!r} as a vocabulary ({why}); point "
+                               f"it at a GPT-2 style vocab.json, or null for the embedded GPT-2 one"]) from None
     if data.tokenizer_model:
         tj = Path(data.tokenizer_model) / "tokenizer.json"
         try:
-            with open(tj) as f:
+            with open(tj, encoding="utf-8") as f:
                 tok = json.load(f)
             return len(tok["model"]["vocab"]) + sum(1 for a in tok.get("added_tokens", []) if a["content"] not in tok["model"]["vocab"])
-        except (OSError, ValueError, KeyError) as e:
-            raise RecipeError([f"data.tokenizer_model: cannot read '{tj}': {e}"]) from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            raise RecipeError([f"data.tokenizer_model: cannot read {str(tj)!r} ({why}); point data.tokenizer_model "
+                               f"at a Hugging Face tokenizer directory"]) from None
     return GPT2_VOCAB_SIZE
 
 

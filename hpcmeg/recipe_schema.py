@@ -1,4 +1,6 @@
-"""The recipe schema: nested dataclasses, one docstring per field, every default in one place.
+"""The recipe schema: nested dataclasses, one docstring per field, every default and every numeric
+range in one place (``ranged(default, ge=..., gt=..., le=..., lt=...)`` next to the field; checked by
+``hpcmeg.recipe.validate``: counts >= 1, sizes > 0, probabilities and betas in [0, 1), ...).
 
 Section and field names follow Megatron-LM's flags where one exists (``--micro-batch-size`` is
 ``train.micro_batch_size``), so a Megatron user can guess them; the user guide has the table.
@@ -8,8 +10,56 @@ Loading, validation and derived values live in ``hpcmeg.recipe``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import Field, dataclass, field
 from typing import Optional
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field accepts (None = that side unbounded); `hpcmeg.recipe.validate`
+    checks every field that carries one, so the range written next to a field is the only one."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    lt: Optional[float] = None
+    zero: Optional[str] = None
+    """What 0 means for this field (shown in the message, e.g. 'no clipping')."""
+    null: Optional[str] = None
+    """What null means for an Optional field (shown in the message, e.g. 'keep all')."""
+
+    def accepts(self, v: float) -> bool:
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
+    def describe(self) -> str:
+        """'at least 1', 'greater than 0', 'in [0, 1)', plus what 0 / null mean."""
+        lo = self.ge if self.ge is not None else self.gt
+        hi = self.le if self.le is not None else self.lt
+        if lo is not None and hi is not None:
+            text = f"in {'[' if self.ge is not None else '('}{_num(lo)}, {_num(hi)}{']' if self.le is not None else ')'}"
+        elif lo is not None:
+            text = f"of at least {_num(lo)}" if self.ge is not None else f"greater than {_num(lo)}"
+        else:
+            text = f"of at most {_num(hi)}" if self.le is not None else f"below {_num(hi)}"
+        if self.zero:
+            text += f" (0 = {self.zero})"
+        if self.null:
+            text += f", or null ({self.null})"
+        return text
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def ranged(default, **limits) -> Field:
+    """A field with a default and a `Range` (``ranged(10, ge=1)``: an integer count of at least 1)."""
+    return field(default=default, metadata={"range": Range(**limits)})
+
+
+def field_range(f: Field) -> Optional[Range]:
+    return f.metadata.get("range")
 
 
 @dataclass
@@ -38,9 +88,9 @@ class DataConfig:
     """Append the end-of-document token to every document (Megatron ``--append-eod``)."""
     split_sentences: bool = False
     """Split documents into sentences with NLTK Punkt (output level ``sentence``)."""
-    workers: int = 2
+    workers: int = ranged(2, ge=1)
     """Tokenizer worker processes per preprocessing task."""
-    shards: int = 0
+    shards: int = ranged(0, ge=0)
     """Preprocessing array size; 0 = one task per input file."""
     output_prefix: Optional[str] = None
     """Prefix of the tokenized dataset; null = ``<run_dir>/data/<run name>``."""
@@ -49,37 +99,37 @@ class DataConfig:
     empty = the output of the preprocess stage."""
     split: str = "949,50,1"
     """Train/valid/test split over sequences (Megatron ``--split``)."""
-    seq_length: int = 1024
+    seq_length: int = ranged(1024, ge=1)
     """Tokens per training sample (Megatron ``--seq-length``)."""
     index_cache_dir: Optional[str] = None
     """Where the GPT dataset index .npy files are cached; null = ``<run_dir>/index-cache``."""
-    num_workers: int = 2
+    num_workers: int = ranged(2, ge=0)
     """Data loader worker processes per rank."""
 
 
 @dataclass
 class ModelConfig:
-    num_layers: int = 12
+    num_layers: int = ranged(12, ge=1)
     """Transformer layers (``--num-layers``)."""
-    hidden_size: int = 768
+    hidden_size: int = ranged(768, ge=1)
     """Model width (``--hidden-size``)."""
-    num_attention_heads: int = 12
+    num_attention_heads: int = ranged(12, ge=1)
     """Attention heads (``--num-attention-heads``); must divide hidden_size and be divisible by TP."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[int] = ranged(None, ge=1)
     """MLP width; null = 4 x hidden_size."""
-    max_position_embeddings: int = 1024
+    max_position_embeddings: int = ranged(1024, ge=1)
     """Rows of the learned position table; at least data.seq_length."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = ranged(128, ge=1)
     """The vocabulary is padded to a multiple of this x tensor-parallel size (50257 -> 50304)."""
-    vocab_size: Optional[int] = None
+    vocab_size: Optional[int] = ranged(None, ge=1, null="read it from the tokenizer files")
     """Unpadded vocabulary size; null = read from the tokenizer files."""
-    hidden_dropout: float = 0.1
+    hidden_dropout: float = ranged(0.1, ge=0, lt=1)
     """Dropout after attention and MLP outputs."""
-    attention_dropout: float = 0.1
+    attention_dropout: float = ranged(0.1, ge=0, lt=1)
     """Dropout on attention probabilities."""
-    init_method_std: float = 0.02
+    init_method_std: float = ranged(0.02, gt=0)
     """Std of the normal weight init (output projections scaled by 1/sqrt(2 x layers))."""
-    layernorm_epsilon: float = 1e-5
+    layernorm_epsilon: float = ranged(1e-5, gt=0)
     """LayerNorm epsilon."""
     fused: str = "auto"
     """Fused kernels: auto (on for CUDA), on, off (the plain PyTorch twins)."""
@@ -87,63 +137,63 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 12
+    micro_batch_size: int = ranged(12, ge=1)
     """Samples per rank per forward/backward (``--micro-batch-size``)."""
-    global_batch_size: int = 192
+    global_batch_size: int = ranged(192, ge=1)
     """Samples per optimizer step across all ranks = micro x data-parallel x accumulation."""
-    train_iters: Optional[int] = None
+    train_iters: Optional[int] = ranged(None, ge=1)
     """Optimizer steps to train (``--train-iters``); set this or train_samples."""
-    train_samples: Optional[int] = None
+    train_samples: Optional[int] = ranged(None, ge=1)
     """Samples to train (``--train-samples``); set this or train_iters."""
-    lr: float = 5e-4
+    lr: float = ranged(5e-4, gt=0)
     """Peak learning rate."""
-    min_lr: float = 0.0
+    min_lr: float = ranged(0.0, ge=0)
     """Learning rate at the end of the decay."""
     lr_decay_style: str = "cosine"
     """cosine, linear or constant."""
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: Optional[int] = ranged(None, ge=1, null="decay over the whole run")
     """Steps over which the LR decays; null = the whole run. Counted in samples internally."""
-    lr_warmup_iters: int = 0
+    lr_warmup_iters: int = ranged(0, ge=0)
     """Linear warmup steps (``--lr-warmup-iters``)."""
-    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_fraction: Optional[float] = ranged(None, ge=0, le=1, null="use lr_warmup_iters")
     """Warmup as a fraction of the decay span; overrides lr_warmup_iters when set."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = ranged(0.9, ge=0, lt=1)
     """AdamW beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: float = ranged(0.999, ge=0, lt=1)
     """AdamW beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: float = ranged(1e-8, gt=0)
     """AdamW epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: float = ranged(0.1, ge=0)
     """Decoupled weight decay; never applied to biases and norm weights."""
-    clip_grad: float = 1.0
+    clip_grad: float = ranged(1.0, ge=0, zero="no clipping")
     """Clip the global gradient norm to this (0 = off)."""
     precision: str = "bf16"
     """bf16, fp16 (dynamic loss scaling) or fp32."""
-    initial_loss_scale: float = 4294967296.0
+    initial_loss_scale: float = ranged(4294967296.0, gt=0)
     """fp16 only: the first loss scale (Megatron's 2^32)."""
-    seed: int = 1234
+    seed: int = ranged(1234, ge=0, le=2**32 - 1)
     """Seed for init, dropout and the data order."""
-    log_interval: int = 10
+    log_interval: int = ranged(10, ge=1)
     """Log a metrics line every this many steps."""
-    eval_interval: int = 200
+    eval_interval: int = ranged(200, ge=0, zero="never evaluate")
     """Evaluate on the validation split every this many steps (0 = never)."""
-    eval_iters: int = 10
+    eval_iters: int = ranged(10, ge=0)
     """Validation batches per evaluation."""
     compile: str = "auto"
     """torch.compile: auto (on for CUDA), on, off."""
     device: str = "auto"
     """auto (CUDA when available), cuda or cpu."""
-    exit_duration_minutes: Optional[float] = None
+    exit_duration_minutes: Optional[float] = ranged(None, gt=0, null="no limit")
     """Save and exit after this many minutes of training (Megatron ``--exit-duration-in-mins``)."""
 
 
 @dataclass
 class ParallelConfig:
-    tensor: int = 1
+    tensor: int = ranged(1, ge=1)
     """Tensor-parallel size (``--tensor-model-parallel-size``); keep it within a node."""
-    pipeline: int = 1
+    pipeline: int = ranged(1, ge=1)
     """Pipeline-parallel size (``--pipeline-model-parallel-size``)."""
-    virtual_pipeline: Optional[int] = None
+    virtual_pipeline: Optional[int] = ranged(None, ge=1, null="off")
     """Virtual stages per pipeline rank (interleaved schedule); null = off."""
     sequence_parallel: bool = False
     """Split LayerNorm/dropout activations along the sequence across TP ranks (needs TP > 1)."""
@@ -155,9 +205,9 @@ class ParallelConfig:
 class CheckpointConfig:
     dir: Optional[str] = None
     """Checkpoint directory (Megatron ``--save``/``--load``); null = ``<run_dir>/checkpoints``."""
-    save_interval: int = 1000
+    save_interval: int = ranged(1000, ge=0, zero="save only at the end and on preemption")
     """Save every this many steps (0 = only at the end and on preemption)."""
-    keep_last: Optional[int] = None
+    keep_last: Optional[int] = ranged(None, ge=1, null="keep all")
     """Keep only the newest N checkpoints; null = keep all."""
     async_save: bool = False
     """Write checkpoints in a background thread after a synchronous copy to CPU memory."""
@@ -184,13 +234,13 @@ class ClusterConfig:
     """Slurm node features (``--constraint``)."""
     exclusive: bool = False
     """Whole nodes for the training job (``--exclusive``)."""
-    nodes: int = 1
+    nodes: int = ranged(1, ge=1)
     """Nodes for the training job."""
-    gpus_per_node: int = 8
+    gpus_per_node: int = ranged(8, ge=0, zero="CPU-only")
     """GPUs per node; one training task per GPU. 0 = CPU-only (then tasks_per_node applies)."""
-    cpu_tasks_per_node: int = 1
+    cpu_tasks_per_node: int = ranged(1, ge=1)
     """Training tasks per node when gpus_per_node is 0 (CPU ranks, gloo)."""
-    cpus_per_task: int = 8
+    cpus_per_task: int = ranged(8, ge=1)
     """CPU cores per training task (data loader workers + tokenization)."""
     mem: Optional[str] = None
     """Memory per node (``--mem``), e.g. 0 (all) or 200G; null = the site default."""
@@ -200,18 +250,18 @@ class ClusterConfig:
     """Time limit of each preprocessing array task."""
     convert_time: str = "01:00:00"
     """Time limit of each conversion array task."""
-    preprocess_cpus: int = 4
+    preprocess_cpus: int = ranged(4, ge=1)
     """CPU cores per preprocessing task."""
-    signal_lead_s: int = 120
+    signal_lead_s: int = ranged(120, ge=1, le=65535)
     """Seconds before the time limit that Slurm sends the save-and-requeue signal."""
-    max_requeues: int = 3
+    max_requeues: int = ranged(3, ge=0)
     """Restarts allowed after preemption/time-out before the job gives up."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run in the batch script before the job starts (module loads...). Shell by design:
     they are NOT quoted."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables for every task (e.g. NCCL_SOCKET_IFNAME); values are quoted literally."""
-    master_port: Optional[int] = None
+    master_port: Optional[int] = ranged(None, ge=1, le=65535, null="derived from the job id")
     """Rendezvous port; null = derived from the job id."""
 
     def tasks_per_node(self) -> int:
@@ -299,5 +349,5 @@ class Recipe:
     """Container runtime and image (usually from a profile)."""
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     """Conversion to Hugging Face after training."""
-    source: Optional[str] = None
-    """(set by the loader) the recipe file this came from."""
+    source: Optional[str] = field(default=None, metadata={"internal": True})
+    """(set by the loader, not a recipe key) the recipe file this came from."""

@@ -34,12 +34,14 @@ def line_map(text: str) -> dict[str, int]:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
         return out
+    seen: set[int] = set()  # an alias re-uses its anchor's node: walk each node once (no blow-up)
 
     def walk(node, prefix):
-        if isinstance(node, yaml.MappingNode):
+        if isinstance(node, yaml.MappingNode) and id(node) not in seen:
+            seen.add(id(node))
             for k, v in node.value:
                 key = f"{prefix}.{k.value}" if prefix else str(k.value)
-                out[key] = k.start_mark.line + 1
+                out.setdefault(key, k.start_mark.line + 1)
                 walk(v, key)
 
     if root is not None:
@@ -47,21 +49,39 @@ def line_map(text: str) -> dict[str, int]:
     return out
 
 
-def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+def read_yaml(path: Path, what: str = "recipe") -> tuple[dict, dict[str, int]]:
+    """Parse a recipe or profile file: (mapping, key -> line). Every way it can be unreadable is one
+    RecipeError line naming the file (and the line when the YAML parser knows it)."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
+    except IsADirectoryError:
+        raise RecipeError([f"{path}: is a directory; give the {what} YAML file"]) from None
     except OSError as e:
-        raise RecipeError([f"{path}: cannot read: {e.strerror}"]) from None
+        raise RecipeError([f"{path}: cannot read the {what}: {e.strerror or e}"]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise RecipeError([f"{path}:{line}: not a UTF-8 text file (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                           f"the {what} must be a YAML file"]) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise RecipeError([f"{where}: invalid YAML: {getattr(e, 'problem', e)}"]) from None
+        if mark is not None:
+            where, problem = f"{path}:{mark.line + 1}", str(getattr(e, "problem", None) or e)
+        elif isinstance(e, yaml.reader.ReaderError):  # a control character: a position, no mark
+            where = f"{path}:{text.count(chr(10), 0, e.position) + 1}"
+            problem = e.reason + (f" (#x{ord(e.character):04x})" if isinstance(e.character, str) else "")
+        else:
+            where, problem = str(path), " ".join(str(e).split())
+        raise RecipeError([f"{where}: invalid YAML: {problem}; fix the syntax there"]) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError([f"{path}: the top level must be a mapping of sections (run:, data:, ...)"])
+        sections = "cluster:, container:" if what == "profile" else "run:, data:, ..."
+        raise RecipeError([f"{path}: the top level must be a mapping of sections ({sections}), "
+                           f"not a {type(data).__name__}"])
     return data, line_map(text)
 
 
@@ -75,10 +95,11 @@ def _type_name(tp) -> str:
         return " or ".join(_type_name(a) for a in args) + " (or null)"
     if origin in (list, tuple):
         (inner,) = typing.get_args(tp)[:1] or (Any,)
-        return f"list of {_type_name(inner)}"
+        return f"a list of {_type_name(inner).removeprefix('an ').removeprefix('a ')}s"
     if origin is dict:
-        return "mapping"
-    return getattr(tp, "__name__", str(tp))
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
 
 
 def _convert(value, tp, key: str, problems: list[str], where):
@@ -141,17 +162,24 @@ def _convert(value, tp, key: str, problems: list[str], where):
     return value
 
 
-def build(cls, data: dict, prefix: str, problems: list[str], where):
-    """Build dataclass ``cls`` from a mapping, collecting unknown keys and type errors."""
+def build(cls, data: dict, prefix: str, problems: list[str], where, failed: set[str] | None = None):
+    """Build dataclass ``cls`` from a mapping, collecting unknown keys and type errors.
+
+    ``failed`` (if given) receives the dotted path of every field whose value was refused (it then
+    holds a placeholder default) and, for a misspelled key, the key it probably meant, so that
+    checks spanning several fields can skip values nobody actually chose."""
+    failed = set() if failed is None else failed
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             guess = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean '{guess[0]}'?" if guess else f"; known keys: {', '.join(fields)}"
-            problems.append(f"{where(path)}: unknown key '{key}'{hint}")
+            problems.append(f"{where(path)}: unknown key {str(key)!r}{hint}")
+            if guess:
+                failed.add(f"{prefix}.{guess[0]}" if prefix else guess[0])
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
@@ -159,8 +187,12 @@ def build(cls, data: dict, prefix: str, problems: list[str], where):
                 value = {}
             if not isinstance(value, dict):
                 problems.append(f"{where(path)}: expected a mapping of {key} settings, got {value!r}")
+                failed.add(path)
                 continue
-            kwargs[key] = build(tp, value, path, problems, where)
+            kwargs[key] = build(tp, value, path, problems, where, failed)
         else:
+            before = len(problems)
             kwargs[key] = _convert(value, tp, path, problems, where)
+            if len(problems) > before:
+                failed.add(path)
     return cls(**kwargs)

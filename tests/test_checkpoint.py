@@ -242,8 +242,11 @@ def test_no_valid_checkpoint(tmp_path):
     assert load1(tmp_path) is None  # empty dir: fresh start
     save1(tmp_path, 5, ckpt(5, full_model()))
     (tmp_path / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")
-    with pytest.warns(C.CheckpointWarning), pytest.raises(RuntimeError, match="no valid checkpoint"):
+    with pytest.warns(C.CheckpointWarning), pytest.raises(C.CheckpointLoadError, match="no checkpoint is usable") as e:
         load1(tmp_path)
+    # one line that names the bad file and what to do
+    assert "\n" not in str(e.value) and "iter_0000005/mp_rank_00/model_optim_rng.pt" in str(e.value)
+    assert "move" in str(e.value) and "away" in str(e.value)
 
 
 def test_keep_last_n_and_release(tmp_path):

@@ -231,6 +231,23 @@ def test_bad_shard_names_file_and_leaves_out_dir_alone(run, tmp_path, capsys, da
     assert _leftovers(tmp_path) == []
 
 
+def test_all_is_all_or_nothing(run, tmp_path, capsys):
+    """--all with a damaged later iteration: the earlier one it converted goes again, so no partial
+    OUT_DIR is left (and a parent it had to create goes too)."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(run["ckpt"], ck)
+    bad = ck / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    with open(bad, "r+b") as f:
+        f.truncate(os.path.getsize(bad) // 2)
+    out = tmp_path / "new" / "hf_all"
+    assert hpcmeg_main(["convert", str(ck), str(out), "--all"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert str(bad) in err and len(err.splitlines()) == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
 # ------------------------------------------------------------------- transformers' own converter
 
 def _converter_script(cache_dir: str) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -33,8 +34,10 @@ import torch
 
 from hpcmeg.convert.hf_tokenizer import TokenizerError, TokenizerSource, source_from_dir, write_tokenizer_files
 from hpcmeg.convert.merge import (
-    WORD_EMB, CheckpointReadError, atomic_output_dir, committed_iterations, load_full_checkpoint,
+    WORD_EMB, CheckpointReadError, OutputDirError, atomic_output_dir, check_output_dir, committed_iterations,
+    load_full_checkpoint,
 )
+from hpcmeg.errors import one_line
 from hpcmeg.train.checkpoint import iter_dirname
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
@@ -193,6 +196,7 @@ def convert_checkpoint(ckpt_dir: str, out_dir: str, iteration: int | str | None 
     if dtype not in DTYPES:
         raise ConvertError(f"dtype {dtype!r}: use one of {sorted(DTYPES)}")
     torch_dtype, dtype_name = DTYPES[dtype]
+    check_output_dir(out_dir, replaceable=_is_our_output)  # before minutes of loading, not after
     ck = load_full_checkpoint(ckpt_dir, iteration)
     args, recipe = ck.args, ck.recipe or {}
     source = tokenizer_source(args, recipe, tokenizer_dir)
@@ -224,7 +228,33 @@ def convert_all(ckpt_dir: str, out_dir: str, **kw: Any) -> list[str]:
     its = committed_iterations(ckpt_dir)
     if not its:
         raise CheckpointReadError(f"{ckpt_dir}: no committed checkpoint to convert")
-    return [convert_checkpoint(ckpt_dir, os.path.join(out_dir, iter_dirname(it)), iteration=it, **kw) for it in its]
+    out_dir = os.path.abspath(out_dir)
+    check_output_dir(os.path.join(out_dir, iter_dirname(its[0])), replaceable=_is_our_output)
+    made = []  # out_dir and the parents this call creates (deepest first): removed again on failure
+    d = out_dir
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    done, new = [], []
+    try:
+        for it in its:
+            sub = os.path.join(out_dir, iter_dirname(it))
+            fresh = not os.path.exists(sub)
+            done.append(convert_checkpoint(ckpt_dir, sub, iteration=it, **kw))
+            if fresh:
+                new.append(sub)
+    except BaseException:
+        # all or nothing: outputs this call created go again (replaced earlier ones were complete
+        # conversions and have been swapped for complete new ones; they stay)
+        for sub in new:
+            shutil.rmtree(sub, ignore_errors=True)
+        for d in made:
+            try:
+                os.rmdir(d)  # empty by now unless someone else writes there: then it stays
+            except OSError:
+                pass
+        raise
+    return done
 
 
 def cli_convert(args: argparse.Namespace) -> int:
@@ -236,8 +266,8 @@ def cli_convert(args: argparse.Namespace) -> int:
         else:
             it = args.iteration
             outs = [convert_checkpoint(args.ckpt_dir, args.out_dir, iteration=it, **kw)]
-    except (CheckpointReadError, ConvertError, TokenizerError, FileExistsError, FileNotFoundError) as e:
-        print(f"hpcmeg convert: {e}", file=sys.stderr)
+    except (CheckpointReadError, ConvertError, TokenizerError, OutputDirError, OSError) as e:
+        print(f"hpcmeg convert: {one_line(e)}", file=sys.stderr)
         return 1
     for o in outs:
         print(f"hpcmeg convert: wrote {o}")

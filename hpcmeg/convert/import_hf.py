@@ -29,7 +29,9 @@ import torch
 
 from hpcmeg.convert.hf import _TANH_GELUS, ConvertError, hf_to_megatron_state
 from hpcmeg.convert.hf_tokenizer import HF_TOKENIZER_FILES
-from hpcmeg.convert.merge import WORD_EMB, atomic_output_dir, pad_vocab_size, repad_vocab, split_full
+from hpcmeg.convert.merge import (WORD_EMB, OutputDirError, atomic_output_dir, check_output_dir, pad_vocab_size,
+                                  repad_vocab, split_full)
+from hpcmeg.errors import one_line
 from hpcmeg.convert.reshard import write_checkpoint_layout
 from hpcmeg.train.checkpoint import RELEASE_DIRNAME, make_checkpoint_dict, make_megatron_args, safe_torch_load
 
@@ -43,7 +45,12 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
         with open(path) as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConvertError(f"{path}: cannot read the model config ({e})") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConvertError(f"{path}: cannot read the model config ({why}); give a Hugging Face GPT-2 model "
+                           f"directory") from None
+    if not isinstance(cfg, dict):
+        raise ConvertError(f"{path}: a JSON {type(cfg).__name__}, not a model config; give a Hugging Face GPT-2 "
+                           f"model directory")
     if cfg.get("model_type") != "gpt2":
         raise ConvertError(f"{path}: model_type {cfg.get('model_type')!r}; only GPT-2 models (model_type gpt2) "
                            f"map onto hpcmeg's Megatron GPT")
@@ -55,6 +62,11 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
                     ("tie_word_embeddings", True), ("scale_attn_weights", True)):
         if cfg.get(key, ok) != ok:
             raise ConvertError(f"{path}: {key}={cfg[key]} is not supported (hpcmeg's GPT needs {key}={ok})")
+    bad = [k for k in ("n_layer", "n_head", "n_embd", "n_positions")
+           if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 1]
+    if bad:
+        raise ConvertError(f"{path}: {', '.join(bad)} missing or not a positive integer; the config of a GPT-2 "
+                           f"model has all four")
     return cfg
 
 
@@ -63,8 +75,13 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     def shards(index: str) -> list[str]:
-        with open(os.path.join(hf_dir, index)) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
+        path = os.path.join(hf_dir, index)
+        try:
+            with open(path) as f:
+                return sorted(set(str(v) for v in json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConvertError(f"{path}: cannot read the shard index ({type(e).__name__}: {e}); it needs a "
+                               f"weight_map of weight name -> file") from None
 
     if os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         files, loader = ["model.safetensors"], load_file
@@ -108,6 +125,10 @@ def _tokenizer_fields(hf_dir: str, tok_dir: str, vocab_size: int) -> tuple[dict[
 
 def import_hf(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128) -> str:
     """See the file header."""
+    if tp < 1 or pp < 1 or make_vocab_size_divisible_by < 1:
+        raise ConvertError(f"--tp {tp} --pp {pp} --make-vocab-size-divisible-by {make_vocab_size_divisible_by}: "
+                           f"each must be >= 1")
+    check_output_dir(ckpt_dir)  # before reading the weights, not after
     cfg = read_hf_config(hf_dir)
     n_layer, n_head, h = cfg["n_layer"], cfg["n_head"], cfg["n_embd"]
     if n_head % tp or n_layer % pp:
@@ -152,8 +173,8 @@ def import_hf(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, make_vocab_s
 def cli_import_hf(args) -> int:
     try:
         out = import_hf(args.hf_dir, args.ckpt_dir, args.tp, args.pp, args.make_vocab_size_divisible_by)
-    except (ConvertError, FileExistsError) as e:
-        print(f"hpcmeg import-hf: {e}", file=sys.stderr)
+    except (ConvertError, OutputDirError, OSError) as e:
+        print(f"hpcmeg import-hf: {one_line(e)}", file=sys.stderr)
         return 1
     print(f"hpcmeg import-hf: wrote {out} (release, tp={args.tp}, pp={args.pp}); fine-tune with "
           f"checkpoint.load: {out}")

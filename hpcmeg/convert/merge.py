@@ -191,12 +191,23 @@ class FullCheckpoint:
         return (self.base.get("hpcmeg") or {}).get("recipe")
 
 
+def _tracker(ckpt_dir: str) -> int | str | None:
+    try:
+        return read_tracker(ckpt_dir)
+    except ValueError as e:  # garbage in the tracker file: the message names it and the fix
+        raise CheckpointReadError(str(e)) from None
+    except OSError as e:
+        raise CheckpointReadError(f"{os.path.join(ckpt_dir, TRACKER_FILENAME)}: cannot read it ({e.strerror})") from None
+
+
 def committed_iterations(ckpt_dir: str) -> list[int | str]:
     """Iterations a reader may use: iteration dirs up to the tracker's (newer ones are uncommitted
     saves), plus 'release' when that dir exists. Ascending, release first."""
     if not os.path.isdir(ckpt_dir):
-        raise CheckpointReadError(f"{ckpt_dir}: checkpoint directory does not exist")
-    tracker = read_tracker(ckpt_dir)
+        what = "is not a directory" if os.path.exists(ckpt_dir) else "does not exist"
+        raise CheckpointReadError(f"{ckpt_dir}: checkpoint directory {what}; give the directory that holds "
+                                  f"{TRACKER_FILENAME}")
+    tracker = _tracker(ckpt_dir)
     found = sorted(i for i in map(parse_iter_dirname, os.listdir(ckpt_dir)) if i is not None)
     if isinstance(tracker, int):
         found = [i for i in found if i <= tracker]
@@ -208,10 +219,13 @@ def resolve_iteration(ckpt_dir: str, iteration: int | str | None) -> int | str:
     """The iteration to read: the given one (must exist) or the tracker's."""
     available = committed_iterations(ckpt_dir)
     if iteration is None:
-        iteration = read_tracker(ckpt_dir)
+        iteration = _tracker(ckpt_dir)
         if iteration is None:
             raise CheckpointReadError(f"{ckpt_dir}: no {TRACKER_FILENAME} (no checkpoint was committed); "
                                       f"pass --iteration N (found: {available or 'none'})")
+    if iteration != RELEASE_DIRNAME and (not isinstance(iteration, int) or iteration < 0):
+        raise CheckpointReadError(f"--iteration {iteration}: an iteration is a number >= 0 (available: "
+                                  f"{available or 'none'})")
     if not os.path.isdir(os.path.join(ckpt_dir, iter_dirname(iteration))):
         raise CheckpointReadError(f"{os.path.join(ckpt_dir, iter_dirname(iteration))}: iteration {iteration} does not "
                                   f"exist in {ckpt_dir} (available: {available or 'none'})")
@@ -265,7 +279,7 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
                 raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, t, p, pp)}: cannot be read")
             state = got[1]
             path = checkpoint_path(ckpt_dir, iteration, t, p, pp)
-            if "model" not in state:
+            if not isinstance(state.get("model"), dict):
                 raise CheckpointReadError(f"{path}: no 'model' entry (virtual-pipeline 'model0' checkpoints are not "
                                           f"supported)")
             models[(t, p)] = state.pop("model")
@@ -274,9 +288,14 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
             if (t, p) == (0, 0):
                 base = state
     args = base.get("args")
-    if args is None:
+    if not isinstance(args, argparse.Namespace):
         raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, 0, 0, pp)}: no 'args' entry; hpcmeg needs "
                                   f"the model sizes from it")
+    absent = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
+              if not isinstance(getattr(args, k, None), int)]
+    if absent:
+        raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, 0, 0, pp)}: its args lack {', '.join(absent)}; "
+                                  f"not a Megatron GPT checkpoint hpcmeg can read")
     a_tp = getattr(args, "tensor_model_parallel_size", tp)
     a_pp = getattr(args, "pipeline_model_parallel_size", pp)
     if (a_tp, a_pp) != (tp, pp):
@@ -285,6 +304,10 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
         full = merge_shards(models, tp, pp, args.num_layers, where=iter_dir)
     except ValueError as e:
         raise CheckpointReadError(str(e)) from None
+    except KeyError as e:  # a foreign or damaged model dict
+        text = str(e.args[0]) if e.args else ""
+        raise CheckpointReadError(f"{iter_dir}: {text}" if " " in text else f"{iter_dir}: the model lacks {text!r}; "
+                                  f"not a legacy Megatron GPT checkpoint") from None
     return FullCheckpoint(full=full, args=args, base=base, iteration=iteration, tp=tp, pp=pp, iter_dir=iter_dir,
                           shard_models=models if keep_shards else None,
                           shard_optimizers=optimizers if keep_shards else None)
@@ -292,23 +315,62 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
 
 # ------------------------------------------------------------------------------ atomic output dirs
 
+class OutputDirError(ValueError):
+    """The output directory cannot be created where asked (a file in the way, no permission)."""
+
+
+def _existing_ancestor(path: str) -> str:
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_output_dir(out_dir: str, replaceable: Callable[[str], bool] = lambda d: False) -> None:
+    """Refuse, before any work is done, an output directory that atomic_output_dir could not create:
+    a non-empty foreign directory (FileExistsError), a file in the way, or a place this user cannot
+    write (OutputDirError). Every message names the path and what to do."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.lexists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise OutputDirError(f"{out_dir} exists and is not a directory; choose another output directory")
+        try:
+            busy = bool(os.listdir(out_dir))
+        except OSError as e:
+            raise OutputDirError(f"{out_dir}: cannot list it ({e.strerror}); choose another output directory") from None
+        if busy and not replaceable(out_dir):
+            raise FileExistsError(f"{out_dir} exists and is not empty; choose another output directory or remove it")
+    anc = _existing_ancestor(os.path.dirname(out_dir))
+    if not os.path.isdir(anc):
+        raise OutputDirError(f"{anc} is a file, not a directory, so {out_dir} cannot be created there; choose "
+                             f"another output directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise OutputDirError(f"{anc}: permission denied: you cannot create {out_dir} there; choose a directory "
+                             f"you can write")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str, replaceable: Callable[[str], bool] = lambda d: False) -> Iterator[str]:
     """Yield a staging dir next to `out_dir`; on success rename it to `out_dir`, on error delete it.
 
     An existing `out_dir` is left alone unless it is empty or `replaceable(out_dir)` says it is an
     earlier output of the same tool (then it is swapped out only after the new one is complete), so
-    a failure never leaves a half-written or half-deleted `out_dir`."""
+    a failure never leaves a half-written or half-deleted `out_dir`. Parent directories created on
+    the way are removed again on failure: nothing of a failed run stays behind."""
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and (not os.listdir(out_dir) or replaceable(out_dir))):
-        raise FileExistsError(f"{out_dir} exists and is not empty; choose another output directory or remove it")
+    check_output_dir(out_dir, replaceable)
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
+    created: list[str] = []
+    d = parent
+    while not os.path.isdir(d):
+        created.append(d)
+        d = os.path.dirname(d)
     stage = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{os.getpid()}")
-    if os.path.exists(stage):
-        shutil.rmtree(stage)
-    os.makedirs(stage)
     try:
+        for d in reversed(created):
+            os.mkdir(d)
+        if os.path.exists(stage):
+            shutil.rmtree(stage)
+        os.makedirs(stage)
         yield stage
         old = None
         if os.path.exists(out_dir):
@@ -319,4 +381,7 @@ def atomic_output_dir(out_dir: str, replaceable: Callable[[str], bool] = lambda 
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        for d in created:  # deepest first; only if still empty (another writer may use it now)
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
         raise

@@ -30,8 +30,10 @@ import sys
 from typing import Any, Callable
 
 from hpcmeg.convert.hf_tokenizer import TokenizerError, vocab_size_of
+from hpcmeg.errors import one_line
 from hpcmeg.convert.merge import (
-    WORD_EMB, CheckpointReadError, FullCheckpoint, atomic_output_dir, load_full_checkpoint, merge_tp,
+    WORD_EMB, CheckpointReadError, FullCheckpoint, OutputDirError, atomic_output_dir, check_output_dir,
+    load_full_checkpoint, merge_tp,
     pad_vocab_size, repad_vocab, split_full, split_tp,
 )
 from hpcmeg.train.checkpoint import (
@@ -189,6 +191,7 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
     """See the file header."""
     if tp < 1 or pp < 1:
         raise ReshardError(f"--tp {tp} --pp {pp}: sizes must be >= 1")
+    check_output_dir(out_dir)  # before loading every shard, not after
     ck = load_full_checkpoint(ckpt_dir, iteration, keep_shards=True)
     a = ck.args
     if a.num_attention_heads % tp:
@@ -243,8 +246,8 @@ def cli_reshard(args: argparse.Namespace) -> int:
     try:
         out = reshard_checkpoint(args.ckpt_dir, args.out_dir, args.tp, args.pp, args.iteration,
                                  on_note=lambda msg: print(f"hpcmeg reshard: note: {msg}", file=sys.stderr))
-    except (CheckpointReadError, ReshardError, FileExistsError) as e:
-        print(f"hpcmeg reshard: {e}", file=sys.stderr)
+    except (CheckpointReadError, ReshardError, OutputDirError, OSError) as e:
+        print(f"hpcmeg reshard: {one_line(e)}", file=sys.stderr)
         return 1
     print(f"hpcmeg reshard: wrote {out} (tp={args.tp}, pp={args.pp})")
     return 0

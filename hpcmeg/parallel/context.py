@@ -118,17 +118,22 @@ class ParallelContext:
             self.backend = None
 
 
+class DeviceUnavailableError(RuntimeError):
+    """The requested device is not there (no CUDA, or fewer GPUs than local ranks); one-line message."""
+
+
 def pick_device(env: DistEnv, device: str = "auto") -> torch.device:
     """'auto' -> cuda:local_rank when CUDA is available, else cpu; 'cuda' fails loudly without it."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but torch sees no CUDA device (CPU build of torch, or no GPU "
-                           "allocated to this task); use train.device=cpu or request GPUs")
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU is visible to this task"
+        raise DeviceUnavailableError(f"train.device=cuda but torch sees no CUDA device ({why}); use "
+                                     f"train.device=cpu (or auto), or run where GPUs are allocated")
     n = torch.cuda.device_count()
     if env.local_rank >= n:
-        raise RuntimeError(f"local rank {env.local_rank} has no GPU: this node shows {n} device(s); "
-                           f"start at most one task per GPU")
+        raise DeviceUnavailableError(f"local rank {env.local_rank} has no GPU: this node shows {n} device(s); "
+                                     f"start at most one task per GPU (cluster.gpus_per_node)")
     return torch.device("cuda", env.local_rank)
 
 

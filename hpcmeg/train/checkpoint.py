@@ -48,7 +48,8 @@ import torch
 from hpcmeg import fsutil
 from hpcmeg.fsutil import fsync_dir  # noqa: F401  (re-exported: was defined here)
 from hpcmeg.train.ckpt_layout import (  # noqa: F401  (re-exported: the one import for format users)
-    CHECKPOINT_VERSION, HEAD_KEY, RELEASE_DIRNAME, SHARD_FILENAME, TRACKER_FILENAME, UnsafeCheckpointError,
+    CHECKPOINT_VERSION, HEAD_KEY, RELEASE_DIRNAME, SHARD_FILENAME, TRACKER_FILENAME, UnreadableCheckpointError,
+    UnsafeCheckpointError,
     all_shard_relpaths, capture_rng_state, checkpoint_path, from_megatron_model, full_state_from_stages,
     global_to_local_layer, iter_dirname, layers_per_stage, local_to_global_layer, make_checkpoint_dict,
     make_megatron_args, make_scheduler_state, parse_iter_dirname, read_tracker, restore_rng_state,
@@ -63,6 +64,10 @@ _SIDECAR_RE = re.compile(r"^hpcmeg_shard\.(mp_rank_[0-9_]+)\.json$")
 
 class CheckpointWarning(UserWarning):
     """A checkpoint was skipped (partial, truncated, corrupt) or loaded unverified."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """A committed checkpoint exists but none is usable; the message names every bad file and the fix."""
 
 
 # ------------------------------------------------------------------------------------ file helpers
@@ -334,6 +339,7 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, pp_rank: int, tp_size: int, 
                                   f"{iter_dirname(tracker)} does not exist", CheckpointWarning, stacklevel=2)
                 candidates = [i for i in found if i <= tracker]
     tracker_exists = iteration is None and read_tracker(load_dir) is not None
+    problems: list[str] = []
     for it in candidates:
         iter_dir = os.path.join(load_dir, iter_dirname(it))
         path = os.path.join(iter_dir, shard_relpath(tp_rank, pp_rank, pp_size))
@@ -345,18 +351,24 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, pp_rank: int, tp_size: int, 
                 state = safe_torch_load(path)
             except UnsafeCheckpointError:
                 raise
+            except UnreadableCheckpointError as e:
+                problem = str(e).split("; the file is")[0]
             except Exception as e:  # noqa: BLE001 - any unpickling failure means this shard is unusable
-                problem = f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                problem = f"{path} cannot be loaded ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+            if problem is None and not isinstance(state, dict):
+                problem, state = f"{path} holds a {type(state).__name__}, not a checkpoint dict", None
         if all_reduce_max is not None:
             if all_reduce_max(int(problem is not None)) and problem is None:
                 problem = f"another rank's shard of {iter_dir} is unusable"
         if problem is None:
             return (0 if it == RELEASE_DIRNAME else int(state.get("iteration", it))), state
         if forced:
-            raise RuntimeError(f"requested checkpoint unusable: {problem}")
+            raise CheckpointLoadError(f"requested checkpoint unusable: {problem}")
+        problems.append(problem)
         warnings.warn(f"skipping checkpoint: {problem}; falling back to an older iteration",
                       CheckpointWarning, stacklevel=2)
     if not tracker_exists and not forced:
         return None  # only untracked leftovers, all unusable: a fresh start is what the user had
-    raise RuntimeError(f"{load_dir}: {TRACKER_FILENAME} exists but no valid checkpoint was found (see warnings); "
-                       f"move the directory away to start from scratch")
+    found = "; ".join(problems) if problems else f"it names iteration {read_tracker(load_dir)} and there is no iter_* directory"
+    raise CheckpointLoadError(f"{load_dir}: {TRACKER_FILENAME} exists but no checkpoint is usable ({found}); restore "
+                              f"the files, or move {load_dir} away to start from scratch")

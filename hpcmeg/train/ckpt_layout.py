@@ -337,23 +337,39 @@ class UnsafeCheckpointError(RuntimeError):
     """The file's pickle references a global outside the weights_only allow-list."""
 
 
+class UnreadableCheckpointError(RuntimeError):
+    """The file is not a torch checkpoint that weights_only loading can read (corrupt, truncated, or
+    a pickle using opcodes the safe unpickler does not run); nothing in it was executed."""
+
+
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def safe_torch_load(path: str) -> Any:
     """torch.load(map_location="cpu", weights_only=True) with argparse.Namespace allow-listed.
 
-    Raises UnsafeCheckpointError naming the global when the pickle needs arbitrary code."""
+    Raises UnsafeCheckpointError naming the global when the pickle needs arbitrary code, and
+    UnreadableCheckpointError when the safe unpickler rejects the bytes for another reason (random
+    bytes, a truncated pickle): a corrupt file must not be reported as an attack, nor vice versa."""
     try:
         with _allow_namespace():
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         m = _GLOBAL_RE.search(str(e))
-        wanted = m.group(1) if m else "an unknown global"
+        if m is None:
+            detail = next((ln.strip() for ln in str(e).split("WeightsUnpickler error:")[-1].splitlines() if ln.strip()),
+                          type(e).__name__)
+            raise UnreadableCheckpointError(
+                f"{path}: not a readable torch checkpoint ({detail[:120]}); the file is corrupt or was not "
+                f"written by torch.save") from None
         raise UnsafeCheckpointError(
-            f"{path}: this checkpoint needs arbitrary code to unpickle ({wanted}); hpcmeg refuses to load it. "
+            f"{path}: this checkpoint needs arbitrary code to unpickle ({m.group(1)}); hpcmeg refuses to load it. "
             f"Re-save it with plain tensors/containers and an argparse.Namespace args, or load it yourself "
             f"with weights_only=False if you trust its origin") from None
+    except (RuntimeError, EOFError) as e:  # a truncated or damaged zip container, an empty file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:160]
+        raise UnreadableCheckpointError(f"{path}: not a readable torch checkpoint ({first}); the file is corrupt "
+                                        f"or truncated") from None
 
 
 def _allow_namespace():

@@ -32,13 +32,15 @@ import random
 import sys
 import time
 import traceback
+import warnings
 
 import numpy as np
 import torch
 
 from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.launch.env import DistEnv, dist_env
-from hpcmeg.recipe import Recipe, RecipeError, derive, load_recipe, to_dict, write_resolved
+from hpcmeg.errors import one_line
+from hpcmeg.recipe import Recipe, RecipeError, dataset_prefixes, derive, load_recipe, to_dict, write_resolved
 
 EXIT_OK, EXIT_ERROR, EXIT_BAD_RECIPE, EXIT_REQUEUE = 0, 1, 2, 3
 STATUS_FILE = "train_status.json"
@@ -60,6 +62,47 @@ def runtime_derived(r: Recipe, world_size: int):
                            f"change the batch sizes or the process count"])
     return dataclasses.replace(d, world_size=world_size, data_parallel_size=dp,
                                grad_accum_steps=t.global_batch_size // (t.micro_batch_size * dp))
+
+
+class TokenIdError(ValueError):
+    """A token id in the data is not below the vocabulary size the model is built with."""
+
+
+class _VocabChecked(torch.utils.data.Dataset):
+    """A GPT dataset whose samples are refused when a token id is >= the vocabulary size.
+
+    Without it such an id fails deep inside the embedding (a 45-line IndexError on CPU, a
+    device-side assert that kills the process on CUDA). The check runs on the host-side numpy
+    sample (L + L integer compares, microseconds) where it is read anyway, so it covers exactly
+    the tokens the run consumes, costs no device sync, and needs no scan of the whole .bin."""
+
+    def __init__(self, ds, vocab_size: int, fix: str):
+        self.ds, self.vocab_size, self.fix = ds, vocab_size, fix
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        item = self.ds[i]
+        top = int(max(item["tokens"].max(initial=0), item["labels"].max(initial=0)))
+        if top >= self.vocab_size:
+            raise TokenIdError(f"the data holds token id {top} but the vocabulary has {self.vocab_size} tokens "
+                               f"(ids 0..{self.vocab_size - 1}); {self.fix}")
+        return item
+
+
+def _vocab_checked(r: Recipe, d, ds):
+    if ds is None:
+        return None
+    data = ", ".join(p for _, p in dataset_prefixes(r, d))
+    if r.model.vocab_size is not None:
+        fix = (f"model.vocab_size={r.model.vocab_size} is too small for {data}: raise it, or set it to null to "
+               f"read it from the tokenizer files")
+    else:
+        tok = r.data.tokenizer_model or r.data.vocab_file or "the embedded GPT-2 vocabulary"
+        fix = (f"{data} was tokenized with a larger vocabulary than {tok}: point data.vocab_file / "
+               f"data.tokenizer_model at the tokenizer that wrote it, or set model.vocab_size")
+    return _VocabChecked(ds, d.orig_vocab_size, fix)
 
 
 def _auto(flag: str, device: torch.device) -> bool:
@@ -159,7 +202,8 @@ def build_trainer(r: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=N
                 gradient_as_bucket_view=True, process_group=ctx.dp_group)
         step = TrainStep(model, optimizer, precision=t.precision, grad_clip=t.clip_grad, loss_scaler=scaler,
                          compile=_auto(t.compile, dev), device=dev)
-        train_ds, valid_ds, _ = build_datasets(r, d, barrier=ctx.barrier, is_rank0=ctx.is_rank0)
+        train_ds, valid_ds, _ = (_vocab_checked(r, d, ds) for ds in
+                                 build_datasets(r, d, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
         evals = eval_batches(valid_ds, t.eval_iters if t.eval_interval else 0, t.micro_batch_size,
                              d.grad_accum_steps, ctx.dp_rank, ctx.dp_size, dev)
         n_params = model.num_params()
@@ -230,6 +274,29 @@ def _write_status(run_dir: str, status: str, iteration, code: int, reason: str =
                                         "reason": reason, "time": time.time()}))
 
 
+def _show_warnings(caught: list, tag: str) -> None:
+    """A skipped checkpoint is one line on stderr (not Python's two-line warning with a source
+    line); any other warning recorded meanwhile is shown as Python would have shown it."""
+    from hpcmeg.train.checkpoint import CheckpointWarning
+
+    for w in caught:
+        if issubclass(w.category, CheckpointWarning):
+            print(f"{tag}: warning: {one_line(w.message)}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def _record_failure(run_dir: str, iteration, code: int, reason: str) -> None:
+    """train_status.json for the supervisor, on a failure already reported on stderr. Only into an
+    existing run directory (a run that failed before writing anything leaves nothing behind), and
+    a status that cannot be written (the directory is what failed) must not replace that report."""
+    if os.path.isdir(run_dir):
+        try:
+            _write_status(run_dir, "failed", iteration, code, reason)
+        except OSError:
+            pass
+
+
 def _wall_clock_end(r: Recipe, ctx) -> float | None:
     """Earliest of the Slurm job's end time (asked once, by rank 0) and train.exit_duration_minutes."""
     from hpcmeg.train.signals import slurm_job_end_time
@@ -247,6 +314,9 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
 
     on_built(trainer) runs after everything is built and before the first step (hooks for fault
     injection in tests, or extra instrumentation)."""
+    from hpcmeg.parallel.context import DeviceUnavailableError
+    from hpcmeg.train.checkpoint import (CheckpointLoadError, CheckpointWarning, UnreadableCheckpointError,
+                                         UnsafeCheckpointError)
     from hpcmeg.train.signals import ExitSignal, WallTimeGuard
     from hpcmeg.train.trainer import TrainingDiverged
 
@@ -265,8 +335,18 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
         return None
 
     try:
-        trainer, ctx = build_trainer(r, env, stop=stop, exit_interval=exit_interval,
-                                     on_step_time=guard.record_step, on_save_time=guard.record_save)
+        caught: list = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", CheckpointWarning)
+                trainer, ctx = build_trainer(r, env, stop=stop, exit_interval=exit_interval,
+                                             on_step_time=guard.record_step, on_save_time=guard.record_save)
+        except (CheckpointLoadError, UnsafeCheckpointError, UnreadableCheckpointError):
+            # the error line names the checkpoint files already: it alone is the report
+            caught = [w for w in caught if not issubclass(w.category, CheckpointWarning)]
+            raise
+        finally:
+            _show_warnings(caught, tag)
         guard.end_time = _wall_clock_end(r, ctx)
         if on_built is not None:
             on_built(trainer)
@@ -279,18 +359,24 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
         if env.rank == 0:
             for line in e.problems:
                 print(f"{tag}: {line}", file=sys.stderr)
-            _write_status(run_dir, "failed", None, EXIT_BAD_RECIPE, e.problems[0])
+            _record_failure(run_dir, None, EXIT_BAD_RECIPE, e.problems[0])
         return EXIT_BAD_RECIPE
-    except (TrainingDiverged, FileNotFoundError, ValueError) as e:
-        print(f"{tag}: {e}", file=sys.stderr)
+    except (TokenIdError, DeviceUnavailableError) as e:  # the recipe does not fit the data / the machine
+        print(f"{tag}: {one_line(e)}", file=sys.stderr)
         if env.rank == 0:
-            _write_status(run_dir, "failed", trainer.state.iteration if trainer else None, EXIT_ERROR, str(e))
+            _record_failure(run_dir, trainer.state.iteration if trainer else None, EXIT_BAD_RECIPE, one_line(e))
+        return EXIT_BAD_RECIPE
+    except (TrainingDiverged, OSError, ValueError, CheckpointLoadError, UnsafeCheckpointError,
+            UnreadableCheckpointError) as e:  # data and runtime faults whose message names the file and fix
+        print(f"{tag}: {one_line(e)}", file=sys.stderr)
+        if env.rank == 0:
+            _record_failure(run_dir, trainer.state.iteration if trainer else None, EXIT_ERROR, one_line(e))
         return EXIT_ERROR
     except Exception as e:  # noqa: BLE001 - report, mark, exit non-zero
         traceback.print_exc()
         print(f"{tag}: error: {type(e).__name__}: {e}", file=sys.stderr)
         if env.rank == 0:
-            _write_status(run_dir, "failed", trainer.state.iteration if trainer else None, EXIT_ERROR, str(e))
+            _record_failure(run_dir, trainer.state.iteration if trainer else None, EXIT_ERROR, str(e))
         return EXIT_ERROR
     finally:
         try:
@@ -321,7 +407,7 @@ def cli_prepare_cache(args) -> int:
         t0 = time.time()
         out = prepare_cache(dataset_config(r, d), blend_arg(r, d), counts)
     except (OSError, ValueError) as e:
-        print(f"hpcmeg prepare-cache: {e}", file=sys.stderr)
+        print(f"hpcmeg prepare-cache: {one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
     for name, n, ds in zip(("train", "valid", "test"), counts, out):
         print(f"{name}: requested {n} samples, built {len(ds) if ds is not None else 0}")

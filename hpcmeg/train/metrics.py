@@ -171,14 +171,14 @@ def read_metrics(path: str) -> dict[str, list[dict]]:
     de-duplicated by iteration (the LAST record wins: a resumed run re-logs after its checkpoint)
     and sorted by iteration. A torn last line (killed writer) is ignored."""
     by_kind: dict[str, Any] = {"train": {}, "eval": {}, "start": [], "event": []}
-    with open(path) as f:
+    with open(path, errors="replace") as f:  # a damaged byte spoils its line only
         for line in f:
             try:
                 r = json.loads(line)
             except ValueError:
                 continue
-            kind = r.get("kind")
-            if kind in ("train", "eval"):
+            kind = r.get("kind") if isinstance(r, dict) else None  # foreign lines are skipped
+            if kind in ("train", "eval") and isinstance(r.get("iteration"), int):
                 by_kind[kind][r["iteration"]] = r
             elif kind in ("start", "event"):
                 by_kind[kind].append(r)

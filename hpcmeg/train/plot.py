@@ -32,9 +32,13 @@ def plot_run(run: str, output: str | None = None) -> str:
     m = read_metrics(path)
     train, evals = m["train"], m["eval"]
     if not train and not evals:
-        raise ValueError(f"{path}: no train or eval records yet")
+        raise ValueError(f"{path}: no train or eval records (yet); give a run directory or its metrics.jsonl")
     if output is None:
         output = os.path.join(os.path.dirname(os.path.abspath(path)), "curves.png")
+    parent = os.path.dirname(os.path.abspath(output))
+    if os.path.isdir(output) or not os.path.isdir(parent):
+        what = "is a directory" if os.path.isdir(output) else f"cannot be created: {parent} is not a directory"
+        raise ValueError(f"{output}: {what}; give -o a PNG file path in an existing directory")
     name = os.path.basename(os.path.dirname(os.path.abspath(path)))
 
     fig, (ax_loss, ax_tp) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
@@ -65,6 +69,8 @@ def plot_run(run: str, output: str | None = None) -> str:
             # format given: the temp name has no extension to infer it from (and PNG is what this
             # always wrote, whatever `output` ends in)
             fig.savefig(tmp, dpi=110, format="png")
+    except OSError as e:  # name the file asked for, not the temporary next to it
+        raise OSError(e.errno, e.strerror, output) from None
     finally:
         plt.close(fig)
     return output
@@ -74,7 +80,9 @@ def cli_plot(args) -> int:
     try:
         out = plot_run(args.run, getattr(args, "output", None))
     except (OSError, ValueError) as e:
-        print(f"hpcmeg plot: {e}", file=sys.stderr)
+        from hpcmeg.errors import one_line
+
+        print(f"hpcmeg plot: {one_line(e)}", file=sys.stderr)
         return 1
     print(out)
     return 0
