@@ -22,12 +22,10 @@ Contract
 
 from __future__ import annotations
 
-import argparse
 import array
 import enum
 import glob
 import os
-import shutil
 import struct
 import sys
 from typing import Sequence
@@ -35,12 +33,18 @@ from typing import Sequence
 import numpy as np
 
 from hpcmeg import fsutil
+from hpcmeg.data.faults import (DataError, MissingPathError, OneLineArgumentParser, StopSignal, UsageError,
+                                check_output_dir, check_stop, created_dirs, run_tool)
 
 MMIDIDX_MAGIC = b"MMIDIDX\x00\x00"
 TNTIDX_MAGIC = b"TNTIDX\x00\x00"
 HEADER_BYTES = 34  # 9 magic + 8 version + 1 dtype code + 8 sequence count + 8 document count
 _COPY_CHUNK = 64 << 20  # bytes per read when appending another .bin (bounded memory)
 _POINTER_CHUNK = 1 << 20  # sequences per slab when writing pointers at finalize
+
+
+class DatasetFormatError(DataError):
+    """A .idx/.bin pair that is not a readable MMIDIDX dataset; str() names the file and the fix."""
 
 
 class DType(enum.IntEnum):
@@ -151,17 +155,22 @@ class IndexedDatasetBuilder:
         self._lengths.frombytes(lengths.tobytes())
         self._doc_idx.frombytes((np.cumsum(per_doc) + base).astype(np.int64).tobytes())
 
-    def add_index(self, prefix: str) -> None:
-        """Append every sequence and document of the finished dataset at `prefix` (dtypes must match)."""
+    def add_index(self, prefix: str, stop: StopSignal | None = None) -> None:
+        """Append every sequence and document of the finished dataset at `prefix` (dtypes must match);
+        `stop` is polled between the 64 MB chunks of the .bin copy."""
         other = IndexedDataset(prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"{prefix}: token dtype {other.dtype} differs from builder dtype {self.dtype}")
+            other.close()
+            raise DatasetFormatError(f"{prefix}: token dtype {other.dtype} differs from {self.dtype} (the first "
+                                     "dataset's); merge only datasets made with the same tokenizer")
         offset = len(self._lengths)
         self._lengths.extend(other.sequence_lengths.astype(np.int32).tolist())
         self._doc_idx.extend((other.document_indices[1:] + offset).tolist())
         other.close()
         with open(data_file_path(prefix), "rb") as f:
-            shutil.copyfileobj(f, self._bin, _COPY_CHUNK)
+            while chunk := f.read(_COPY_CHUNK):
+                check_stop(stop)
+                self._bin.write(chunk)
 
     # -- finishing ---------------------------------------------------------------------------------
     def finalize(self, idx_path: str) -> None:
@@ -229,18 +238,21 @@ class IndexedDataset:
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_BYTES)
         if header[:8] == TNTIDX_MAGIC:
-            raise ValueError(f"{idx_path}: legacy TNTIDX (lazy/cached) index; open it with LegacyIndexedDataset")
+            raise DatasetFormatError(f"{idx_path}: legacy TNTIDX (lazy/cached) index; open it with LegacyIndexedDataset")
         if len(header) < HEADER_BYTES or header[:9] != MMIDIDX_MAGIC:
-            raise ValueError(f"{idx_path}: not a Megatron MMIDIDX index (bad magic); rerun preprocessing")
+            raise DatasetFormatError(f"{idx_path}: not a Megatron MMIDIDX index (bad magic); rerun preprocessing")
         (version,) = struct.unpack("<Q", header[9:17])
         if version != 1:
-            raise ValueError(f"{idx_path}: index version {version}, only version 1 exists")
-        self.dtype = np.dtype(DType.dtype_of(header[17]))
+            raise DatasetFormatError(f"{idx_path}: index version {version}, only version 1 exists")
+        try:
+            self.dtype = np.dtype(DType.dtype_of(header[17]))
+        except ValueError as e:
+            raise DatasetFormatError(f"{idx_path}: {e}; the index is corrupt, rerun preprocessing") from None
         seq_count, doc_count = struct.unpack("<QQ", header[18:34])
         expected = HEADER_BYTES + 4 * seq_count + 8 * seq_count + 8 * doc_count
         size = os.path.getsize(idx_path)
         if size not in (expected, expected + seq_count):  # + int8 modes for multimodal datasets
-            raise ValueError(f"{idx_path}: {size} bytes but the header promises {expected}; the file is truncated or corrupt")
+            raise DatasetFormatError(f"{idx_path}: {size} bytes but the header promises {expected}; the file is truncated or corrupt")
 
         if mmap:
             self._idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
@@ -258,13 +270,13 @@ class IndexedDataset:
         self.sequence_modes = (np.frombuffer(buf, dtype=np.int8, count=seq_count, offset=off)
                                if size > expected else None)
         if doc_count == 0 or self.document_indices[-1] != seq_count:
-            raise ValueError(f"{idx_path}: last document index != sequence count {seq_count}; corrupt index")
+            raise DatasetFormatError(f"{idx_path}: last document index != sequence count {seq_count}; corrupt index")
 
         bin_path = data_file_path(prefix)
         if seq_count:
             need = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
             if os.path.getsize(bin_path) < need:
-                raise ValueError(f"{bin_path}: shorter than its index says ({need} bytes); rerun preprocessing")
+                raise DatasetFormatError(f"{bin_path}: shorter than its index says ({need} bytes); rerun preprocessing")
         if mmap:
             self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if os.path.getsize(bin_path) else np.zeros(0, np.uint8)
             self._file = None
@@ -345,20 +357,24 @@ def open_indexed_dataset(prefix: str, mmap: bool = True):
     return IndexedDataset(prefix, mmap=mmap)
 
 
-def merge_datasets(prefixes: Sequence[str], out_prefix: str) -> None:
-    """Concatenate datasets in the given order into `out_prefix` (documents and sequences kept)."""
+def merge_datasets(prefixes: Sequence[str], out_prefix: str, stop: StopSignal | None = None) -> None:
+    """Concatenate datasets in the given order into `out_prefix` (documents and sequences kept).
+    Raises MissingPathError for a missing pair, DatasetFormatError for an unreadable one or mixed
+    dtypes; on any exception (also faults.Interrupted from `stop`) nothing is left under `out_prefix`."""
     if not prefixes:
-        raise ValueError("merge_datasets: no input datasets")
+        raise UsageError("merge_datasets: no input datasets")
     for p in prefixes:
         if not dataset_exists(p):
-            raise FileNotFoundError(f"{p}: missing {p}.idx or {p}.bin")
+            which = " and ".join(f for f in (index_file_path(p), data_file_path(p)) if not os.path.isfile(f))
+            raise MissingPathError(f"{p}: no such dataset (missing {which}); check the prefix")
     first = IndexedDataset(prefixes[0])
     dtype = first.dtype
     first.close()
     builder = IndexedDatasetBuilder(data_file_path(out_prefix), dtype)
     try:
         for p in prefixes:
-            builder.add_index(p)
+            builder.add_index(p, stop)
+        check_stop(stop)
         builder.finalize(index_file_path(out_prefix))
     except BaseException:
         builder.abort()
@@ -383,27 +399,34 @@ def find_prefixes(inputs: Sequence[str]) -> list[str]:
 
 def merge_main(argv: Sequence[str] | None = None) -> int:
     """`hpcmeg merge-datasets --input DIR|PREFIX|GLOB... --output-prefix OUT`."""
-    ap = argparse.ArgumentParser(prog="hpcmeg merge-datasets",
-                                 description="Merge Megatron .bin/.idx datasets (tools/merge_datasets.py).")
+    ap = OneLineArgumentParser(prog="hpcmeg merge-datasets",
+                               description="Merge Megatron .bin/.idx datasets (tools/merge_datasets.py).")
     ap.add_argument("--input", nargs="+", required=True,
                     help="a directory (every *.idx/.bin pair in it, sorted by name), prefixes, or globs")
     ap.add_argument("--output-prefix", required=True, help="output dataset prefix (writes .bin/.idx)")
     ap.add_argument("--multimodal", action="store_true", help="accepted for compatibility; not supported")
     args = ap.parse_args(argv)
-    if args.multimodal:
-        print("merge-datasets: --multimodal datasets are not supported by hpcmeg", file=sys.stderr)
-        return 2
-    prefixes = [p for p in find_prefixes(args.input) if os.path.abspath(p) != os.path.abspath(args.output_prefix)]
-    if not prefixes:
-        print(f"merge-datasets: no datasets found in {args.input}", file=sys.stderr)
-        return 2
-    try:
-        merge_datasets(prefixes, args.output_prefix)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"merge-datasets: {e}", file=sys.stderr)
-        return 1
-    print(f"merged {len(prefixes)} datasets into {args.output_prefix}", file=sys.stderr)
-    return 0
+
+    def body() -> int:
+        if args.multimodal:
+            raise UsageError("--multimodal: multimodal datasets are not supported by hpcmeg; merge them with "
+                             "Megatron's tools/merge_datasets.py")
+        out = os.path.abspath(args.output_prefix)
+        prefixes = [p for p in find_prefixes(args.input) if os.path.abspath(p) != out]
+        if not prefixes:
+            raise MissingPathError(f"--input {' '.join(args.input)}: no .bin/.idx dataset found; give dataset "
+                                   "prefixes, directories holding .idx/.bin pairs, or globs")
+        for p in prefixes:
+            if not dataset_exists(p):
+                which = " and ".join(f for f in (index_file_path(p), data_file_path(p)) if not os.path.isfile(f))
+                raise MissingPathError(f"--input {p}: no such dataset (missing {which}); check the prefix")
+        new_dirs = check_output_dir(args.output_prefix, "--output-prefix")
+        with StopSignal() as stop, created_dirs(new_dirs):
+            merge_datasets(prefixes, args.output_prefix, stop=stop)
+        print(f"merged {len(prefixes)} datasets into {args.output_prefix}", file=sys.stderr)
+        return 0
+
+    return run_tool("hpcmeg merge-datasets", body)
 
 
 # re-exported at the end: the legacy reader builds on DType and the path helpers above

@@ -1,11 +1,15 @@
 """JSONL input for preprocessing: file/glob expansion, streaming line batches, per-line validation.
 
 Contract
-- `expand_inputs(specs)`: each spec is a file or a glob; globs expand in sorted order; no match is an
-  error naming the spec. Order between specs is kept.
+- `expand_inputs(specs)`: each spec is a file or a glob; globs expand in sorted order; no match, a
+  missing file or a directory is a MissingPathError (exit 2) naming the spec. Order between specs is kept.
 - `iter_line_batches(paths, batch_bytes)`: yields `LineBatch`es of WHOLE lines (`.jsonl` or gzip
   `.jsonl.gz`, sniffed by the gzip magic), about `batch_bytes` each, never spanning two files, with
-  the 1-based number of their first line. Memory: one batch plus one read block.
+  the 1-based number of their first line. Memory: one batch plus one read block. A file that cannot
+  be read to its end (truncated or corrupt gzip, an I/O error) raises InputReadError (a DataError,
+  exit 1) naming the file and the line where reading stopped, never EOFError/zlib.error.
+- `first_document_keys(path)`: the keys of the file's first non-blank line (None when that line is
+  not a JSON object: the full pass reports it), for checking --json-keys before any work starts.
 - `parse_document(line, keys)`: bytes of one line -> ({key: str | list[str]}, None) or (None, reason).
   Bad input is one of: invalid UTF-8, malformed JSON, not an object, missing key, value that is not a
   string (or list of strings, Megatron's pre-split sentences), empty document. Blank lines -> ({}, None)
@@ -18,8 +22,11 @@ import glob
 import gzip
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Iterator, Sequence
+
+from hpcmeg.data.faults import DataError, MissingPathError
 
 _READ_BLOCK = 1 << 20
 
@@ -40,19 +47,69 @@ def expand_inputs(specs: Sequence[str] | str) -> list[str]:
         if any(c in spec for c in "*?["):
             found = sorted(p for p in glob.glob(spec) if os.path.isfile(p))
             if not found:
-                raise FileNotFoundError(f"--input {spec}: the glob matches no file")
+                raise MissingPathError(f"--input {spec}: the glob matches no file; check the pattern "
+                                       "(quote it so that the shell does not expand it)")
             out.extend(found)
         elif os.path.isfile(spec):
             out.append(spec)
+        elif os.path.isdir(spec):
+            raise MissingPathError(f"--input {spec}: is a directory; pass the files in it, e.g. "
+                                   f"--input '{os.path.join(spec, '*.jsonl')}'")
         else:
-            raise FileNotFoundError(f"--input {spec}: no such file")
+            raise MissingPathError(f"--input {spec}: no such file; check the path")
     return out
 
 
+class InputReadError(DataError):
+    """An input file could not be read to its end; str() is `path: what (line N); what to do`."""
+
+
+def read_error(path: str, e: BaseException, line: int | None, exact: bool = False) -> InputReadError:
+    """The one-line error for an exception raised while reading `path`. line: the first line not read
+    completely (`exact`: it is that line; otherwise that line or a later one, reads are in blocks)."""
+    at = "" if line is None else f", in line {line}" + ("" if exact else " or later")
+    gzip_fix = f"copy or compress it again (`gzip -t {path}` checks a file)"
+    if isinstance(e, EOFError):
+        return InputReadError(f"{path}: truncated gzip file: the compressed data ends early{at}; {gzip_fix}")
+    if isinstance(e, (gzip.BadGzipFile, zlib.error)):
+        return InputReadError(f"{path}: corrupt gzip data{at} ({e}); {gzip_fix}")
+    if isinstance(e, OSError):
+        return InputReadError(f"{path}: cannot read{at}: {e.strerror or e}; check the file and its permissions")
+    raise TypeError(f"not a read error: {e!r}")
+
+
+_READ_ERRORS = (EOFError, OSError, zlib.error)  # gzip.BadGzipFile is an OSError
+
+
 def open_maybe_gzip(path: str):
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(2)
+        return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+    except _READ_ERRORS as e:
+        raise read_error(path, e, None) from None
+
+
+def first_document_keys(path: str, limit: int = 1 << 26) -> list[str] | None:
+    """Keys of the first non-blank line of `path` if it is a JSON object, else None (see contract).
+    Reads at most `limit` bytes of that line."""
+    line_no = 0
+    with open_maybe_gzip(path) as f:
+        try:
+            while True:
+                line_no += 1
+                line = f.readline(limit)
+                if not line:
+                    return None
+                if line.strip():
+                    break
+        except _READ_ERRORS as e:
+            raise read_error(path, e, line_no, exact=True) from None
+    try:
+        obj = json.loads(line)
+    except ValueError:  # malformed JSON, invalid UTF-8, a line longer than `limit`
+        return None
+    return list(obj) if isinstance(obj, dict) else None
 
 
 def iter_line_batches(paths: Sequence[str], batch_bytes: int = 1 << 20) -> Iterator[LineBatch]:
@@ -64,7 +121,11 @@ def iter_line_batches(paths: Sequence[str], batch_bytes: int = 1 << 20) -> Itera
         with open_maybe_gzip(path) as f:
             carry = b""
             while True:
-                block = f.read(max(_READ_BLOCK, batch_bytes))
+                try:
+                    block = f.read(max(_READ_BLOCK, batch_bytes))
+                except _READ_ERRORS as e:  # the line where reading stopped: complete lines so far + 1
+                    done = line_no + sum(p.count(b"\n") for p in pending) + carry.count(b"\n")
+                    raise read_error(path, e, done) from None
                 if not block:
                     break
                 block = carry + block
@@ -88,6 +149,14 @@ def iter_line_batches(paths: Sequence[str], batch_bytes: int = 1 << 20) -> Itera
                 seq += 1
 
 
+def describe_keys(keys: Sequence[str], most: int = 8) -> str:
+    """'keys present: a, b, c' (the first `most`) or 'no keys', for missing-key messages."""
+    if not keys:
+        return "no keys"
+    more = f", ... ({len(keys)} keys)" if len(keys) > most else ""
+    return "keys present: " + ", ".join(map(str, keys[:most])) + more
+
+
 def parse_document(line: bytes, keys: Sequence[str]):
     """One JSONL line -> (doc, None) or (None, reason). doc maps key -> str or list[str]."""
     if not line.strip():
@@ -105,8 +174,7 @@ def parse_document(line: bytes, keys: Sequence[str]):
     doc = {}
     for key in keys:
         if key not in obj:
-            present = ", ".join(list(obj)[:8])
-            return None, f"missing key {key!r} (keys present: {present}); pick the key with --json-keys"
+            return None, f"missing key {key!r} ({describe_keys(list(obj))})"
         val = obj[key]
         if isinstance(val, list) and all(isinstance(s, str) for s in val):
             parts = val

@@ -3,7 +3,8 @@
 Pipeline (streaming, bounded memory): the parent reads ~1 MB batches of whole lines -> worker
 processes parse, validate, (split sentences,) tokenize and return numpy token arrays -> the parent
 writes them IN INPUT ORDER to one IndexedDatasetBuilder per JSON key. At most `2*workers+2` batches
-are in flight, so memory does not grow with the corpus (Megatron's Pool.imap queue can: its issue #444).
+are read and not yet written, so memory does not grow with the corpus (Megatron's Pool.imap queue
+can: its issue #444).
 
 Contract
 - Output: `<prefix>_<key>_document.{bin,idx}` (`_sentence` with --split-sentences), MMIDIDX, uint16
@@ -13,7 +14,16 @@ Contract
 - Bad lines (invalid UTF-8, malformed JSON, missing key, empty document, ...): by default the run
   stops with `file:line: reason` and exit code 1; --skip-bad-lines drops the whole line (all keys,
   so the per-key datasets stay aligned), counts it and reports at the end.
-- Outputs are written under temporary names and renamed only when everything succeeded.
+- Outputs are written under temporary names and renamed only when everything succeeded; a run that
+  fails or is stopped leaves no dataset, no temporary and no worker process behind (a SIGKILLed one
+  can leave a `.bin.tmp<pid>` temporary, never a loadable pair).
+- Faults (hpcmeg.data.faults): one line on stderr naming the file (and line) and the fix; exit 2 for
+  flags and paths (bad --workers/--json-keys/--tokenizer-type, missing inputs, an output prefix
+  under a file), 1 for data and runtime faults (corrupt or truncated .gz, a bad line, garbage
+  tokenizer files, an unwritable output directory, inputs without any document: a 0-document
+  dataset is never written). SIGTERM/SIGINT: exit 143/130 after cleanup, polled once per batch.
+- Workers: hpcmeg.data.workers.OrderedPool (own socket per worker, killed and joined with a timeout
+  on any failure, dead with the parent).
 - --partitions N>1 reproduces Megatron's document order (lines dealt round-robin to N partitions,
   partitions concatenated) without writing partition JSONL files; with --keep-sequential-samples
   (or N=1) the order is the input order.
@@ -22,22 +32,23 @@ Contract
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
-import queue
-import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from hpcmeg.data import indexed
+from hpcmeg.data.faults import (DataError, OneLineArgumentParser, StopSignal, UsageError, check_output_dir,
+                                check_stop, created_dirs, positive_int, run_tool)
 from hpcmeg.data.indexed import merge_main  # noqa: F401  (`hpcmeg merge-datasets` entry point)
-from hpcmeg.data.jsonl import LineBatch, expand_inputs, iter_line_batches, parse_document
+from hpcmeg.data.jsonl import (LineBatch, describe_keys, expand_inputs, first_document_keys, iter_line_batches,
+                               parse_document)
+from hpcmeg.data.workers import OrderedPool
 
 
 @dataclass
@@ -73,8 +84,8 @@ class PreprocessStats:
     bad_lines: list = dataclasses.field(default_factory=list)  # first few "file:line: reason"
 
 
-class BadInputError(ValueError):
-    """A bad JSONL line in default (stop) mode; str() is `file:line: reason ...`."""
+class BadInputError(DataError):
+    """A bad JSONL line in default (stop) mode; str() is `file:line: reason; what to do` (one line)."""
 
 
 def _make_tokenizer(cfg: PreprocessConfig):
@@ -150,77 +161,26 @@ def encode_batch(batch: LineBatch, cfg: PreprocessConfig, tokenizer, splitter, d
             "errors": errors, "keys": keys}
 
 
-def _worker_main(cfg, tokenizer, splitter, dtype, in_q, out_q) -> None:
-    # with the fork start method the parent's tokenizer/splitter arrive ready-made; otherwise build them
-    try:
-        tokenizer = tokenizer if tokenizer is not None else _make_tokenizer(cfg)
-        splitter = splitter if (splitter is not None or not cfg.split_sentences) else _make_splitter(cfg)
-    except BaseException:
-        out_q.put({"seq": -1, "fatal": traceback.format_exc()})
-        return
-    while True:
-        batch = in_q.get()
-        if batch is None:
-            return
-        try:
-            out_q.put(encode_batch(batch, cfg, tokenizer, splitter, dtype))
-        except BaseException:
-            out_q.put({"seq": batch.seq, "fatal": traceback.format_exc()})
-            return
+class _BatchEncoder:
+    """encode_batch with its tokenizer, as the worker processes' task function. Forked workers inherit
+    the parent's ready tokenizer; under the spawn start method only the config is pickled and each
+    worker builds its own tokenizer on its first batch."""
+
+    def __init__(self, cfg: PreprocessConfig, tokenizer, splitter, dtype):
+        self.cfg, self.tokenizer, self.splitter, self.dtype = cfg, tokenizer, splitter, dtype
+
+    def __getstate__(self):
+        return {"cfg": self.cfg, "tokenizer": None, "splitter": None, "dtype": self.dtype}
+
+    def __call__(self, batch: LineBatch) -> dict:
+        if self.tokenizer is None:
+            self.tokenizer = _make_tokenizer(self.cfg)
+            self.splitter = _make_splitter(self.cfg)
+        return encode_batch(batch, self.cfg, self.tokenizer, self.splitter, self.dtype)
 
 
-def _ordered_parallel(batches: Iterator[LineBatch], cfg, tokenizer, splitter, dtype) -> Iterator[dict]:
-    """Run encode_batch in cfg.workers processes; yield results in input order; bounded in flight."""
-    forking = "fork" in mp.get_all_start_methods()
-    ctx = mp.get_context("fork" if forking else None)
-    n = cfg.workers
-    in_q, out_q = ctx.Queue(maxsize=2 * n), ctx.Queue()
-    args = (cfg, tokenizer if forking else None, splitter if forking else None, dtype, in_q, out_q)
-    procs = [ctx.Process(target=_worker_main, args=args, daemon=True) for _ in range(n)]
-    for p in procs:
-        p.start()
-    finished = False
-    try:
-        pending: dict = {}
-        sent = next_seq = 0
-        exhausted = False
-        while True:
-            while not exhausted and sent - next_seq < 2 * n + 2:
-                b = next(batches, None)
-                if b is None:
-                    exhausted = True
-                else:
-                    in_q.put(b)
-                    sent += 1
-            if exhausted and next_seq == sent:
-                break
-            while next_seq not in pending:
-                try:
-                    res = out_q.get(timeout=1.0)
-                except queue.Empty:
-                    dead = [p.exitcode for p in procs if not p.is_alive()]
-                    if dead:
-                        raise RuntimeError(f"a preprocessing worker died (exit code {dead[0]}); "
-                                           "out of memory? try fewer --workers") from None
-                    continue
-                if "fatal" in res:
-                    raise RuntimeError(f"preprocessing worker failed:\n{res['fatal']}")
-                pending[res["seq"]] = res
-            yield pending.pop(next_seq)
-            next_seq += 1
-        finished = True
-    finally:
-        if finished:
-            for _ in procs:
-                in_q.put(None)
-            for p in procs:
-                p.join(timeout=10)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join()
-        in_q.close()
-        out_q.close()
+def _describe_batch(batch: LineBatch) -> str:
+    return f"{batch.path} from line {batch.first_line}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,73 +221,139 @@ def _route(tokens, seq_lens, per_doc, first_doc: int, nparts: int):
     return out
 
 
+def check_config(cfg: PreprocessConfig) -> None:
+    """Refuse settings that cannot work (UsageError, exit 2), before anything is read or written."""
+    if not cfg.json_keys or any(not k for k in cfg.json_keys):
+        raise UsageError(f"--json-keys {' '.join(cfg.json_keys)!r}: give one or more non-empty keys")
+    if len(set(cfg.json_keys)) != len(cfg.json_keys):
+        raise UsageError(f"--json-keys {' '.join(cfg.json_keys)}: a key is repeated; give each key once")
+    for flag, value, least in (("--workers", cfg.workers, 0), ("--partitions", cfg.partitions, 1),
+                               ("--batch-bytes", cfg.batch_bytes, 1)):
+        if not isinstance(value, int) or value < least:
+            raise UsageError(f"{flag} {value}: must be an integer of at least {least}")
+
+
+def _check_json_keys(paths: Sequence[str], keys: Sequence[str]) -> None:
+    """A key missing from a file's first document is a wrong --json-keys, not a bad line: say so first."""
+    for path in paths:
+        present = first_document_keys(path)
+        if present is None:
+            continue  # empty file, or a first line that is not a JSON object: the full pass reports it
+        missing = [k for k in keys if k not in present]
+        if missing:
+            raise UsageError(f"--json-keys {' '.join(keys)}: the first document of {path} has no key "
+                             f"{missing[0]!r} ({describe_keys(present)}); pass the key(s) holding the text")
+
+
+def _no_documents(paths: Sequence[str], st: PreprocessStats) -> DataError:
+    where = paths[0] if len(paths) == 1 else f"the {len(paths)} input files ({paths[0]}, ...)"
+    if st.skipped:
+        return DataError(f"{where}: all {st.skipped} non-blank line(s) were bad and dropped by --skip-bad-lines "
+                         f"(first: {st.bad_lines[0]}); nothing written, fix the input")
+    return DataError(f"{where}: no documents (empty or only blank lines); nothing written, check --input")
+
+
 def preprocess_files(inputs: Sequence[str] | str, output_prefix: str, config: PreprocessConfig | None = None,
-                     **overrides) -> PreprocessStats:
+                     *, stop: StopSignal | None = None, **overrides) -> PreprocessStats:
     """Tokenize JSONL file(s)/glob(s) into `<output_prefix>_<key>_<level>.{bin,idx}`; returns stats.
-    Raises BadInputError (default mode) or FileNotFoundError/ValueError for bad arguments."""
+
+    Raises a faults.ToolError subclass for every fault of the inputs, flags or output location
+    (BadInputError for a bad line in default mode, UsageError/MissingPathError for arguments,
+    DataError for unreadable inputs or no documents); `stop` (a StopSignal) is polled once per batch.
+    On any exception nothing is left under the output names, no temporary file and no worker process."""
     cfg = dataclasses.replace(config or PreprocessConfig(), **overrides)
     cfg.json_keys = tuple(cfg.json_keys)
+    check_config(cfg)
     paths = expand_inputs(inputs)
+    new_dirs = check_output_dir(output_prefix, "--output-prefix")
+    if not cfg.skip_bad_lines:
+        _check_json_keys(paths, cfg.json_keys)
     tokenizer = _make_tokenizer(cfg)
     if cfg.append_eod and tokenizer.eod is None:
-        raise ValueError(f"--append-eod: tokenizer {tokenizer.name} has no EOD/EOS token")
+        raise UsageError(f"--append-eod: tokenizer {tokenizer.name} has no EOD/EOS token; drop --append-eod "
+                         "or use a tokenizer with an end-of-text token")
     splitter = _make_splitter(cfg)
     dtype = np.dtype(indexed.DType.optimal(tokenizer.vocab_size))
-    out_dir = os.path.dirname(os.path.abspath(output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
-
+    check_stop(stop)
     nparts = cfg.partitions if (cfg.partitions > 1 and not cfg.keep_sequential_samples) else 1
     part_prefixes = [output_prefix if nparts == 1 else f"{output_prefix}_{p}" for p in range(nparts)]
-    builders = {(p, k): indexed.IndexedDatasetBuilder(
-        indexed.data_file_path(output_prefix_for(pp, k, cfg.split_sentences)), dtype)
-        for p, pp in enumerate(part_prefixes) for k in cfg.json_keys}
     st = PreprocessStats()
     progress = _Progress(cfg)
+    builders: dict = {}
+    finished_parts: list[str] = []  # per-partition datasets: only a means to Megatron's order
+    committed: list[str] = []  # final datasets renamed into place so far
     batches = iter_line_batches(paths, cfg.batch_bytes)
-    if cfg.workers <= 0:
-        results = (encode_batch(b, cfg, tokenizer, splitter, dtype) for b in batches)
-    else:
-        results = _ordered_parallel(batches, cfg, tokenizer, splitter, dtype)
-    try:
-        for res in results:
-            for line_no, reason in res["errors"]:
-                msg = f"{res['path']}:{line_no}: {reason}"
-                if not cfg.skip_bad_lines:
-                    raise BadInputError(f"{msg}\n  fix or remove that line, or pass --skip-bad-lines "
-                                        "to drop bad lines and count them")
-                st.skipped += 1
-                if len(st.bad_lines) < 20:
-                    st.bad_lines.append(msg)
-            for key, (tokens, seq_lens, per_doc) in res["keys"].items():
-                if nparts == 1:
-                    builders[0, key].add_documents(tokens, seq_lens, per_doc)
-                else:
-                    for p, chunk in enumerate(_route(tokens, seq_lens, per_doc, st.documents, nparts)):
-                        builders[p, key].add_documents(*chunk)
-                st.tokens += int(tokens.size)
-            st.documents += res["docs"]
-            st.input_bytes += res["nbytes"]
-            progress.update(st)
-        for (p, key), b in builders.items():
-            b.finalize(indexed.index_file_path(output_prefix_for(part_prefixes[p], key, cfg.split_sentences)))
-        if nparts > 1:
-            for key in cfg.json_keys:
-                parts = [output_prefix_for(pp, key, cfg.split_sentences) for pp in part_prefixes]
-                indexed.merge_datasets(parts, output_prefix_for(output_prefix, key, cfg.split_sentences))
-                for pp in parts:  # the per-partition datasets were only a means to Megatron's order
-                    os.remove(indexed.data_file_path(pp))
-                    os.remove(indexed.index_file_path(pp))
-    except BaseException:
-        if hasattr(results, "close"):
-            results.close()
-        for b in builders.values():
-            b.abort()
-        raise
+    with created_dirs(new_dirs):
+        try:
+            for p, pp in enumerate(part_prefixes):
+                for k in cfg.json_keys:
+                    builders[p, k] = indexed.IndexedDatasetBuilder(
+                        indexed.data_file_path(output_prefix_for(pp, k, cfg.split_sentences)), dtype)
+            if cfg.workers <= 0:
+                results = (encode_batch(b, cfg, tokenizer, splitter, dtype) for b in batches)
+                _write_results(results, cfg, builders, nparts, st, progress, stop)
+            else:
+                with OrderedPool(_BatchEncoder(cfg, tokenizer, splitter, dtype), cfg.workers, stop,
+                                 name="tokenizing worker") as pool:
+                    _write_results(pool.map(batches, _describe_batch), cfg, builders, nparts, st, progress, stop)
+            if st.documents == 0:
+                raise _no_documents(paths, st)
+            check_stop(stop)  # last point at which a stop leaves nothing behind
+            for (p, key), b in builders.items():
+                prefix = output_prefix_for(part_prefixes[p], key, cfg.split_sentences)
+                b.finalize(indexed.index_file_path(prefix))  # a failing finalize leaves nothing itself
+                (finished_parts if nparts > 1 else committed).append(prefix)
+            if nparts > 1:
+                for key in cfg.json_keys:
+                    parts = [output_prefix_for(pp, key, cfg.split_sentences) for pp in part_prefixes]
+                    merged = output_prefix_for(output_prefix, key, cfg.split_sentences)
+                    indexed.merge_datasets(parts, merged, stop=stop)
+                    committed.append(merged)
+        except BaseException:
+            for b in builders.values():
+                b.abort()
+            # a failure after some key's dataset was committed (several keys, or while merging
+            # partitions) must not leave that one behind as if the run had produced it
+            _remove_datasets(finished_parts + committed)
+            raise
+        _remove_datasets(finished_parts)
     st.seconds = time.perf_counter() - progress.t0
     st.outputs = {k: output_prefix_for(output_prefix, k, cfg.split_sentences) for k in cfg.json_keys}
     if not cfg.quiet:
         print(progress.line(st) + " done.", file=sys.stderr)
     return st
+
+
+def _remove_datasets(prefixes: Sequence[str]) -> None:
+    for prefix in prefixes:
+        for path in (indexed.index_file_path(prefix), indexed.data_file_path(prefix)):  # .idx first: it commits
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
+def _write_results(results, cfg: PreprocessConfig, builders: dict, nparts: int, st: PreprocessStats,
+                   progress: _Progress, stop: StopSignal | None) -> None:
+    """Append each batch's documents to the builders in input order; bad lines stop or are counted."""
+    for res in results:
+        check_stop(stop)
+        for line_no, reason in res["errors"]:
+            msg = f"{res['path']}:{line_no}: {reason}"
+            if not cfg.skip_bad_lines:
+                raise BadInputError(f"{msg}; fix or remove that line, or pass --skip-bad-lines to drop bad "
+                                    "lines and count them")
+            st.skipped += 1
+            if len(st.bad_lines) < 20:
+                st.bad_lines.append(msg)
+        for key, (tokens, seq_lens, per_doc) in res["keys"].items():
+            if nparts == 1:
+                builders[0, key].add_documents(tokens, seq_lens, per_doc)
+            else:
+                for p, chunk in enumerate(_route(tokens, seq_lens, per_doc, st.documents, nparts)):
+                    builders[p, key].add_documents(*chunk)
+            st.tokens += int(tokens.size)
+        st.documents += res["docs"]
+        st.input_bytes += res["nbytes"]
+        progress.update(st)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,7 +367,7 @@ def _default_workers() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hpcmeg preprocess",
+    ap = OneLineArgumentParser(prog="hpcmeg preprocess",
                                  description="Tokenize JSONL into Megatron .bin/.idx (drop-in for tools/preprocess_data.py).")
     g = ap.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer", "HuggingFaceTokenizer"])
@@ -365,12 +391,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset-impl", default="mmap", choices=["mmap", "lazy", "cached"],
                    help="accepted for old scripts; hpcmeg always writes mmap (MMIDIDX)")
     g = ap.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: available cores)")
-    g.add_argument("--partitions", type=int, default=1, help="reproduce Megatron's round-robin partition order")
+    g.add_argument("--workers", type=positive_int(), default=None,
+                   help="tokenizing processes, at least 1 (default: available cores)")
+    g.add_argument("--partitions", type=positive_int(), default=1,
+                   help="reproduce Megatron's round-robin partition order")
     g.add_argument("--keep-sequential-samples", action="store_true", help="with --partitions: keep input order")
-    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
+    g.add_argument("--log-interval", type=positive_int(0), default=1000,
+                   help="documents between progress lines (0: none)")
     g.add_argument("--chunk-size", type=int, default=None, help=argparse.SUPPRESS)  # deprecated, ignored
-    g.add_argument("--batch-bytes", type=int, default=1 << 20, help="input bytes per work item")
+    g.add_argument("--batch-bytes", type=positive_int(), default=1 << 20,
+                   help="input bytes per work item")
     g.add_argument("--quiet", action="store_true")
     return ap
 
@@ -399,27 +429,23 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    # Slurm's preemption/timeout SIGTERM becomes an exception, so partial outputs are cleaned up
-    prev = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        st = preprocess_files(args.input, args.output_prefix, cfg)
-    except BadInputError as e:
-        print(f"hpcmeg preprocess: {e}", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError) as e:
-        print(f"hpcmeg preprocess: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        signal.signal(signal.SIGTERM, prev)
-    if st.skipped:
-        for m in st.bad_lines:
-            print(f"  skipped {m}", file=sys.stderr)
-        more = st.skipped - len(st.bad_lines)
-        print(f"hpcmeg preprocess: skipped {st.skipped} bad line(s)" + (f" ({more} not shown)" if more else ""),
-              file=sys.stderr)
-    for key, prefix in st.outputs.items():
-        print(f"wrote {prefix}.bin/.idx ({key})", file=sys.stderr)
-    return 0
+
+    def body() -> int:
+        # Slurm's preemption/timeout SIGTERM (and Ctrl-C) only set a flag that the batch loop polls;
+        # the exception it turns into cleans up partial outputs and workers (faults.py says why)
+        with StopSignal() as stop:
+            st = preprocess_files(args.input, args.output_prefix, cfg, stop=stop)
+        if st.skipped:
+            for m in st.bad_lines:
+                print(f"  skipped {m}", file=sys.stderr)
+            more = st.skipped - len(st.bad_lines)
+            print(f"hpcmeg preprocess: skipped {st.skipped} bad line(s)" + (f" ({more} not shown)" if more else ""),
+                  file=sys.stderr)
+        for key, prefix in st.outputs.items():
+            print(f"wrote {prefix}.bin/.idx ({key})", file=sys.stderr)
+        return 0
+
+    return run_tool("hpcmeg preprocess", body)
 
 
 if __name__ == "__main__":

