@@ -1,7 +1,12 @@
-"""Embedded stdlib corpus: deterministic, unique, non-empty, valid JSONL; gzip variant."""
+"""Embedded stdlib corpus: deterministic, unique, non-empty, valid JSONL; gzip variant; SIGTERM."""
 
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 from hpcmeg.data.corpus import main, write_stdlib_corpus
 
@@ -27,3 +32,20 @@ def test_corpus_cli_gzip_and_key(tmp_path):
         rows = [json.loads(line) for line in f]
     assert len(rows) == 5 and all("text" in r for r in rows)
     assert [p.name for p in tmp_path.iterdir()] == ["c.jsonl.gz"]  # no temp file left behind
+
+
+def test_corpus_sigterm_leaves_nothing(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "c.jsonl.gz"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcmeg.cli", "corpus", "-o", str(out)], stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=repo))
+    deadline = time.time() + 60
+    while not os.listdir(tmp_path) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)  # the temporary exists: writing has begun
+    assert proc.poll() is None, "finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines() == [
+        "hpcmeg corpus: stopped by SIGTERM; partial outputs were removed, nothing was written; run the same "
+        "command again to redo it"], err
+    assert os.listdir(tmp_path) == []  # the temporary is gone too

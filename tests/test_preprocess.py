@@ -160,7 +160,7 @@ def test_interrupted_run_leaves_no_valid_dataset(tmp_path):
     while not any(".tmp" in f for f in os.listdir(tmp_path)) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait() != 0
+    assert proc.wait(timeout=60) == 143  # the handler only sets a flag; the batch loop stops and cleans up
     assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]
 
 

@@ -106,3 +106,26 @@ def test_tokenizer_training_layout(tmp_path, stdlib_texts):
     assert len(fast.encode(code)) < len(code.encode())  # it learned merges
     hf = HuggingFaceTokenizer(str(out))  # tokenizer_config.json makes the directory loadable too
     assert hf.encode(code) == fast.encode(code) and hf.eod == 1999
+
+
+def test_tokenizer_train_sigterm_writes_nothing(tmp_path, stdlib_texts):
+    """SIGTERM while the (Rust) trainer runs: its default action ends the process at once; the output
+    directory is only created with the finished files, so nothing exists."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path, _ = stdlib_texts
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(open(path, "rb").read() * 6)
+    out = tmp_path / "tok"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcmeg.cli", "tokenizer", "train", "--input", str(big),
+                             "--json-key", "content", "--vocab-size", "20000", "-o", str(out)],
+                            env=dict(os.environ, PYTHONPATH=repo))
+    time.sleep(1.5)
+    assert proc.poll() is None, "finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]

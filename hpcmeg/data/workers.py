@@ -72,12 +72,15 @@ class OrderedPool:
     work: picklable callable (with the fork start method it is inherited, never pickled).
     describe(task) -> str names a task in error messages ("file.jsonl from line 1201")."""
 
-    def __init__(self, work: Callable, workers: int, stop: StopSignal | None = None, *, name: str = "worker"):
+    def __init__(self, work: Callable, workers: int, stop: StopSignal | None = None, *, name: str = "worker",
+                 start_method: str | None = None):
         if workers < 1:
             raise ValueError(f"OrderedPool needs at least one worker, got {workers}")
         self.work, self.n, self.stop, self.name = work, workers, stop, name
-        self.forking = "fork" in mp.get_all_start_methods()
-        self._ctx = mp.get_context("fork" if self.forking else "spawn")
+        # fork where it exists: workers inherit a loaded tokenizer instead of each loading one
+        start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self.forking = start_method == "fork"
+        self._ctx = mp.get_context(start_method)
         self._procs: list = []
         self._conns: list = []
 
