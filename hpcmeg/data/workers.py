@@ -1,7 +1,7 @@
 """An ordered process pool for the data tools that can neither hang nor leave a process behind.
 
 `OrderedPool(work, n, stop)` runs `work(task)` in n worker processes; `pool.map(tasks)` yields the
-results IN TASK ORDER with a bounded number of tasks in flight, so memory does not grow with the input.
+results IN TASK ORDER with a bounded number of tasks read ahead, so memory does not grow with the input.
 
 Why not multiprocessing.Pool or Queue (what hpcmeg used before, and why it hung):
 - A Queue's pipe is shared by every process, and every process (the parent too) holds both of its
@@ -13,10 +13,11 @@ Here each worker has its OWN socket pair. The parent closes the worker's end aft
 each worker closes the parent-side ends it inherited, so the only holders of a pair are the parent
 and that one worker: when either dies the other's recv gets EOF (or its send EPIPE) at once.
 
-Protocol: one task in flight per worker. The parent sends a task only to an idle worker, which is
-then blocked in recv, so the parent's send cannot block on a busy worker, and a worker's result
-send is read by the parent's wait() loop: no send-send deadlock. The parent reads input ahead while
-workers run; a worker is idle only for the pipe round trip (~1 ms per ~1 MB task of ~1 s compute).
+Protocol: at most IN_FLIGHT (2) tasks per worker, so a worker finds its next task waiting when it
+finishes one (it never idles while the parent reads input or writes output). Every send happens in
+a sender thread (one per worker in the parent, one in each worker) and every recv in a main thread
+that only waits for its peer's sender, so no side ever blocks on a send while the other blocks on a
+send: no deadlock, whatever the message sizes (~1 MB tasks, ~1 MB results, socket buffers ~200 kB).
 
 Stop and failure: the parent polls `stop` at least every POLL_S; on any exception (a StopSignal's
 Interrupted, a read error in the task iterator, a worker failure) every worker gets SIGTERM (its
@@ -30,7 +31,9 @@ from __future__ import annotations
 import collections
 import multiprocessing as mp
 import os
+import queue
 import signal
+import threading
 import time
 from multiprocessing.connection import wait
 from typing import Callable, Iterable, Iterator
@@ -38,32 +41,58 @@ from typing import Callable, Iterable, Iterator
 from hpcmeg.data.faults import StopSignal, ToolError, check_stop, signals_blocked, worker_process_setup
 
 POLL_S = 0.5  # longest time between two polls of the stop flag while waiting for workers
-JOIN_S = 3.0  # how long a stopped worker may take to exit before SIGKILL
+JOIN_S = 3.0  # how long a stopped worker (or a sender thread) may take to finish before SIGKILL / giving up
+IN_FLIGHT = 2  # tasks sent to one worker and not yet answered: one computing, one waiting
 
 
 class WorkerError(ToolError):
     """A worker raised or died; the message says on which task."""
 
 
+class _Sender:
+    """Sends the items put() to `conn` from a daemon thread, in order; stops at close() or on a broken
+    connection (the peer died: the receiving side sees that as EOF and reports it)."""
+
+    _STOP = object()
+
+    def __init__(self, conn, name: str):
+        self.conn, self._q = conn, queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not self._STOP:
+            try:
+                self.conn.send(item)
+            except (OSError, ValueError):  # broken pipe / reset; ValueError: pickling failed (a bug)
+                return
+
+    def put(self, item) -> None:
+        self._q.put(item)
+
+    def close(self, timeout: float) -> bool:
+        """Stop after the queued items; True when the thread ended (only then may conn be closed)."""
+        self._q.put(self._STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 def _worker_main(conn, inherited, parent_pid: int, work) -> None:
     worker_process_setup(parent_pid)
     for c in inherited:  # other workers' and our own parent-side ends (fork copies them all)
         c.close()
+    results = _Sender(conn, "hpcmeg-result-sender")
     while True:
         try:
             task = conn.recv()
         except (EOFError, OSError):
-            return  # the parent closed our socket (done) or died
+            break  # the parent closed our socket (done) or died
         try:
-            result = ("ok", work(task))
+            results.put(("ok", work(task)))
         except Exception as e:  # reported by the parent as one line naming the task
-            result = ("error", f"{type(e).__name__}: {e}".splitlines()[0])
-        try:
-            conn.send(result)
-        except OSError:
-            return  # the parent is gone
-        if result[0] == "error":
-            return
+            results.put(("error", (f"{type(e).__name__}: {e}".splitlines() or [""])[0]))
+            break
+    results.close(JOIN_S)  # let a last error message out; the parent reads it or is gone
 
 
 class OrderedPool:
@@ -83,21 +112,19 @@ class OrderedPool:
         self._ctx = mp.get_context(start_method)
         self._procs: list = []
         self._conns: list = []
+        self._senders: list = []
 
     # -- lifetime ------------------------------------------------------------------------------------
     def __enter__(self) -> "OrderedPool":
         try:
             self._start()
         except BaseException:
-            self._kill_all()
+            self._stop_all(kill=True)
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self._shutdown()
-        else:
-            self._kill_all()
+        self._stop_all(kill=exc_type is not None)
 
     def _start(self) -> None:
         parent_pid = os.getpid()
@@ -111,20 +138,22 @@ class OrderedPool:
                 p.start()
             theirs.close()
             self._procs.append(p)
+        # threads only after the last fork: a thread's locks must not be copied into a child mid-use
+        self._senders = [_Sender(c, f"hpcmeg-task-sender-{i}") for i, c in enumerate(self._conns)]
 
-    def _shutdown(self) -> None:
-        for c in self._conns:  # EOF tells each idle worker to return
-            c.close()
-        for p in self._procs:
-            p.join(JOIN_S)
-        self._kill_all()
-
-    def _kill_all(self) -> None:
-        for c in self._conns:
-            c.close()
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
+    def _stop_all(self, kill: bool) -> None:
+        """kill=False (all results are in): EOF tells each worker to return. kill=True: SIGTERM (their
+        default action), SIGKILL after JOIN_S. Joins are bounded; a socket is closed only once its
+        sender thread has ended (closing an fd under a thread's blocked send could hand the number
+        to another file)."""
+        if kill:
+            for p in self._procs:
+                if p.is_alive():
+                    p.terminate()
+        ended = [s.close(JOIN_S) for s in self._senders]  # a dead peer breaks a blocked send at once
+        for c, done in zip(self._conns, ended or [True] * len(self._conns)):
+            if done:
+                c.close()
         for p in self._procs:
             p.join(JOIN_S)
             if p.is_alive():
@@ -137,52 +166,50 @@ class OrderedPool:
     # -- work ----------------------------------------------------------------------------------------
     def map(self, tasks: Iterable, describe: Callable[[object], str] = str, max_in_flight: int | None = None
             ) -> Iterator:
-        """Yield work(task) for each task, in order. At most `max_in_flight` (default 2n+2) tasks are
-        read but not yet yielded: results wait for a slow earlier task in a bounded buffer."""
-        cap = max(self.n, max_in_flight or 2 * self.n + 2)
+        """Yield work(task) for each task, in order. At most `max_in_flight` (default 2n+2, at least
+        IN_FLIGHT*n) tasks are read but not yet yielded: results wait for a slow earlier task there."""
+        cap = max(IN_FLIGHT * self.n, max_in_flight or 2 * self.n + 2)
         tasks = iter(tasks)
-        ahead: collections.deque = collections.deque()  # (seq, task) read, not yet sent
-        busy: dict = {}  # conn -> (seq, description, proc)
+        sent: dict = {i: collections.deque() for i in range(self.n)}  # worker -> [(seq, description)] in order
+        by_conn = {c: i for i, c in enumerate(self._conns)}
         done: dict = {}  # seq -> result, waiting for earlier ones
-        idle = list(zip(self._conns, self._procs))
         read = next_out = 0
         exhausted = False
         while True:
             check_stop(self.stop)
-            while not exhausted and read - next_out < cap and len(ahead) <= len(idle):
+            # hand out tasks: always to the least loaded worker, at most IN_FLIGHT each
+            while not exhausted and read - next_out < cap:
+                i = min(sent, key=lambda k: len(sent[k]))
+                if len(sent[i]) >= IN_FLIGHT:
+                    break
                 t = next(tasks, _END)
                 if t is _END:
                     exhausted = True
-                else:
-                    ahead.append((read, t))
-                    read += 1
-            while ahead and idle:
-                seq, t = ahead.popleft()
-                conn, proc = idle.pop()
-                busy[conn] = (seq, describe(t), proc)
-                try:
-                    conn.send(t)
-                except OSError:
-                    raise self._died(proc, busy[conn][1]) from None
+                    break
+                sent[i].append((read, describe(t)))
+                self._senders[i].put(t)
+                read += 1
             while next_out in done:
                 yield done.pop(next_out)
                 next_out += 1
                 check_stop(self.stop)
-            if exhausted and not busy and not ahead:
-                return
+            busy = [self._conns[i] for i in sent if sent[i]]
             if not busy:
+                if exhausted:
+                    return
                 continue
-            for conn in wait(list(busy), timeout=POLL_S):
-                seq, what, proc = busy.pop(conn)
+            for conn in wait(busy, timeout=POLL_S):
+                i = by_conn[conn]
+                seq, what = sent[i][0]
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
-                    raise self._died(proc, what) from None
+                    raise self._died(self._procs[i], what) from None
                 if kind == "error":
                     raise WorkerError(f"a {self.name} process failed on {what}: {value}; this is a bug in "
                                       "hpcmeg if the input looks fine, please report it with that line")
+                sent[i].popleft()  # a worker answers its tasks in the order it got them
                 done[seq] = value
-                idle.append((conn, proc))
 
     def _died(self, proc, what: str) -> WorkerError:
         """The error for a worker that vanished; Interrupted instead when a stop signal explains it
