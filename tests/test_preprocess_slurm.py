@@ -51,3 +51,34 @@ def test_sharded_array_job_equals_single_run(slurm_cluster, tmp_path):
         assert (out.parent / f"cp_content_document{ext}").read_bytes() == \
             (tmp_path / f"single_content_document{ext}").read_bytes()
     assert not list((tmp_path / "out").glob("cp_shard*"))  # shard datasets removed after the merge
+
+
+def test_scancel_stops_a_running_preprocess_cleanly(slurm_cluster, tmp_path):
+    """What preemption or `hpcmeg cancel` does to a preprocess task: Slurm SIGTERMs every process of the
+    step (parent and workers), then SIGKILLs after KillWait. The run must stop on the SIGTERM itself:
+    exit 143, no dataset, no temporary file (a SIGKILL would leave the .bin temporary), no process."""
+    corpus = tmp_path / "big.jsonl"
+    write_stdlib_corpus(str(corpus), key="content", include_tests=False)
+    out = tmp_path / "out" / "cp"
+    cmd = (f"srun --ntasks=1 --cpus-per-task=1 {sys.executable} -m hpcmeg.cli preprocess --input {corpus} "
+           f"--output-prefix {out} --json-keys content --workers 2 --quiet; echo exit=$? > {tmp_path}/rc")
+    r = subprocess.run(["sbatch", "--parsable", "-o", str(tmp_path / "job.log"), "--wrap", cmd], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out.parent.is_dir() and any(".tmp" in f for f in os.listdir(out.parent))):
+        time.sleep(0.1)  # tokenizing has begun: the .bin temporary exists
+    assert out.parent.is_dir() and os.listdir(out.parent), (tmp_path / "job.log").read_text()
+    time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=TERM", job], check=True)  # the step gets it, as on preemption
+    assert _wait(job, 60) in ("COMPLETED", "FAILED", "CANCELLED")
+    deadline = time.time() + 10
+    while not (tmp_path / "rc").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    log = (tmp_path / "job.log").read_text()
+    assert (tmp_path / "rc").read_text().strip() == "exit=143", log
+    assert "stopped by SIGTERM" in log and "Traceback" not in log, log
+    assert not out.parent.exists() or os.listdir(out.parent) == [], os.listdir(out.parent)
+    left = subprocess.run(["pgrep", "-f", f"--output-prefix {out}"], capture_output=True, text=True).stdout.split()
+    assert left == [], left

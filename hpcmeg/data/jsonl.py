@@ -55,6 +55,9 @@ def expand_inputs(specs: Sequence[str] | str) -> list[str]:
         elif os.path.isdir(spec):
             raise MissingPathError(f"--input {spec}: is a directory; pass the files in it, e.g. "
                                    f"--input '{os.path.join(spec, '*.jsonl')}'")
+        elif os.path.exists(spec):
+            raise MissingPathError(f"--input {spec}: not a regular file (a pipe or device); write the data to a "
+                                   "file first")
         else:
             raise MissingPathError(f"--input {spec}: no such file; check the path")
     return out
