@@ -84,7 +84,7 @@ def write_stdlib_corpus(out_path: str, key: str = "content", include_tests: bool
         raise UsageError("--key: give a non-empty JSON key")
     if max_files is not None and max_files < 1:
         raise UsageError(f"--max-files {max_files}: must be at least 1")
-    if os.path.isdir(out_path):
+    if os.path.isdir(out_path) or out_path.endswith(("/", os.sep)):
         raise UsageError(f"--output {out_path}: is a directory; give a file name such as "
                          f"{os.path.join(out_path, 'stdlib.jsonl')}")
     files = nbytes = 0

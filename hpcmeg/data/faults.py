@@ -170,7 +170,10 @@ def _is_read_only_fs(path: str) -> bool:
 def check_output_dir(path: str, flag: str, *, is_dir: bool = False) -> list[str]:
     """Refuse an output `path` (a file or prefix; `is_dir`: the directory itself) that cannot be
     written; returns the directories that do not exist yet and would be created (outermost first)."""
-    d = os.path.abspath(path) if is_dir else os.path.dirname(os.path.abspath(path))
+    if not path:
+        raise UsageError(f"{flag}: give a path")
+    # dirname before abspath: a prefix "out/" names files in out/, and "" would otherwise be the parent
+    d = os.path.abspath(path if is_dir else (os.path.dirname(path) or "."))
     missing: list[str] = []
     while not os.path.isdir(d):
         if os.path.lexists(d):

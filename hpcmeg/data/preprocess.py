@@ -405,17 +405,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def deprecation_warnings(args: argparse.Namespace) -> list[str]:
+    """Warnings for old flags; main() prints them after a successful run, so that a failing run's
+    stderr stays its one error line."""
+    out = []
+    if args.vocab_alias is not None:
+        out.append("--vocab is deprecated, use --vocab-file")
+    if args.chunk_size is not None:
+        out.append("--chunk-size is deprecated and ignored (work is batched by bytes)")
+    if args.dataset_impl != "mmap":
+        out.append(f"--dataset-impl {args.dataset_impl} is obsolete (removed from Megatron in 2023); writing "
+                   "mmap (MMIDIDX), which every Megatron version reads")
+    return [f"hpcmeg preprocess: warning: {w}" for w in out]
+
+
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     vocab = args.vocab_file
     if args.vocab_alias is not None:
-        print("hpcmeg preprocess: warning: --vocab is deprecated, use --vocab-file", file=sys.stderr)
         vocab = vocab or args.vocab_alias
-    if args.chunk_size is not None:
-        print("hpcmeg preprocess: warning: --chunk-size is deprecated and ignored (work is batched by bytes)",
-              file=sys.stderr)
-    if args.dataset_impl != "mmap":
-        print(f"hpcmeg preprocess: warning: --dataset-impl {args.dataset_impl} is obsolete (removed from Megatron "
-              "in 2023); writing mmap (MMIDIDX), which every Megatron version reads", file=sys.stderr)
     return PreprocessConfig(
         json_keys=tuple(args.json_keys), tokenizer_type=args.tokenizer_type, vocab_file=vocab,
         merge_file=args.merge_file, tokenizer_model=args.tokenizer_model, tokenizer_backend=args.tokenizer_backend,
@@ -435,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the exception it turns into cleans up partial outputs and workers (faults.py says why)
         with StopSignal() as stop:
             st = preprocess_files(args.input, args.output_prefix, cfg, stop=stop)
+        for w in deprecation_warnings(args):
+            print(w, file=sys.stderr)
         if st.skipped:
             for m in st.bad_lines:
                 print(f"  skipped {m}", file=sys.stderr)
