@@ -238,7 +238,8 @@ class IndexedDataset:
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_BYTES)
         if header[:8] == TNTIDX_MAGIC:
-            raise DatasetFormatError(f"{idx_path}: legacy TNTIDX (lazy/cached) index; open it with LegacyIndexedDataset")
+            raise DatasetFormatError(f"{idx_path}: legacy TNTIDX (lazy/cached) index; open it with "
+                                     "LegacyIndexedDataset")
         if len(header) < HEADER_BYTES or header[:9] != MMIDIDX_MAGIC:
             raise DatasetFormatError(f"{idx_path}: not a Megatron MMIDIDX index (bad magic); rerun preprocessing")
         (version,) = struct.unpack("<Q", header[9:17])
@@ -252,7 +253,8 @@ class IndexedDataset:
         expected = HEADER_BYTES + 4 * seq_count + 8 * seq_count + 8 * doc_count
         size = os.path.getsize(idx_path)
         if size not in (expected, expected + seq_count):  # + int8 modes for multimodal datasets
-            raise DatasetFormatError(f"{idx_path}: {size} bytes but the header promises {expected}; the file is truncated or corrupt")
+            raise DatasetFormatError(f"{idx_path}: {size} bytes but the header promises {expected}; the file is "
+                                     "truncated or corrupt")
 
         if mmap:
             self._idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
