@@ -209,17 +209,18 @@ def test_preprocess_no_documents_writes_nothing(data):
 
 
 def test_outputs_under_a_regular_file(data):
+    # an output location that cannot be created is a runtime fault (exit 1), as for hpcmeg convert
     _check_all(data, [
         ("preprocess", ["preprocess", "--input", "good.jsonl", "--json-keys", "content", "--output-prefix",
-                        "afile/o"], 2, ["--output-prefix afile/o", "not a directory"]),
+                        "afile/o"], 1, ["--output-prefix afile/o", "not a directory"]),
         ("preprocess, deeper", ["preprocess", "--input", "good.jsonl", "--json-keys", "content", "--output-prefix",
-                                "afile/x/y/o"], 2, ["afile", "not a directory"]),
-        ("merge-datasets", ["merge-datasets", "--input", "ds_a", "ds_b", "--output-prefix", "afile/m"], 2,
+                                "afile/x/y/o"], 1, ["afile", "not a directory"]),
+        ("merge-datasets", ["merge-datasets", "--input", "ds_a", "ds_b", "--output-prefix", "afile/m"], 1,
          ["--output-prefix afile/m", "not a directory"]),
-        ("corpus", ["corpus", "-o", "afile/c.jsonl"], 2, ["--output afile/c.jsonl", "not a directory"]),
-        ("corpus into a directory", ["corpus", "-o", "dir"], 2, ["--output dir", "is a directory"]),
+        ("corpus", ["corpus", "-o", "afile/c.jsonl"], 1, ["--output afile/c.jsonl", "not a directory"]),
+        ("corpus into a directory", ["corpus", "-o", "dir"], 1, ["--output dir", "is a directory"]),
         ("tokenizer train", ["tokenizer", "train", "--input", "good.jsonl", "--json-key", "content", "-o", "afile"],
-         2, ["--output afile", "not a directory"]),
+         1, ["--output afile", "not a directory"]),
     ])
 
 

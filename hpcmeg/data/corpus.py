@@ -24,8 +24,8 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from hpcmeg.data.faults import (DataError, OneLineArgumentParser, StopSignal, UsageError, check_output_dir,
-                                check_stop, created_dirs, positive_int, run_tool)
+from hpcmeg.data.faults import (DataError, OneLineArgumentParser, StopSignal, ToolError, UsageError,
+                                check_output_dir, check_stop, created_dirs, positive_int, run_tool)
 from hpcmeg.fsutil import atomic_path
 
 # directories that hold the test suites (CPython's own plus the per-package ones)
@@ -85,7 +85,7 @@ def write_stdlib_corpus(out_path: str, key: str = "content", include_tests: bool
     if max_files is not None and max_files < 1:
         raise UsageError(f"--max-files {max_files}: must be at least 1")
     if os.path.isdir(out_path) or out_path.endswith(("/", os.sep)):
-        raise UsageError(f"--output {out_path}: is a directory; give a file name such as "
+        raise ToolError(f"--output {out_path}: is a directory; give a file name such as "
                          f"{os.path.join(out_path, 'stdlib.jsonl')}")
     files = nbytes = 0
     with created_dirs(check_output_dir(out_path, "--output")):

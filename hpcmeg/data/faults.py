@@ -2,9 +2,11 @@
 
 Owns the user-facing failure contract of those four commands:
 - Every fault is ONE line on stderr, ``hpcmeg <tool>: <where>: <what>; <what to do>``, no traceback.
-  Exit status 2 when the command line is at fault (a bad flag value, a path that does not exist or
-  is of the wrong kind), 1 for data and runtime faults (file contents, permission and I/O errors,
-  a worker that died), 128+N after signal N (143 for Slurm's SIGTERM, 130 for Ctrl-C).
+  Exit status 2 when the command line is at fault (a bad flag value, an input path that does not
+  exist or is not a file), 1 for data and runtime faults (file contents, an output location that
+  cannot be written -- as hpcmeg convert does --, permission and I/O errors, a worker that died),
+  128+N after signal N (143 for Slurm's SIGTERM, 130 for Ctrl-C). OSErrors are worded by
+  hpcmeg.errors.os_error_line, the one formatter the other commands use too.
 - SIGTERM and SIGINT only set a flag (`StopSignal`); the work loops poll it once per batch and raise
   `Interrupted` from ordinary code, so cleanup (temporary files, worker processes) runs normally.
   Why never raise inside the handler: the exception surfaces wherever the main thread happens to be,
@@ -30,6 +32,8 @@ import os
 import signal
 import sys
 from typing import Callable, Iterator, Sequence
+
+from hpcmeg.errors import os_error_line
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -141,7 +145,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line on stderr (exit 2) instead of the usage block + line."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")  # as hpcmeg.cli's parser
 
 
 def positive_int(minimum: int = 1) -> Callable[[str], int]:
@@ -177,8 +181,7 @@ def check_output_dir(path: str, flag: str, *, is_dir: bool = False) -> list[str]
     missing: list[str] = []
     while not os.path.isdir(d):
         if os.path.lexists(d):
-            raise UsageError(f"{flag} {path}: {d} exists and is not a directory; "
-                             "choose a path in a directory")
+            raise ToolError(f"{flag} {path}: {d} exists and is not a directory; choose a path in a directory")
         missing.append(d)
         parent = os.path.dirname(d)
         if parent == d:
@@ -210,22 +213,6 @@ def created_dirs(dirs: Sequence[str]) -> Iterator[None]:
         raise
 
 
-def describe_os_error(e: OSError) -> str:
-    """One line for an OSError from reading or writing: the file, the reason, what to check."""
-    where = e.filename if e.filename is not None else "I/O"
-    reason = e.strerror or str(e)
-    hint = {"ENOSPC": "free space or write elsewhere", "EDQUOT": "free quota or write elsewhere",
-            "EACCES": "fix the permissions or use another path", "EPERM": "fix the permissions or use another path",
-            "EROFS": "write to a writable file system"}.get(_errno_name(e.errno), "check the path and the file system")
-    return f"{where}: {reason}; {hint}"
-
-
-def _errno_name(code) -> str:
-    import errno
-
-    return errno.errorcode.get(code, "") if code is not None else ""
-
-
 def run_tool(prog: str, body: Callable[[], int]) -> int:
     """Run a tool's body; turn its faults into one line on stderr and the exit code (module docstring).
     Anything else is a bug in hpcmeg and keeps its traceback."""
@@ -235,7 +222,7 @@ def run_tool(prog: str, body: Callable[[], int]) -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:
-        print(f"{prog}: {describe_os_error(e)}", file=sys.stderr)
+        print(f"{prog}: {os_error_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # a SIGINT outside a StopSignal block
         print(f"{prog}: {Interrupted(signal.SIGINT)}", file=sys.stderr)
@@ -246,5 +233,5 @@ def run_tool(prog: str, body: Callable[[], int]) -> int:
 
 
 __all__ = ["DataError", "Interrupted", "MissingPathError", "OneLineArgumentParser", "StopSignal", "ToolError",
-           "UsageError", "check_output_dir", "check_stop", "created_dirs", "describe_os_error", "positive_int",
+           "UsageError", "check_output_dir", "check_stop", "created_dirs", "positive_int",
            "run_tool", "signals_blocked", "worker_process_setup"]
