@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-root", default="runs", help="where the demo run directory goes")
     p.add_argument("--force", action="store_true",
                    help="delete an earlier demo run directory and run again (default: a finished run is kept)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one value of recipes/codeparrot_tiny.yaml, e.g. --set train.train_iters=50")
 
     for name, (_, _, help_) in PASSTHROUGH.items():
         sub.add_parser(name, help=help_, add_help=False)

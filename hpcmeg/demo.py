@@ -43,6 +43,9 @@ def slurm_is_up() -> bool:
 def generate(model_dir: Path, prompt: str = PROMPT, max_new_tokens: int = 48) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its weight-loading bar would be the only stderr output of a good run
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -184,7 +187,9 @@ def _remove_run(run_dir: Path) -> str | None:
     return None
 
 
-def run_demo(output_root: str = "runs", profile: str | None = None, force: bool = False) -> int:
+def run_demo(output_root: str = "runs", profile: str | None = None, force: bool = False,
+             overrides: list[str] | None = None) -> int:
+    """The demo (see the module docstring); ``overrides`` are extra ``--set`` values for the recipe."""
     from hpcmeg.launch.submit import ALL_STAGES, cli_submit, prepare
 
     t0 = time.time()
@@ -197,7 +202,7 @@ def run_demo(output_root: str = "runs", profile: str | None = None, force: bool 
         print(f"[demo] writing the Python standard library as JSONL to {corpus}", flush=True)
         write_stdlib_corpus(str(corpus), key="content", include_tests=False)
     profile = profile or ("local-slurm" if slurm_is_up() else "local")
-    overrides = [f"run.output_root={root}", f"data.inputs=[{corpus}]"]
+    overrides = [f"run.output_root={root}", f"data.inputs=[{corpus}]", *(overrides or [])]
     r = load_recipe(RECIPE, overrides, profile)
     d = derive(r)
     run_dir = Path(d.run_dir)
@@ -210,8 +215,7 @@ def run_demo(output_root: str = "runs", profile: str | None = None, force: bool 
         done = finished_run(prepare(r, ALL_STAGES))
         if done:
             print(f"[demo] nothing to do: {run_dir} already holds a finished run ({done}); its summary follows. "
-                  f"To run it again from scratch: hpcmeg demo --force"
-                  + (f" --output-root {output_root}" if output_root != "runs" else ""), flush=True)
+                  f"To run it again from scratch, add --force to the same command (hpcmeg demo --force)", flush=True)
             print((run_dir / "summary.md").read_text(), end="", flush=True)
             return 0
     print(f"[demo] profile {profile}: preprocess -> train ({d.world_size} ranks) -> convert; run dir {run_dir}",
@@ -254,4 +258,5 @@ def run_demo(output_root: str = "runs", profile: str | None = None, force: bool 
 
 
 def cli_demo(args: argparse.Namespace) -> int:
-    return run_demo(args.output_root, args.profile, bool(getattr(args, "force", False)))
+    return run_demo(args.output_root, args.profile, bool(getattr(args, "force", False)),
+                    list(getattr(args, "overrides", None) or []))

@@ -160,3 +160,14 @@ def test_first_line_reader_is_cheap_and_bounded(tmp_path):
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n" * 10)
     assert checks.first_document_problems([str(blank)], ["text"]) == ([], [])
+
+
+def test_train_without_its_dataset_is_refused(capsys, tmp_path):
+    rc, _, err = _run(capsys, "validate", TINY, "--stages", "train", "--set", f"run.output_root={tmp_path}",
+                      "--set", f"data.data_path=[{tmp_path}/none/prefix]")
+    assert rc == 2 and len(err) == 1 and "data.data_path: no tokenized dataset" in err[0], err
+    rc, _, err = _run(capsys, "validate", TINY, "--stages", "train,convert", "--set", f"run.output_root={tmp_path}")
+    assert rc == 2 and len(err) == 1 and "--stages preprocess first" in err[0], err
+    rc, _, err = _run(capsys, "submit", TINY, "--stages", "train", "--dry-run", "--profile", "local-slurm",
+                      "--set", f"run.output_root={tmp_path}")
+    assert rc == 0 and any("warning (dry run)" in e and "no dataset" in e for e in err), err

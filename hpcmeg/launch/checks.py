@@ -8,6 +8,8 @@ Contract (called from ``hpcmeg.launch.submit.prepare``, the one function both co
   every input (plain or gzip; one line read per file, so cheap even for thousands of shards) must be a
   JSON object with every ``data.json_keys`` key holding text: the mismatch preprocess would otherwise
   find minutes later inside its Slurm job.
+- ``dataset_problems(r, d, stages) -> [line]``: a train stage without its preprocess stage needs the
+  tokenized dataset (data.data_path, or an earlier preprocess output) to exist already.
 - ``DataError``: a data fault found by these checks (exit 1; recipe faults are RecipeError, exit 2).
 
 Why '%' is refused rather than escaped: submitit substitutes ``%j``/``%t``/``%A``/``%a`` in its job
@@ -74,6 +76,23 @@ def expand_inputs(specs: list[str], allow_missing: bool = False) -> list[str]:
     if bad:
         raise RecipeError(bad)
     return out
+
+
+def dataset_problems(r, d, stages: tuple[str, ...]) -> list[str]:
+    """A train stage needs its dataset: data.data_path's prefixes, or (without the preprocess stage in
+    this submission) the preprocess output of an earlier one. One line for the first one missing."""
+    if "train" not in stages or ("preprocess" in stages and not r.data.data_path):
+        return []
+    from hpcmeg.recipe import dataset_prefixes
+
+    for _, prefix in dataset_prefixes(r, d):
+        if not (os.path.isfile(f"{prefix}.bin") and os.path.isfile(f"{prefix}.idx")):
+            if r.data.data_path:
+                return [f"data.data_path: no tokenized dataset at {prefix}.bin/.idx; give the prefix of an "
+                        f"existing .bin/.idx pair (without the extension)"]
+            return [f"--stages: no 'preprocess' stage and no dataset at {prefix}.bin/.idx yet; submit with "
+                    f"--stages preprocess first (or include it), or set data.data_path"]
+    return []
 
 
 def _first_line(path: str) -> tuple[int, bytes] | None:

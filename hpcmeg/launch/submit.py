@@ -113,6 +113,11 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
         outs = S.dataset_outputs(d.data_prefix, r)
         if len(present) == len(files):
             skip = dataset_is_current(d.data_prefix, outs, input_manifest(files, S.tokenizer_settings(r)))
+    missing = checks.dataset_problems(r, d, stages)
+    if missing and not dry_run:
+        raise RecipeError(missing)
+    for line in missing:  # a dry run may render for a machine that sees the data
+        print(f"hpcmeg submit: warning (dry run): {line}", file=sys.stderr)
     prep = Prepared(r, d, run, files, skip, stages)
     try:
         if r.cluster.executor == "slurm":

@@ -138,7 +138,10 @@ def failure_lines(run_dir: str | os.PathLike, st: dict) -> list[tuple[str, str]]
 
 
 def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: float = 10.0,
-              out: Optional[TextIO] = None, prog: str = "hpcmeg submit") -> int:
+              out: Optional[TextIO] = None, prog: str = "hpcmeg submit", tick_s: float = 1.0) -> int:
+    """See the module docstring. Slurm is asked every ``poll_s`` (squeue/scontrol: cheap, but not to be
+    hammered); the logs are read every ``tick_s`` and the heartbeat is checked as often, so the longest
+    silence is about ``heartbeat_s`` plus one Slurm query."""
     from hpcmeg.launch.status import FINAL, cli_status, run_status
 
     root = Path(run_dir)
@@ -146,30 +149,39 @@ def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: floa
     seen: dict[str, str] = {}
     followers: dict[Path, LogFollower] = {}
     started: dict[str, float] = {}
+    st: dict = {"stages": {}}
+    next_poll = 0.0
     try:
         while True:
-            st = run_status(root)
-            for stage, s in st["stages"].items():
-                desc = describe_stage(s)
-                if seen.get(stage) != desc:
-                    seen[stage] = desc
-                    tick.say(f"{stage}: {desc}")
-                if s["state"] in ("RUNNING", "COMPLETING") or s["state"] in FINAL:
-                    started.setdefault(stage, time.time())
-                    log = _rank0_log(root, stage)
-                    if log is not None:
-                        f = followers.setdefault(log, LogFollower(log))
-                        for line in f.new_lines():
-                            if shown(line):
-                                tick.say(f"{stage}: {line}")
-            if all(s["state"] in FINAL for s in st["stages"].values()):
+            if time.time() >= next_poll:
+                st = run_status(root)
+                next_poll = time.time() + poll_s
+                for stage, s in st["stages"].items():
+                    desc = describe_stage(s)
+                    if seen.get(stage) != desc:
+                        seen[stage] = desc
+                        tick.say(f"{stage}: {desc}")
+                    if s["state"] in ("RUNNING", "COMPLETING") or s["state"] in FINAL:
+                        started.setdefault(stage, time.time())
+                done = all(s["state"] in FINAL for s in st["stages"].values())
+            else:
+                done = False
+            for stage in started:  # the logs of every stage that has run, rank 0 / task 0
+                log = _rank0_log(root, stage)
+                if log is not None:
+                    f = followers.setdefault(log, LogFollower(log))
+                    for line in f.new_lines():
+                        if shown(line):
+                            tick.say(f"{stage}: {line}")
+            if done:
                 break
-            if tick.quiet_for() >= heartbeat_s - poll_s / 2:
+            if tick.quiet_for() >= heartbeat_s:
                 active = [(k, s) for k, s in st["stages"].items() if s["state"] not in FINAL]
-                k, s = active[0]
-                since = f", {clock(time.time() - started[k])} so far" if k in started else ""
-                tick.say(f"{k}: still {describe_stage(s)}{since}")
-            time.sleep(poll_s)
+                if active:
+                    k, s = active[0]
+                    since = f", {clock(time.time() - started[k])} so far" if k in started else ""
+                    tick.say(f"{k}: still {describe_stage(s)}{since}")
+            time.sleep(tick_s)
     except KeyboardInterrupt:
         print(f"\nstopped watching; the jobs keep running: hpcmeg status {shlex.quote(str(root))}",
               file=tick.out, flush=True)
