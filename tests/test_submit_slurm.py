@@ -154,6 +154,25 @@ def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
     assert "train: RUNNING on node" in out and "train: iteration 20/20" in out and "| ETA " in out
     assert "preprocess: COMPLETED" in out and "convert: COMPLETED" in out
     assert f"run directory: {run}" in out and "submitted convert" in out
+    # the values reached the batch shell (digests match) and are in no file of the run directory
+    import hashlib
+    import stat
+
+    for name, val in (("secret.sha", SECRET), ("passed.sha", PASSED)):
+        assert (run / name).read_text().split()[0] == hashlib.sha256(val.encode()).hexdigest(), name
+    files = [p for p in run.rglob("*") if p.is_file() and not p.is_symlink()]
+    kinds = {p.suffix for p in files}
+    assert {".pt", ".pkl", ".safetensors", ".yaml", ".sbatch", ".sh", ".log", ".json"} <= kinds, kinds
+    for p in files:
+        data = p.read_bytes()
+        assert SECRET.encode() not in data and PASSED.encode() not in data, p
+    assert "HPCMEG_T_SECRET" in (run / "recipe.yaml").read_text()  # the name is kept, the value is not
+    assert "--export=ALL,HPCMEG_T_PASSED,HPCMEG_T_SECRET" in (run / "scripts" / "train.sbatch").read_text()
+    # modes (before the dry run below rewrites the scripts): umask 0o007 -> files 0o660, step scripts
+    # 0o770 (nothing forced to 0o600 or 0o755)
+    bad = {str(p.relative_to(run)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
+           if stat.S_IMODE(p.stat().st_mode) != (0o770 if p.name.endswith("_step.sh") else 0o660)}
+    assert not bad, bad
     st = status(run)
     states = {s: v["state"] for s, v in st["stages"].items()}
     assert states == {"preprocess": "COMPLETED", "merge": "COMPLETED", "train": "COMPLETED",
@@ -185,24 +204,6 @@ def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
             logits = model(torch.tensor([[15496, 995, 198]])).logits
         assert logits.shape == (1, 3, 50304) or logits.shape[:2] == (1, 3)
         assert torch.isfinite(logits).all()
-    # the values reached the batch shell (digests match) and are in no file of the run directory
-    import hashlib
-    import stat
-
-    for name, val in (("secret.sha", SECRET), ("passed.sha", PASSED)):
-        assert (run / name).read_text().split()[0] == hashlib.sha256(val.encode()).hexdigest(), name
-    files = [p for p in run.rglob("*") if p.is_file() and not p.is_symlink()]
-    kinds = {p.suffix for p in files}
-    assert {".pt", ".pkl", ".safetensors", ".yaml", ".sbatch", ".sh", ".log", ".json"} <= kinds, kinds
-    for p in files:
-        data = p.read_bytes()
-        assert SECRET.encode() not in data and PASSED.encode() not in data, p
-    assert "HPCMEG_T_SECRET" in (run / "recipe.yaml").read_text()  # the name is kept, the value is not
-    assert "--export=ALL,HPCMEG_T_PASSED,HPCMEG_T_SECRET" in (run / "scripts" / "train.sbatch").read_text()
-    # modes: umask 0o007 -> files 0o660, step scripts 0o770 (nothing forced to 0o600 or 0o755)
-    bad = {str(p.relative_to(run)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
-           if stat.S_IMODE(p.stat().st_mode) != (0o770 if p.name.endswith("_step.sh") else 0o660)}
-    assert not bad, bad
     print(f"chain end to end: {elapsed:.1f} s, longest silence {gap:.1f} s")
 
 

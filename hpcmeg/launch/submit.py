@@ -310,12 +310,12 @@ def cli_submit(args) -> int:
             ids = submit_plan(prep)
     except Exception as e:  # submitit raises for sbatch errors: show Slurm's message in one line
         msg = " ".join(str(e).split())
-        print(f"hpcmeg submit: submission failed: {msg}", file=sys.stderr)
         done = (read_json(prep.run.jobs, {}) or {}).get("stages", {})
-        if done:
+        more = ""
+        if done:  # one line: what failed, and what is already queued
             ids = ", ".join(f"{stage} {info['job_id']}" for stage, info in done.items())
-            print(f"hpcmeg submit: already submitted: {ids}; 'hpcmeg cancel {prep.run.root}' removes them",
-                  file=sys.stderr)
+            more = f"; already submitted: {ids} ('hpcmeg cancel {prep.run.root}' removes them)"
+        print(f"hpcmeg submit: submission failed: {msg}{more}", file=sys.stderr)
         return 1
     for note in prep.plan.notes:
         print(f"  {note}")
