@@ -200,7 +200,12 @@ def run_demo(output_root: str = "runs", profile: str | None = None, force: bool 
 
         # without the test suites: 12 MB of code is plenty for 200 tiny steps and tokenizes in seconds
         print(f"[demo] writing the Python standard library as JSONL to {corpus}", flush=True)
-        write_stdlib_corpus(str(corpus), key="content", include_tests=False)
+        try:
+            write_stdlib_corpus(str(corpus), key="content", include_tests=False)
+        except OSError as e:
+            print(f"hpcmeg demo: cannot write {corpus}: {e.strerror or e}; choose a writable --output-root",
+                  file=sys.stderr)
+            return 1
     profile = profile or ("local-slurm" if slurm_is_up() else "local")
     overrides = [f"run.output_root={root}", f"data.inputs=[{corpus}]", *(overrides or [])]
     r = load_recipe(RECIPE, overrides, profile)

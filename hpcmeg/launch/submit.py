@@ -290,6 +290,12 @@ def cli_submit(args) -> int:
         return 1
     if args.dry_run:
         return dry_run(prep)
+    try:
+        prep.run.create()
+    except OSError as e:
+        print(f"hpcmeg submit: cannot create the run directory {prep.run.root}: {e.strerror or e}"
+              f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}; check run.output_root", file=sys.stderr)
+        return 1
     if r.cluster.executor == "local":
         from hpcmeg.launch import local
 
