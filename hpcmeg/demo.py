@@ -71,7 +71,7 @@ def _trained(train: list[dict], starts: list[dict]) -> tuple[float | None, float
 def sample_label(n_params: float | None, train_s: float | None, tokens: int | None) -> str:
     """What the generated sample is: what a tiny model trained for minutes produces, not a code model."""
     size = f"~{n_params / 1e6:.0f} M-parameter" if n_params else "tiny"
-    took = f" for {train_s / 60:.1f} minutes" if train_s else ""
+    took = (f" for {train_s:.0f} seconds" if train_s < 90 else f" for {train_s / 60:.0f} minutes") if train_s else ""
     seen = f" on {tokens / 1e3:,.0f} K tokens" if tokens else ""
     return (f"what a {size} model trained{took}{seen} of the standard library produces: Python-looking keywords, "
             f"indentation and stdlib names, not working code (that takes a model like "
