@@ -5,7 +5,9 @@ logs of one attempt (``logs/<stage>/<stage>.<tag>.r<restart>.<task>.log``; by de
 attempt) in task order (rank 0 first) and returns the first task's cause: its last hpcmeg error line
 (``hpcmeg train: ...``, ``hpcmeg train [rank 1]: ...``, ``hpcmeg: ...``), else the last line of a
 Python traceback. ``Cause.describe(run_dir)`` is the one-line form the console, markers and
-``hpcmeg status`` show. ``error_line(line)`` is the pure matcher. No torch, no Slurm calls.
+``hpcmeg status`` show. ``error_line(line)`` is the pure matcher. ``failure_lines(run_dir, status)``:
+(stage, 'stage STATE: cause') for every failed stage of a ``run_status`` result, the cause being the
+failed marker's reason (the supervisor stores the cause there), else the logs'. No torch, no Slurm calls.
 
 Why rank 0 first: ranks stopped by ``srun --kill-on-bad-exit`` (or the local executor) after the first
 failure print nothing useful, and recipe-level errors are printed by rank 0 only.
@@ -112,3 +114,25 @@ def failure_cause(run_dir: str | os.PathLike, stage: str, tag: Optional[str] = N
         if line:
             return Cause(stage, task, path, line[:600])
     return None
+
+
+def failure_lines(run_dir: str | os.PathLike, st: dict) -> list[tuple[str, str]]:
+    """(stage, one-line cause) of every failed stage, upstream first; a stage cancelled because an
+    earlier one failed is not listed separately."""
+    from hpcmeg.launch.rundir import read_markers
+    from hpcmeg.launch.status import BAD
+
+    markers = read_markers(Path(run_dir))
+    out = []
+    for stage, s in st["stages"].items():
+        if s["state"] not in BAD or (s["state"] == "CANCELLED" and (out or st.get("cancelled"))):
+            continue
+        failed = [ev["failed"] for name, ev in markers.items()
+                  if (name == stage or name.startswith(stage + ".")) and ev.get("failed", {}).get("reason")]
+        if failed:
+            text = max(failed, key=lambda e: e.get("time", 0))["reason"]
+        else:
+            cause = failure_cause(run_dir, stage)
+            text = cause.describe(run_dir) if cause else (s.get("detail") or "no error line in its logs")
+        out.append((stage, f"{stage} {s['state']}: {text}"))
+    return out

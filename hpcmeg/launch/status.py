@@ -1,9 +1,11 @@
 """`hpcmeg status | logs | cancel RUN`: watch, tail and stop a run's job chain.
 
 Contract: ``run_status(run_dir) -> dict`` ({"run_dir", "executor", "stages": {stage: {"job_id",
-"state", "tasks": {task: {...}}, "detail"}}}); ``cli_status(run, as_json)``, ``cli_logs(run, follow,
-stage, rank, lines)``, ``cli_cancel(run)`` return exit codes; ``wait_for_run(run_dir)`` blocks until
-every job is in a final state (0 if all COMPLETED). ``parse_squeue/parse_sacct(text, job_id)`` and
+"state", "tasks": {task: {...}}, "detail"}}}); ``cli_status(run, as_json)`` (1 when a stage failed, with one
+stderr line naming the failing task's own cause and ``hpcmeg logs``), ``cli_logs(run, follow, stage,
+rank, lines)``, ``cli_cancel(run)`` (only jobs not yet final; an ended chain: "nothing to cancel" and
+the run is not marked cancelled) return exit codes; ``wait_for_run(run_dir)`` follows the chain until
+every job is final (hpcmeg.launch.watch; 0 if all COMPLETED). ``parse_squeue/parse_sacct(text, job_id)`` and
 ``parse_scontrol(text)`` are the pure parsers of the three commands' output (squeue and sacct share one
 line loop for their ``|``-separated lines).
 
@@ -237,7 +239,7 @@ def cli_status(run, as_json: bool = False, quiet: bool = False) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcmeg status: {e}", file=sys.stderr)
         return 2
-    from hpcmeg.launch.watch import failure_lines
+    from hpcmeg.launch.causes import failure_lines
 
     bad = failure_lines(run, st)
     if as_json:

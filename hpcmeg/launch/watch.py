@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Optional, TextIO
 
-from hpcmeg.launch.causes import failure_cause, task_logs
+from hpcmeg.launch.causes import failure_lines, task_logs
 
 _SHOWN = re.compile(r"^(iteration \s*\d+/\d+ \||validation at iteration|saved (checkpoint )?iteration|already at "
                     r"iteration|hpcmeg train: .* \| .*process\(es\)|note: |Processed \d+ documents|wrote |"
@@ -113,28 +113,6 @@ def describe_stage(s: dict) -> str:
 def _rank0_log(run_dir: Path, stage: str) -> Optional[Path]:
     logs = task_logs(run_dir, stage)
     return logs[0][1] if logs else None
-
-
-def failure_lines(run_dir: str | os.PathLike, st: dict) -> list[tuple[str, str]]:
-    """(stage, one-line cause) of every failed stage, upstream first; a stage cancelled because an
-    earlier one failed is not listed separately."""
-    from hpcmeg.launch.rundir import read_markers
-    from hpcmeg.launch.status import BAD
-
-    markers = read_markers(Path(run_dir))
-    out = []
-    for stage, s in st["stages"].items():
-        if s["state"] not in BAD or (s["state"] == "CANCELLED" and (out or st.get("cancelled"))):
-            continue
-        failed = [ev["failed"] for name, ev in markers.items()
-                  if (name == stage or name.startswith(stage + ".")) and ev.get("failed", {}).get("reason")]
-        if failed:
-            text = max(failed, key=lambda e: e.get("time", 0))["reason"]
-        else:
-            cause = failure_cause(run_dir, stage)
-            text = cause.describe(run_dir) if cause else (s.get("detail") or "no error line in its logs")
-        out.append((stage, f"{stage} {s['state']}: {text}"))
-    return out
 
 
 def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: float = 10.0,
