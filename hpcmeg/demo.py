@@ -244,7 +244,8 @@ def run_demo(output_root: str = "runs", profile: str | None = None, force: bool 
         completion = generate(model_dir)
     from hpcmeg.train.metrics import read_metrics
 
-    m = read_metrics(str(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else {"train": [], "start": []}
+    mpath = run_dir / "metrics.jsonl"
+    m = read_metrics(str(mpath)) if mpath.exists() else {"train": [], "start": []}
     n_params, train_s = _trained(m["train"], m.get("start", []))
     print(f"[demo] generated completion ({sample_label(n_params, train_s, d.train_iters * d.tokens_per_iteration)}):\n"
           + completion, flush=True)

@@ -147,4 +147,5 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, encoding: Optional[
                 os.fsync(f.fileno())
 
 
-__all__ = ["current_umask", "default_mode", "executable_mode", "atomic_path", "fsync_dir", "temp_prefix", "write_bytes_atomic", "write_text_atomic"]
+__all__ = ["current_umask", "default_mode", "executable_mode", "atomic_path", "fsync_dir", "temp_prefix",
+           "write_bytes_atomic", "write_text_atomic"]

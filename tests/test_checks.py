@@ -57,7 +57,8 @@ def test_validate_is_submits_check(capsys, tmp_path, data, profile):
     assert "# derived" in out and not (tmp_path / "runs").exists()
     cases = [
         # (inputs, json_keys, exit code, what the one line must say)
-        (f"[{data}/good.jsonl,{data}/nothing-*.jsonl]", None, 2, ["data.inputs[1]", "nothing-*.jsonl", "matches no file"]),
+        (f"[{data}/good.jsonl,{data}/nothing-*.jsonl]", None, 2,
+         ["data.inputs[1]", "nothing-*.jsonl", "matches no file"]),
         (f"[{data}/missing.jsonl]", None, 2, ["data.inputs[0]", "missing.jsonl"]),
         (f"[{data}/text.jsonl]", None, 2, ["data.json_keys", "text.jsonl:1", "'content'", "keys present: text, meta"]),
         (f"[{data}/good.jsonl,{data}/text.jsonl.gz]", None, 2, ["data.json_keys", "text.jsonl.gz:1", "'content'"]),
@@ -122,7 +123,8 @@ def test_dry_run_where_output_root_cannot_be_created(capsys, tmp_path, data):
     blocker.write_text("x")  # a regular file where a directory would go: mkdir fails even as root
     root = blocker / "runs"
     for profile in ("local-slurm", "local"):
-        rc, out, err = _run(capsys, "submit", SMALL, "--dry-run", "--profile", profile, "--set", f"run.output_root={root}")
+        rc, out, err = _run(capsys, "submit", SMALL, "--dry-run", "--profile", profile,
+                            "--set", f"run.output_root={root}")
         assert rc == 0, err
         assert "nothing was written" in err[-1] and str(root / "codeparrot-small") in err[-1]
         assert len([e for e in err if "nothing was written" in e]) == 1 and "Traceback" not in "\n".join(err)

@@ -8,14 +8,16 @@ import json
 
 import pytest
 
-from test_submit_slurm import TINY, hpcmeg, longest_silence, sets, timed
+from test_submit_slurm import TINY, corpus_shards, hpcmeg, longest_silence, sets, timed
 
 pytestmark = pytest.mark.slurm
 
 
 @pytest.mark.slow  # ~60-90 s on 2 busy cores
 def test_demo_then_rerun_says_nothing_to_do(slurm_cluster, tmp_path):
-    over = TINY + ["train.train_iters=10", "checkpoint.save_interval=10", "train.log_interval=5"]
+    (shard,) = corpus_shards(tmp_path, n=1, files=60)  # a small input (the demo's own corpus takes 10+ s)
+    over = TINY + ["train.train_iters=10", "checkpoint.save_interval=10", "train.log_interval=5",
+                   f"data.inputs=[{shard}]"]
     rc, lines, err = timed("demo", "--profile", "local-slurm", "--output-root", str(tmp_path), *sets(over),
                            cwd=tmp_path, timeout=600)
     out = "\n".join(t for _, t in lines)
@@ -48,6 +50,6 @@ def test_demo_then_rerun_says_nothing_to_do(slurm_cluster, tmp_path):
     from hpcmeg.launch.submit import prepare
     from hpcmeg.recipe import load_recipe
 
-    base = [f"run.output_root={tmp_path}", f"data.inputs=[{tmp_path}/corpus/stdlib.jsonl]"]
+    base = [f"run.output_root={tmp_path}"]
     assert finished_run(prepare(load_recipe(RECIPE, base + over, "local-slurm")))
     assert not finished_run(prepare(load_recipe(RECIPE, base + over + ["train.lr=0.001"], "local-slurm")))

@@ -116,5 +116,6 @@ def test_log_follower_and_stage_description(tmp_path):
     assert describe_stage(run) == "RUNNING on node2"
     arr = {"state": "RUNNING", "detail": "1 COMPLETED, 1 RUNNING", "tasks": {"0": {}, "1": {}}}
     assert describe_stage(arr) == "RUNNING (1 COMPLETED, 1 RUNNING)"
-    assert shown("iteration  10/200 | consumed samples 80 | loss 9.8") and not shown("Traceback (most recent call last):")
+    assert shown("iteration  10/200 | consumed samples 80 | loss 9.8")
+    assert not shown("Traceback (most recent call last):")
     assert not shown("hpcmeg train: checkpoint.load: bad") and shown("validation at iteration 50 | val loss 3.2")

@@ -265,7 +265,8 @@ class _Progress:
         if self.total > 0 and not done:
             frac = min(st.input_bytes / self.total, 0.999)
             eta = dt * (1 - frac) / frac if frac > 0 else None
-            out += f" | {100 * frac:.1f}% of {self.total / 2**20:,.1f} MB" + (f" | ETA {eta:.0f} s" if eta is not None else "")
+            out += f" | {100 * frac:.1f}% of {self.total / 2**20:,.1f} MB"
+            out += f" | ETA {eta:.0f} s" if eta is not None else ""
         return out
 
     def update(self, st: PreprocessStats) -> None:

@@ -130,5 +130,6 @@ def first_document_problems(files: list[str], keys: list[str]) -> tuple[list[str
         if reason.startswith("missing key") or reason.startswith("key "):
             reason = reason.replace("; pick the key with --json-keys", "")
             return [f"data.json_keys: {path}:{n}: {reason}; set data.json_keys to the key that holds the text"], []
-        return [], [f"{path}:{n}: the first document is not usable: {reason}; fix the file or remove it from data.inputs"]
+        return [], [f"{path}:{n}: the first document is not usable: {reason}; fix the file or remove it from "
+                    f"data.inputs"]
     return [], []

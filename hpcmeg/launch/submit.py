@@ -256,6 +256,11 @@ def print_dry_run(prep: Prepared, files: list[tuple[Path, str, bool]], written: 
             print(f"#   {p}")
 
 
+def _os_error(e: OSError) -> str:
+    """'No such file or directory: /lustre' (strerror and the path it is about)."""
+    return f"{e.strerror or e}" + (f": {e.filename}" if getattr(e, "filename", None) else "")
+
+
 def dry_run(prep: Prepared) -> int:
     """Write the run directory's files so they can be read as files; where run.output_root cannot be
     created here (a laptop rendering a cluster's scripts) print them and say in one line that nothing
@@ -265,7 +270,7 @@ def dry_run(prep: Prepared) -> int:
         write_run_files(prep)
         written, why = True, ""
     except OSError as e:
-        written, why = False, f"{e.strerror or e}" + (f": {e.filename}" if getattr(e, "filename", None) else "")
+        written, why = False, _os_error(e)
     print_dry_run(prep, files, written)
     if prep.recipe.cluster.executor == "local":
         from hpcmeg.launch import local
@@ -293,8 +298,8 @@ def cli_submit(args) -> int:
     try:
         prep.run.create()
     except OSError as e:
-        print(f"hpcmeg submit: cannot create the run directory {prep.run.root}: {e.strerror or e}"
-              f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}; check run.output_root", file=sys.stderr)
+        print(f"hpcmeg submit: cannot create the run directory {prep.run.root}: {_os_error(e)}; check run.output_root",
+              file=sys.stderr)
         return 1
     if r.cluster.executor == "local":
         from hpcmeg.launch import local
@@ -308,8 +313,8 @@ def cli_submit(args) -> int:
     try:
         write_run_files(prep)
     except OSError as e:
-        print(f"hpcmeg submit: cannot write the run directory {prep.run.root}: {e.strerror or e}"
-              f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}; check run.output_root", file=sys.stderr)
+        print(f"hpcmeg submit: cannot write the run directory {prep.run.root}: {_os_error(e)}; check run.output_root",
+              file=sys.stderr)
         return 1
     try:
         with _job_environment(jobenv.submission_values(r.cluster)):
