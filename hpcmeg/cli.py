@@ -110,8 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare-cache", help="build the GPT dataset index cache ahead of time (on a login node)")
     _add_recipe_args(p)
 
-    p = sub.add_parser("validate", help="validate a recipe and print it resolved, with derived values")
+    p = sub.add_parser("validate", help="run submit's checks on a recipe and print it resolved, with derived values",
+                       description="Run every check 'hpcmeg submit' runs (recipe, inputs and their first "
+                                   "document, scripts, environment variables) without writing or submitting "
+                                   "anything; print the resolved recipe and the derived values.")
     _add_recipe_args(p)
+    p.add_argument("--stages", default="preprocess,train,convert",
+                   help="the stages submit would run (default: all three); inputs are checked for preprocess")
 
     p = sub.add_parser("convert", help="convert Megatron-layout checkpoints to a Hugging Face GPT-2 directory")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
@@ -160,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the whole pipeline on the embedded default (stdlib code, tiny GPT)")
     p.add_argument("--profile", default=None, help="local-slurm or local (default: local-slurm when Slurm runs here)")
     p.add_argument("--output-root", default="runs", help="where the demo run directory goes")
+    p.add_argument("--force", action="store_true",
+                   help="delete an earlier demo run directory and run again (default: a finished run is kept)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one value of recipes/codeparrot_tiny.yaml, e.g. --set train.train_iters=50")
 
     for name, (_, _, help_) in PASSTHROUGH.items():
         sub.add_parser(name, help=help_, add_help=False)
@@ -173,13 +182,25 @@ def _call(module: str, func: str, *a) -> int:
 
 
 def cli_validate(args) -> int:
-    from hpcmeg.recipe import derive, dump_yaml, load_recipe
+    """The checks of ``hpcmeg submit`` (hpcmeg.launch.submit.prepare, the same function), nothing
+    written or submitted; prints the resolved recipe, the derived values and the plan's notes."""
+    from hpcmeg.launch.checks import DataError
+    from hpcmeg.launch.submit import parse_stages, prepare
+    from hpcmeg.recipe import dump_yaml, load_recipe
 
+    stages = parse_stages(args.stages)
     r = load_recipe(args.recipe, args.overrides, args.profile)
-    print(dump_yaml(r), end="")
+    try:
+        prep = prepare(r, stages)
+    except DataError as e:
+        print(f"hpcmeg validate: {e.lines[0]}", file=sys.stderr)
+        return 1
+    print(dump_yaml(prep.recipe), end="")
     print("# derived")
-    for k, v in vars(derive(r)).items():
+    for k, v in vars(prep.derived).items():
         print(f"#   {k}: {v}")
+    for note in prep.plan.notes if prep.plan else []:
+        print(f"# {note}")
     return 0
 
 

@@ -4,19 +4,27 @@ Writes the running Python's standard library as a CodeParrot-like JSONL corpus, 
 ``recipes/codeparrot_tiny.yaml`` through the same ``hpcmeg submit`` path users take: on the local
 Slurm cluster when one answers (``slurm/local-cluster.sh start``), else with the no-Slurm ``local``
 profile. preprocess -> train (2 ranks) -> convert; then it loads the converted model with
-``AutoModelForCausalLM``, prints a generated code completion, draws the loss curve to a PNG and
+``AutoModelForCausalLM``, prints a generated code completion (labelled as what a ~7 M-parameter model
+trained for minutes produces), draws the curves to ``curves.png`` (the name ``hpcmeg plot`` uses) and
 writes ``summary.md`` (tokens/s, losses, where everything is) into the run directory.
+
+The chain is followed on the console as it runs (hpcmeg.launch.watch: stage transitions, the
+training lines with elapsed time and ETA, preprocessing percent and ETA; never 15 s without a line).
+A re-run finds a finished chain (``finished_run``: markers + outputs + the same recipe) and says
+there is nothing to do in seconds; ``--force`` deletes the demo's run directory and starts over.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.recipe import derive, load_recipe
@@ -35,6 +43,9 @@ def slurm_is_up() -> bool:
 def generate(model_dir: Path, prompt: str = PROMPT, max_new_tokens: int = 48) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its weight-loading bar would be the only stderr output of a good run
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -48,16 +59,39 @@ def generate(model_dir: Path, prompt: str = PROMPT, max_new_tokens: int = 48) ->
     return tok.decode(out[0], skip_special_tokens=True)
 
 
-def summarize(run_dir: Path, model_dir: Path | None, completion: str | None, png: str | None, elapsed_s: float) -> str:
+def _trained(train: list[dict], starts: list[dict]) -> tuple[float | None, float | None]:
+    """(parameters, training wall seconds) from metrics.jsonl records (None when unknown)."""
+    n = next((st.get("n_params") for st in reversed(starts) if st.get("n_params")), None)
+    secs = None
+    if starts and train and train[-1].get("time") and starts[0].get("time"):
+        secs = float(train[-1]["time"]) - float(starts[0]["time"])
+    return n, secs
+
+
+def sample_label(n_params: float | None, train_s: float | None, tokens: int | None) -> str:
+    """What the generated sample is: what a tiny model trained for minutes produces, not a code model."""
+    size = f"~{n_params / 1e6:.0f} M-parameter" if n_params else "tiny"
+    took = (f" for {train_s:.0f} seconds" if train_s < 90 else f" for {train_s / 60:.0f} minutes") if train_s else ""
+    seen = f" on {tokens / 1e3:,.0f} K tokens" if tokens else ""
+    return (f"what a {size} model trained{took}{seen} of the standard library produces: Python-looking keywords, "
+            f"indentation and stdlib names, not working code (that takes a model like "
+            f"recipes/codeparrot_small.yaml on a GPU cluster)")
+
+
+def summarize(run_dir: Path, model_dir: Path | None, completion: str | None, png: str | None, elapsed_s: float,
+              tokens: int | None = None) -> str:
     from hpcmeg.train.metrics import read_metrics
 
     path = run_dir / "metrics.jsonl"
-    m = read_metrics(str(path)) if path.exists() else {"train": [], "eval": []}
+    m = read_metrics(str(path)) if path.exists() else {"train": [], "eval": [], "start": []}
     train, val = m["train"], m["eval"]
     tps = [r.get("tokens_per_s_per_gpu") for r in train[1:]]  # the first interval includes start-up
     tps = [t for t in tps if t]
+    n_params, train_s = _trained(train, m.get("start", []))
     lines = [f"# hpcmeg demo: {run_dir.name}", "",
              f"- wall time (whole pipeline): {elapsed_s:.0f} s"]
+    if n_params:
+        lines += [f"- model: {n_params / 1e6:.1f} M parameters" + (f", trained for {train_s:.0f} s" if train_s else "")]
     if train:
         lines += [f"- training loss: {train[0]['loss']:.3f} at step {train[0].get('iteration')} -> "
                   f"{train[-1]['loss']:.3f} at step {train[-1].get('iteration')}"]
@@ -73,13 +107,91 @@ def summarize(run_dir: Path, model_dir: Path | None, completion: str | None, png
     if model_dir:
         lines += [f"- Hugging Face model: {model_dir}"]
     if png:
-        lines += [f"- loss curve: {png}"]
+        lines += [f"- loss and throughput curves: {png} (the same file `hpcmeg plot {run_dir}` writes)"]
     if completion is not None:
-        lines += ["", "Generated completion (sampled: temperature 0.7, top-k 40, 48 tokens):", "", "```python", completion, "```"]
+        lines += ["", "Generated completion (sampled: temperature 0.7, top-k 40, 48 tokens). This is "
+                  + sample_label(n_params, train_s, tokens) + ":", "", "```python", completion, "```"]
     return "\n".join(lines) + "\n"
 
 
-def run_demo(output_root: str = "runs", profile: str | None = None) -> int:
+@contextlib.contextmanager
+def _heartbeat(what: str, every_s: float = 10.0) -> Iterator[None]:
+    """A '[demo] still <what>' line every ``every_s`` while the body runs (model loading can take a while)."""
+    stop = threading.Event()
+    t0 = time.time()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            print(f"[demo] still {what} ({time.time() - t0:.0f} s)", flush=True)
+
+    th = threading.Thread(target=beat, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+
+
+def finished_run(prep) -> str | None:
+    """A one-line account of the finished chain ``prep``'s run directory already holds, or None.
+
+    Finished means: the recorded recipe makes the same products (data, model, train, parallel,
+    checkpoint, convert sections), the dataset matches its inputs (manifest), the train and convert
+    markers say done and nothing of the run is queued, the checkpoint is at train_iters, and the
+    converted model and summary.md exist."""
+    import yaml
+
+    from hpcmeg.launch.rundir import latest_iteration, marker_state, read_markers
+    from hpcmeg.launch.submit import active_jobs
+    from hpcmeg.recipe import to_dict
+
+    run, r, d = prep.run, prep.recipe, prep.derived
+    if not (run.jobs.is_file() and run.recipe.is_file() and (run.root / "summary.md").is_file()):
+        return None
+    try:
+        stored = yaml.safe_load(run.recipe.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    cur = to_dict(r)
+    if any(stored.get(k) != cur.get(k) for k in ("data", "model", "train", "parallel", "checkpoint", "convert")):
+        return None
+    markers = read_markers(run)
+    if not prep.skip_preprocess or any(marker_state(markers.get(s, {})) != "COMPLETED" for s in ("train", "convert")):
+        return None
+    it = latest_iteration(d.checkpoint_dir)
+    model = Path(r.convert.output_dir or run.root / "hf") / f"iter_{it or 0:07d}"
+    if it != d.train_iters or not (model / "config.json").is_file() or not (model / "model.safetensors").is_file():
+        return None
+    if active_jobs(run):
+        return None
+    return (f"preprocess, train (iteration {it}/{d.train_iters}) and convert ({model.relative_to(run.root)}) "
+            f"are done for this recipe")
+
+
+def _remove_run(run_dir: Path) -> str | None:
+    """--force: delete an earlier demo run directory (error line if it is not one, or still running)."""
+    from hpcmeg.launch.rundir import RunDir
+    from hpcmeg.launch.submit import active_jobs
+
+    if not run_dir.exists():
+        return None
+    if not ((run_dir / "jobs.json").exists() or (run_dir / "recipe.yaml").exists()):
+        return f"--force: {run_dir} is not a run directory hpcmeg wrote (no jobs.json, no recipe.yaml); not removing it"
+    busy = active_jobs(RunDir(run_dir))
+    if busy:
+        return (f"--force: {run_dir} still has jobs in the queue ({', '.join(busy)}); "
+                f"run 'hpcmeg cancel {run_dir}' first")
+    shutil.rmtree(run_dir)
+    print(f"[demo] --force: removed the earlier run directory {run_dir} (the corpus is kept)", flush=True)
+    return None
+
+
+def run_demo(output_root: str = "runs", profile: str | None = None, force: bool = False,
+             overrides: list[str] | None = None) -> int:
+    """The demo (see the module docstring); ``overrides`` are extra ``--set`` values for the recipe."""
+    from hpcmeg.launch.submit import ALL_STAGES, cli_submit, prepare
+
     t0 = time.time()
     root = Path(output_root).resolve()
     corpus = root / "corpus" / "stdlib.jsonl"
@@ -88,40 +200,69 @@ def run_demo(output_root: str = "runs", profile: str | None = None) -> int:
 
         # without the test suites: 12 MB of code is plenty for 200 tiny steps and tokenizes in seconds
         print(f"[demo] writing the Python standard library as JSONL to {corpus}", flush=True)
-        write_stdlib_corpus(str(corpus), key="content", include_tests=False)
+        try:
+            write_stdlib_corpus(str(corpus), key="content", include_tests=False)
+        except OSError as e:
+            print(f"hpcmeg demo: cannot write {corpus}: {e.strerror or e}; choose a writable --output-root",
+                  file=sys.stderr)
+            return 1
     profile = profile or ("local-slurm" if slurm_is_up() else "local")
-    overrides = [f"run.output_root={root}", f"data.inputs=[{corpus}]"]
+    overrides = [f"run.output_root={root}", f"data.inputs=[{corpus}]", *(overrides or [])]
     r = load_recipe(RECIPE, overrides, profile)
     d = derive(r)
     run_dir = Path(d.run_dir)
-    print(f"[demo] profile {profile}: preprocess -> train ({d.world_size} ranks) -> convert; run dir {run_dir}", flush=True)
-    cmd = [sys.executable, "-m", "hpcmeg.cli", "submit", str(RECIPE), "--profile", profile, "--wait",
-           *[a for o in overrides for a in ("--set", o)]]
-    rc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+    if force:
+        err = _remove_run(run_dir)
+        if err:
+            print(f"hpcmeg demo: {err}", file=sys.stderr)
+            return 1
+    else:
+        done = finished_run(prepare(r, ALL_STAGES))
+        if done:
+            print(f"[demo] nothing to do: {run_dir} already holds a finished run ({done}); its summary follows. "
+                  f"To run it again from scratch, add --force to the same command (hpcmeg demo --force)", flush=True)
+            print((run_dir / "summary.md").read_text(), end="", flush=True)
+            return 0
+    print(f"[demo] profile {profile}: preprocess -> train ({d.world_size} ranks) -> convert; run dir {run_dir}",
+          flush=True)
+    args = argparse.Namespace(recipe=str(RECIPE), overrides=overrides, profile=profile, dry_run=False,
+                              stages=",".join(ALL_STAGES), wait=True)
+    rc = cli_submit(args)  # the failing stage's one-line cause is already on stderr
+    sys.stdout.flush()
     if rc != 0:
-        print(f"[demo] the pipeline failed (exit {rc}); see: hpcmeg logs {run_dir}", file=sys.stderr)
         return rc
     hf_root = Path(r.convert.output_dir or run_dir / "hf")
     models = sorted(p for p in hf_root.glob("iter_*") if (p / "config.json").exists())
     model_dir = models[-1] if models else None
     completion = None
-    if model_dir:
+    if model_dir is None:
+        print(f"hpcmeg demo: no converted model under {hf_root} although every stage completed; "
+              f"see: hpcmeg logs {run_dir} --stage convert", file=sys.stderr)
+        return 1
+    print(f"[demo] loading {model_dir} with AutoModelForCausalLM and sampling 48 tokens", flush=True)
+    with _heartbeat("loading the model and sampling"):
         completion = generate(model_dir)
-        print("[demo] generated completion:\n" + completion, flush=True)
-    else:
-        print(f"[demo] no converted model under {hf_root}", file=sys.stderr)
+    from hpcmeg.train.metrics import read_metrics
+
+    mpath = run_dir / "metrics.jsonl"
+    m = read_metrics(str(mpath)) if mpath.exists() else {"train": [], "start": []}
+    n_params, train_s = _trained(m["train"], m.get("start", []))
+    print(f"[demo] generated completion ({sample_label(n_params, train_s, d.train_iters * d.tokens_per_iteration)}):\n"
+          + completion, flush=True)
     png = None
     try:
         from hpcmeg.train.plot import plot_run
 
-        png = plot_run(str(run_dir), str(run_dir / "loss_curve.png"))
+        with _heartbeat("drawing the curves"):
+            png = plot_run(str(run_dir))  # the default name: the same file `hpcmeg plot RUN` writes
     except Exception as e:  # noqa: BLE001 - a missing plot must not hide the rest of the summary
-        print(f"[demo] could not draw the loss curve: {e}", file=sys.stderr)
-    text = summarize(run_dir, model_dir, completion, png, time.time() - t0)
+        print(f"[demo] could not draw the loss curve: {e}", flush=True)
+    text = summarize(run_dir, model_dir, completion, png, time.time() - t0, d.train_iters * d.tokens_per_iteration)
     write_text_atomic(run_dir / "summary.md", text)
     print(text, flush=True)
-    return 0 if model_dir else 1
+    return 0
 
 
 def cli_demo(args: argparse.Namespace) -> int:
-    return run_demo(args.output_root, args.profile)
+    return run_demo(args.output_root, args.profile, bool(getattr(args, "force", False)),
+                    list(getattr(args, "overrides", None) or []))

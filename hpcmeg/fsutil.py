@@ -14,9 +14,13 @@ Why it is done this way:
   code recognise leftovers of a killed writer (SIGKILL cannot be cleaned up by anyone but them).
 - The name is created with O_EXCL and carries pid + random bits: ranks on different nodes share
   pids on a shared filesystem, and threads share one pid, so pid alone could collide.
-- The temporary is created with 0o666 minus the umask, exactly what a plain ``open(path, "w")``
-  gives; ``mode=`` then sets explicit bits (e.g. 0o755 for generated step scripts) BEFORE the
-  rename, so the target never exists with the wrong bits. An existing target's mode is not kept.
+- The final file gets ``0o666 & ~umask``, exactly what a plain ``open(path, "w")`` gives, unless
+  ``mode=`` asks for other bits: the mode is set on the temporary BEFORE the rename, so the target
+  never exists with the wrong bits. It is set explicitly even without ``mode=`` because libraries
+  that write into the yielded path may replace it with a file of their own (safetensors' writer
+  creates 0o600 files), and a converted model in a shared project directory must stay readable to
+  the colleagues the user's umask admits. Executables use ``mode=executable_mode()``
+  (``0o777 & ~umask``). An existing target's mode is not kept.
 - Data is fsynced before the rename; otherwise a crash can leave the NEW name pointing at an empty
   or partial inode (ext4/XFS delayed allocation, and Lustre client caches). ``sync_dir=True`` also
   fsyncs the parent directory so the rename itself survives a crash (needed for commit points such
@@ -31,6 +35,30 @@ import contextlib
 import os
 import secrets
 from typing import Iterator, Optional
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux /proc); elsewhere set-and-restore."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)  # not thread-safe, hence only the fallback
+    os.umask(old)
+    return old
+
+
+def default_mode() -> int:
+    """Mode of a regular output file: what ``open(path, "w")`` would give (0o666 minus the umask)."""
+    return 0o666 & ~current_umask()
+
+
+def executable_mode() -> int:
+    """Mode of a generated script: 0o777 minus the umask (a 0o027 umask gives 0o750, not 0o755)."""
+    return 0o777 & ~current_umask()
+
 
 def temp_prefix(path: str | os.PathLike) -> str:
     """Basename prefix of every temporary `atomic_path` creates for ``path`` (``.<name>.tmp-``)."""
@@ -75,7 +103,7 @@ def atomic_path(path: str | os.PathLike, *, mode: Optional[int] = None, fsync: b
                 sync_dir: bool = False) -> Iterator[str]:
     """Yield the path (str) of an empty temporary file next to ``path``; write it completely.
 
-    On normal exit: fsync the temporary (``fsync``), chmod it to ``mode`` (if given), ``os.replace``
+    On normal exit: fsync the temporary (``fsync``), chmod it to ``mode`` (default: `default_mode`), ``os.replace``
     it onto ``path``, fsync the parent directory (``sync_dir``). On an exception: remove the
     temporary, leave ``path`` as it was, re-raise. The parent directory must exist.
     Write to exactly the yielded path (reopen it with "w"/"wb"; do not let a library append a suffix).
@@ -86,8 +114,7 @@ def atomic_path(path: str | os.PathLike, *, mode: Optional[int] = None, fsync: b
         yield tmp
         if fsync:
             _fsync_file(tmp)
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, default_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -120,4 +147,5 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, encoding: Optional[
                 os.fsync(f.fileno())
 
 
-__all__ = ["atomic_path", "fsync_dir", "temp_prefix", "write_bytes_atomic", "write_text_atomic"]
+__all__ = ["current_umask", "default_mode", "executable_mode", "atomic_path", "fsync_dir", "temp_prefix",
+           "write_bytes_atomic", "write_text_atomic"]

@@ -261,7 +261,7 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
         dp = world // (par.tensor * par.pipeline)
         if t.global_batch_size % (t.micro_batch_size * dp):
             refuse("train.global_batch_size", f"{t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size} "
-                     f"x data-parallel size {dp} (= {c.nodes} node(s) x {c.tasks_per_node()} GPUs / (TP {par.tensor} x PP {par.pipeline})); "
+                     f"x data-parallel size {dp} (= {c.nodes} node(s) x {c.tasks_per_node()} {'GPUs' if c.gpus_per_node > 0 else 'CPU ranks'} / (TP {par.tensor} x PP {par.pipeline})); "
                      f"use a multiple of {t.micro_batch_size * dp}, e.g. {max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}")
     if ok("train.train_iters", "train.train_samples") and (t.train_iters is None) == (t.train_samples is None):
         refuse("train.train_iters", f"set exactly one of train.train_iters and train.train_samples")
@@ -422,9 +422,13 @@ def dataset_prefixes(r: Recipe, d: Derived) -> list[tuple[float, str]]:
 
 
 def to_dict(r: Recipe) -> dict:
+    """The recipe as plain data, without the values of ``cluster.secret_env`` (every recipe copy hpcmeg
+    writes, recipe.yaml, train_recipe.yaml and the one inside checkpoints, is made from this)."""
+    from hpcmeg.jobenv import redact_recipe_dict
+
     out = dataclasses.asdict(r)
     out.pop("source", None)
-    return out
+    return redact_recipe_dict(out)
 
 
 def from_dict(data: dict) -> Recipe:

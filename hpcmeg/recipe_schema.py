@@ -260,7 +260,17 @@ class ClusterConfig:
     """Shell lines run in the batch script before the job starts (module loads...). Shell by design:
     they are NOT quoted."""
     env: dict[str, str] = field(default_factory=dict)
-    """Environment variables for every task (e.g. NCCL_SOCKET_IFNAME); values are quoted literally."""
+    """Environment variables for every task (e.g. NCCL_SOCKET_IFNAME); values are quoted literally and
+    written into the batch scripts and the recipe copies (readable as your umask allows): put API keys
+    in ``env_passthrough`` or ``secret_env`` instead."""
+    env_passthrough: list[str] = field(default_factory=list)
+    """Names of variables passed from the environment you submit from to every task, value written
+    nowhere (Slurm: ``sbatch --export=ALL,NAME``), e.g. [WANDB_API_KEY, HF_TOKEN]; each must be set
+    when you submit."""
+    secret_env: list[str] = field(default_factory=list)
+    """Names of secret variables: passed like ``env_passthrough``, with the value from ``cluster.env``
+    (e.g. in a private profile) or else from the submitting environment; the value appears in no file
+    hpcmeg writes (recipe copies, scripts, checkpoints, logs, markers, jobs.json, submitit pickles)."""
     master_port: Optional[int] = ranged(None, ge=1, le=65535, null="derived from the job id")
     """Rendezvous port; null = derived from the job id."""
 

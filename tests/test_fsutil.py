@@ -93,6 +93,28 @@ def test_modes_umask_default_and_explicit_bits(tmp_path):
     assert _mode(tmp_path / "cache.npy") == 0o600
 
 
+def test_a_library_replacing_the_temp_still_gets_the_umask_mode(tmp_path):
+    """safetensors (and others) write their own 0o600 file over the path they are given: the final file
+    must still get 0o666 & ~umask; executables get 0o777 & ~umask; a real safetensors save as convert does."""
+    for mask in (0o022, 0o007):
+        with _umask(mask):
+            assert fsutil.current_umask() == mask
+            assert fsutil.default_mode() == 0o666 & ~mask and fsutil.executable_mode() == 0o777 & ~mask
+            with fsutil.atomic_path(tmp_path / "model.bin") as tmp:
+                fd = os.open(tmp + ".own", os.O_WRONLY | os.O_CREAT, 0o600)
+                os.close(fd)
+                os.replace(tmp + ".own", tmp)
+            assert _mode(tmp_path / "model.bin") == 0o666 & ~mask
+            import torch
+            from safetensors.torch import save_file
+
+            with fsutil.atomic_path(tmp_path / "model.safetensors", fsync=False) as tmp:
+                save_file({"w": torch.zeros(2)}, tmp)
+            assert _mode(tmp_path / "model.safetensors") == 0o666 & ~mask
+            fsutil.write_text_atomic(tmp_path / "s.sh", "#!/bin/bash\n", mode=fsutil.executable_mode())
+            assert _mode(tmp_path / "s.sh") == 0o777 & ~mask
+
+
 def test_concurrent_writers_never_collide_or_tear(tmp_path):
     # threads share a pid, so a pid-only temp name would collide; every write must land whole
     target = tmp_path / "marker.done"

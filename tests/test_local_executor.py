@@ -15,7 +15,8 @@ import pytest
 
 from conftest import REPO, hpcmeg_cmd
 from hpcmeg.launch.rundir import latest_iteration, read_markers
-from test_submit_slurm import TINY, corpus_shards, hpcmeg, sets, status, tiny_dataset  # noqa: F401 (fixture)
+from test_submit_slurm import (TINY, corpus_shards, hpcmeg, longest_silence, sets, status, timed,  # noqa: F401
+                               tiny_dataset)
 
 
 @pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist
@@ -23,10 +24,20 @@ def test_local_chain_end_to_end(tmp_path):
     corpus_shards(tmp_path)
     over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",
                    "train.train_iters=10", "checkpoint.save_interval=5", "convert.iterations=last"]
-    r = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local", *sets(over),
-               cwd=tmp_path, timeout=400)
+    rc, lines, err = timed("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local",
+                           *sets(over), cwd=tmp_path, timeout=400)
     run = tmp_path / "runs" / "codeparrot-tiny"
-    assert f"done: {run}" in r.stdout
+    out = "\n".join(t for _, t in lines)
+    assert rc == 0 and f"done: {run}" in out, out[-3000:] + err[-3000:]
+    # the console shows what the ranks do (rank 0's lines, with elapsed time and ETA), never 15 s silent
+    assert "train: iteration  5/10 |" in out and "train: iteration 10/10 |" in out and "| ETA " in out
+    assert "preprocess 0: Processed" in out or "preprocess: Processed" in out
+    gap, after = longest_silence(lines)
+    assert gap < 15, f"{gap:.1f} s without a line before {after!r}"
+    # a finished chain has nothing to cancel, and is not marked cancelled
+    c = hpcmeg("cancel", str(run))
+    assert "nothing to cancel" in c.stdout and "train COMPLETED" in c.stdout
+    assert "cancelled_at" not in json.loads((run / "jobs.json").read_text())
     st = status(run)
     assert {s: v["state"] for s, v in st["stages"].items()} == {
         "preprocess": "COMPLETED", "merge": "COMPLETED", "train": "COMPLETED", "convert": "COMPLETED"}

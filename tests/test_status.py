@@ -6,6 +6,7 @@ answer has to come from the marker files the jobs write.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import threading
@@ -166,7 +167,7 @@ def test_parse_sacct_states_and_noise():
     assert ST.parse_sacct("123_7| |0:0|00:00:00|node3", "123")["7"]["state"] == "UNKNOWN"
 
 
-def test_status_without_accounting_falls_back_to_markers(tmp_path, monkeypatch):
+def test_status_without_accounting_falls_back_to_markers(tmp_path, monkeypatch, capsys):
     """Slurm does not know the ids (forgotten or never there) and sacct fails: the markers answer."""
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -202,7 +203,13 @@ def test_status_without_accounting_falls_back_to_markers(tmp_path, monkeypatch):
     run.jobs.write_text(json.dumps(rec))
     st = ST.run_status(run.root)
     assert st["stages"]["convert"]["state"] == "CANCELLED" and ST.is_final(st)
-    assert ST.cli_status(str(run.root)) == 0
+    capsys.readouterr()
+    # a FAILED stage: exit 1, and the last stderr line (only one) names the cause and `hpcmeg logs`
+    assert ST.cli_status(str(run.root)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train FAILED: training stopped at checkpointed iteration 5 of 40: restart cap" in err[0]
+    assert f"hpcmeg logs {run.root} --stage train" in err[0]
+    assert ST.cli_status(argparse.Namespace(run=str(run.root), json=True)) == 1
 
 
 def test_logs_select_print_and_follow(tmp_path, capsys):

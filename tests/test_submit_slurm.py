@@ -99,17 +99,80 @@ def no_sacct(tmp_path_factory):
     return env
 
 
+def timed(*args, cwd=None, timeout=400, env=None, umask=None) -> tuple[int, list[tuple[float, str]], str]:
+    """Run hpcmeg; (exit code, [(seconds since start, stdout line)], stderr) — to measure silences."""
+    e = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    t0 = time.time()
+    p = subprocess.Popen([*hpcmeg_cmd(), *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=e, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None)
+    lines = [(0.0, "")]
+    err: list[str] = []
+    import threading
+
+    th = threading.Thread(target=lambda: err.append(p.stderr.read()), daemon=True)
+    th.start()
+    for line in p.stdout:
+        lines.append((time.time() - t0, line.rstrip("\n")))
+    rc = p.wait(timeout=timeout)
+    th.join(timeout=30)
+    lines.append((time.time() - t0, "<exit>"))
+    return rc, lines, "".join(err)
+
+
+def longest_silence(lines: list[tuple[float, str]]) -> tuple[float, str]:
+    gaps = [(b[0] - a[0], b[1]) for a, b in zip(lines, lines[1:])]
+    return max(gaps)
+
+
+SECRET = "s3cr3t-VALUE-7f3a9c"  # given in cluster.env, marked secret
+PASSED = "p4ss-THROUGH-51e0b2"  # only in the submitting environment, passed by name
+
+
 @pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist
 def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
+    """...and, on the same real run: the console never goes 15 s without a line; secret and pass-through
+    values reach the job but no file under the run directory (recipes, scripts, checkpoints, logs,
+    markers, jobs.json, submitit pickles); every file follows the submitting umask (0o007 here)."""
     corpus_shards(tmp_path)
-    over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",
-                   "train.train_iters=20", "checkpoint.save_interval=10", "convert.iterations=all"]
-    t0 = time.time()
-    r = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm", *sets(over),
-               "--wait", cwd=tmp_path, timeout=400)
-    elapsed = time.time() - t0
     run = tmp_path / "runs" / "codeparrot-tiny"
-    assert f"run directory: {run}" in r.stdout and "submitted convert" in r.stdout
+    # the batch shell proves the values arrived, writing only their digests into the run directory
+    digest = ['printf %s "$HPCMEG_T_SECRET" | sha256sum > ' + str(run) + '/secret.sha',
+              'printf %s "$HPCMEG_T_PASSED" | sha256sum > ' + str(run) + '/passed.sha']
+    over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",
+                   "train.train_iters=20", "checkpoint.save_interval=10", "convert.iterations=all",
+                   "cluster.env={OMP_NUM_THREADS: '1', HPCMEG_T_SECRET: " + SECRET + "}",
+                   "cluster.secret_env=[HPCMEG_T_SECRET]", "cluster.env_passthrough=[HPCMEG_T_PASSED]",
+                   "cluster.setup=" + json.dumps(digest)]
+    t0 = time.time()
+    rc, lines, err = timed("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm",
+                           *sets(over), "--wait", cwd=tmp_path, env={"HPCMEG_T_PASSED": PASSED}, umask=0o007)
+    elapsed = time.time() - t0
+    out = "\n".join(t for _, t in lines)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    gap, after = longest_silence(lines)
+    assert gap < 15, f"{gap:.1f} s without a line before {after!r}"
+    assert "train: RUNNING on node" in out and "train: iteration 20/20" in out and "| ETA " in out
+    assert "preprocess: COMPLETED" in out and "convert: COMPLETED" in out
+    assert f"run directory: {run}" in out and "submitted convert" in out
+    # the values reached the batch shell (digests match) and are in no file of the run directory
+    import hashlib
+    import stat
+
+    for name, val in (("secret.sha", SECRET), ("passed.sha", PASSED)):
+        assert (run / name).read_text().split()[0] == hashlib.sha256(val.encode()).hexdigest(), name
+    files = [p for p in run.rglob("*") if p.is_file() and not p.is_symlink()]
+    kinds = {p.suffix for p in files}
+    assert {".pt", ".pkl", ".safetensors", ".yaml", ".sbatch", ".sh", ".log", ".json"} <= kinds, kinds
+    for p in files:
+        data = p.read_bytes()
+        assert SECRET.encode() not in data and PASSED.encode() not in data, p
+    assert "HPCMEG_T_SECRET" in (run / "recipe.yaml").read_text()  # the name is kept, the value is not
+    assert "--export=ALL,HPCMEG_T_PASSED,HPCMEG_T_SECRET" in (run / "scripts" / "train.sbatch").read_text()
+    # modes (before the dry run below rewrites the scripts): umask 0o007 -> files 0o660, step scripts
+    # 0o770 (nothing forced to 0o600 or 0o755)
+    bad = {str(p.relative_to(run)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
+           if stat.S_IMODE(p.stat().st_mode) != (0o770 if p.name.endswith("_step.sh") else 0o660)}
+    assert not bad, bad
     st = status(run)
     states = {s: v["state"] for s, v in st["stages"].items()}
     assert states == {"preprocess": "COMPLETED", "merge": "COMPLETED", "train": "COMPLETED",
@@ -141,7 +204,7 @@ def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
             logits = model(torch.tensor([[15496, 995, 198]])).logits
         assert logits.shape == (1, 3, 50304) or logits.shape[:2] == (1, 3)
         assert torch.isfinite(logits).all()
-    print(f"chain end to end: {elapsed:.1f} s")
+    print(f"chain end to end: {elapsed:.1f} s, longest silence {gap:.1f} s")
 
 
 def test_cancel_stops_the_whole_chain(slurm_cluster, tmp_path, tiny_dataset):
@@ -159,7 +222,8 @@ def test_cancel_stops_the_whole_chain(slurm_cluster, tmp_path, tiny_dataset):
     follow = subprocess.Popen([*hpcmeg_cmd(), "logs", str(run), "-f", "--stage", "train"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
-    assert "cancelled jobs" in hpcmeg("cancel", str(run)).stdout
+    out = hpcmeg("cancel", str(run)).stdout
+    assert "cancelled train (job" in out and "convert (job" in out
     st = wait_states(run, lambda s: all(v["state"] in ("CANCELLED", "FAILED", "COMPLETED")
                                         for v in s["stages"].values()), timeout=60)
     assert st["stages"]["train"]["state"] == "CANCELLED" and st["stages"]["convert"]["state"] == "CANCELLED"

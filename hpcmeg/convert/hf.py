@@ -38,6 +38,7 @@ from hpcmeg.convert.merge import (
     load_full_checkpoint,
 )
 from hpcmeg.errors import one_line
+from hpcmeg.fsutil import atomic_path
 from hpcmeg.train.checkpoint import iter_dirname
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
@@ -207,7 +208,9 @@ def convert_checkpoint(ckpt_dir: str, out_dir: str, iteration: int | str | None 
         sd = {k: v.to(torch_dtype).contiguous() for k, v in sd.items()}
         from safetensors.torch import save_file
 
-        save_file(sd, os.path.join(stage, "model.safetensors"), metadata={"format": "pt"})
+        # through fsutil: safetensors creates its file 0o600; atomic_path gives the umask's mode
+        with atomic_path(os.path.join(stage, "model.safetensors"), fsync=False) as tmp:
+            save_file(sd, tmp, metadata={"format": "pt"})
         if pytorch_bin:
             torch.save(sd, os.path.join(stage, "pytorch_model.bin"))
         _write_json(os.path.join(stage, "config.json"),

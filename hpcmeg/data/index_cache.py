@@ -47,9 +47,10 @@ def cache_paths(cache_dir: str, md5: str, kind: str, split: str, names: Sequence
     return paths
 
 
-# mode=0o600: what these files always had (they used to come from tempfile.mkstemp); the builder's
-# ranks run as the same user. A cache shared between users would want the umask default instead.
-_CACHE_FILE_MODE = 0o600
+# mode None: the user's umask decides (fsutil.default_mode), like every other output. The 0o600 these
+# files once had was tempfile.mkstemp's, not a choice: an index_cache_dir shared by a project's users
+# must be readable by them, and nothing in it is private (sample indices of public data).
+_CACHE_FILE_MODE = None
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:

@@ -186,19 +186,57 @@ def _describe_batch(batch: LineBatch) -> str:
 # ---------------------------------------------------------------------------------------------
 # parent side: ordering, writing, progress, errors
 # ---------------------------------------------------------------------------------------------
-class _Progress:
-    def __init__(self, cfg: PreprocessConfig):
-        self.cfg, self.t0, self.next_report = cfg, time.perf_counter(), cfg.log_interval
+def input_size_estimate(paths: Sequence[str]) -> int:
+    """Bytes preprocessing will read (decompressed): plain files' sizes, and for gzip the ISIZE trailer
+    (uncompressed size mod 2**32, lifted above the compressed size). A multi-member gzip reports only
+    its last member, so percentages are capped below 100 until the end."""
+    total = 0
+    for p in paths:
+        try:
+            size = os.path.getsize(p)
+            with open(p, "rb") as f:
+                if f.read(2) != b"\x1f\x8b" or size < 18:
+                    total += size
+                    continue
+                f.seek(-4, os.SEEK_END)
+                isize = int.from_bytes(f.read(4), "little")
+        except OSError:
+            continue
+        while isize < size:
+            isize += 1 << 32
+        total += isize
+    return total
 
-    def line(self, st: PreprocessStats) -> str:
+
+class _Progress:
+    """Megatron's 'Processed N documents' line, plus percent done and ETA from the bytes read so far
+    against ``total_bytes``; printed every ``log_interval`` documents and at least every
+    ``_EVERY_S`` seconds (a Slurm console tails these lines)."""
+    _EVERY_S = 5.0
+
+    def __init__(self, cfg: PreprocessConfig, total_bytes: int = 0):
+        self.cfg, self.t0, self.next_report = cfg, time.perf_counter(), cfg.log_interval
+        self.total, self.last_print = total_bytes, self.t0
+
+    def line(self, st: PreprocessStats, done: bool = False) -> str:
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        return (f"Processed {st.documents} documents ({st.documents / dt:.1f} docs/s, "
-                f"{st.tokens / dt / 1e6:.2f} M tokens/s, {st.input_bytes / dt / 2**20:.1f} MB/s)")
+        out = (f"Processed {st.documents} documents ({st.documents / dt:.1f} docs/s, "
+               f"{st.tokens / dt / 1e6:.2f} M tokens/s, {st.input_bytes / dt / 2**20:.1f} MB/s)")
+        if self.total > 0 and not done:
+            frac = min(st.input_bytes / self.total, 0.999)
+            eta = dt * (1 - frac) / frac if frac > 0 else None
+            out += f" | {100 * frac:.1f}% of {self.total / 2**20:,.1f} MB"
+            out += f" | ETA {eta:.0f} s" if eta is not None else ""
+        return out
 
     def update(self, st: PreprocessStats) -> None:
-        if self.cfg.quiet or self.cfg.log_interval <= 0 or st.documents < self.next_report:
+        if self.cfg.quiet or self.cfg.log_interval <= 0:
+            return
+        now = time.perf_counter()
+        if st.documents < self.next_report and now - self.last_print < self._EVERY_S:
             return
         print(self.line(st), file=sys.stderr, flush=True)
+        self.last_print = now
         self.next_report = (st.documents // self.cfg.log_interval + 1) * self.cfg.log_interval
 
 
@@ -278,7 +316,7 @@ def preprocess_files(inputs: Sequence[str] | str, output_prefix: str, config: Pr
     nparts = cfg.partitions if (cfg.partitions > 1 and not cfg.keep_sequential_samples) else 1
     part_prefixes = [output_prefix if nparts == 1 else f"{output_prefix}_{p}" for p in range(nparts)]
     st = PreprocessStats()
-    progress = _Progress(cfg)
+    progress = _Progress(cfg, input_size_estimate(paths))
     builders: dict = {}
     finished_parts: list[str] = []  # per-partition datasets: only a means to Megatron's order
     committed: list[str] = []  # final datasets renamed into place so far
@@ -320,7 +358,7 @@ def preprocess_files(inputs: Sequence[str] | str, output_prefix: str, config: Pr
     st.seconds = time.perf_counter() - progress.t0
     st.outputs = {k: output_prefix_for(output_prefix, k, cfg.split_sentences) for k in cfg.json_keys}
     if not cfg.quiet:
-        print(progress.line(st) + " done.", file=sys.stderr)
+        print(progress.line(st, done=True) + " done.", file=sys.stderr)
     return st
 
 

@@ -21,6 +21,8 @@ import re
 import shutil
 import tempfile
 
+from hpcmeg.fsutil import executable_mode
+
 _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab")
 
 
@@ -63,7 +65,7 @@ def ensure_punkt_tab(lang: str = "english", cache_dir: str | None = None) -> str
     tmp = tempfile.mkdtemp(prefix=f".{lang}.tmp", dir=parent)
     try:
         save_punkt_params(_nltk_params(lang), dir=tmp)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, executable_mode())  # mkdtemp's 0o700 -> what os.makedirs would give (umask)
         try:
             os.rename(tmp, final)
         except OSError:

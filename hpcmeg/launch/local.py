@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Optional
 
 from hpcmeg.launch import scripts as S
+from hpcmeg.launch.causes import failure_cause
 from hpcmeg.launch.container import ContainerError, ContainerSpec, local_wrap
 from hpcmeg.launch.rundir import RunDir, input_manifest, latest_iteration, write_jobs, write_manifest, write_marker
 from hpcmeg.launch.supervisor import REQUEUE_EXIT_CODES, convert_iteration, effective_train_rc, train_outcome
+from hpcmeg.launch.watch import LogFollower, Ticker, clock, shown
 from hpcmeg.recipe import RecipeError, write_resolved
 
 
@@ -111,10 +113,25 @@ def _launch(fw: _Forwarder, argv: list[str], log: Path, env: dict) -> subprocess
     return p
 
 
-def _wait_all(fw: _Forwarder, procs: list[subprocess.Popen]) -> int:
-    """Wait for every process; the first non-zero exit stops the rest. Returns the first failure's code."""
+def _wait_all(fw: _Forwarder, procs: list[subprocess.Popen], echo: Optional[tuple[str, Path]] = None,
+              tick: Optional[Ticker] = None) -> int:
+    """Wait for every process; the first non-zero exit stops the rest. Returns the first failure's code.
+
+    ``echo`` = (stage, log of task/rank 0): the lines ``watch.shown`` picks from it go to the console
+    as they are written, and ``tick`` prints a heartbeat when it has been quiet for its interval."""
     first_bad = 0
+    follower = LogFollower(echo[1]) if echo else None
+    t_start = time.time()
+    def show() -> None:
+        if follower is not None and tick is not None:
+            for line in follower.new_lines():
+                if shown(line):
+                    tick.say(f"{echo[0]}: {line}")
+
     while True:
+        show()
+        if tick is not None and tick.quiet_for() >= tick.heartbeat_s:
+            tick.say(f"{echo[0] if echo else 'chain'}: still running, {clock(time.time() - t_start)} so far")
         alive = [p for p in procs if p.poll() is None]
         bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
         if bad and not first_bad:
@@ -123,27 +140,30 @@ def _wait_all(fw: _Forwarder, procs: list[subprocess.Popen]) -> int:
                 for p in alive:
                     p.send_signal(signal.SIGTERM)
         if not alive:
+            show()  # what the processes wrote last
             fw.procs = [p for p in fw.procs if p not in procs]
             return first_bad
         time.sleep(0.2)
 
 
-def _simple(fw, run: RunDir, stage: str, task: Optional[int], argv: list[str], env: dict) -> None:
+def _simple(fw, run: RunDir, stage: str, task: Optional[int], argv: list[str], env: dict, tick: Ticker) -> None:
     tag = "local" if task is None else f"local_{task}"
     write_marker(run, stage, "started", task=task)
-    print(f"[hpcmeg local] {stage}{'' if task is None else ' ' + str(task)}: {S.q(argv)}", flush=True)
-    rc = _wait_all(fw, [_launch(fw, argv, run.logs(stage) / f"{stage}.{tag}.r0.0.log", env)])
+    tick.say(f"{stage}{'' if task is None else ' ' + str(task)}: running {S.q(argv)}")
+    log = run.logs(stage) / f"{stage}.{tag}.r0.0.log"
+    rc = _wait_all(fw, [_launch(fw, argv, log, env)], (stage, log), tick)
     if fw.signal is not None:
         write_marker(run, stage, "interrupted", task=task, exit_code=rc)
         raise _Stopped()
     if rc != 0:
-        reason = f"{stage} failed with exit code {rc} (see {run.logs(stage)})"
+        c = failure_cause(run.root, stage, tag, 0)
+        reason = f"{stage} failed (exit code {rc}): {c.describe(run.root) if c else f'no error line in {log}'}"
         write_marker(run, stage, "failed", task=task, exit_code=rc, reason=reason)
         raise RuntimeError(reason)
     write_marker(run, stage, "done", task=task)
 
 
-def _train(fw, prep, env: dict) -> None:
+def _train(fw, prep, env: dict, tick: Ticker) -> None:
     from hpcmeg.train.signals import RequeueGuard
 
     r, d, run = prep.recipe, prep.derived, prep.run
@@ -157,14 +177,15 @@ def _train(fw, prep, env: dict) -> None:
         write_marker(run, "train", "started", start_iteration=start_it, restart=restart)
         port = r.cluster.master_port or _free_port()
         argv = _cmd(prep, "train", str(run.recipe))
-        print(f"[hpcmeg local] train (restart {restart}): {world} x {S.q(argv)}", flush=True)
+        tick.say(f"train: {world} rank(s) x {S.q(argv)}" + (f" (restart {restart})" if restart else ""))
         procs = []
         attempt_start = time.time()
         for rank in range(world):
             renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             procs.append(_launch(fw, argv, run.logs("train") / f"train.local.r{restart}.{rank}.log", renv))
-        rc = effective_train_rc(_wait_all(fw, procs), run.root, attempt_start)
+        rank0 = run.logs("train") / f"train.local.r{restart}.0.log"
+        rc = effective_train_rc(_wait_all(fw, procs, ("train", rank0), tick), run.root, attempt_start)
         end_it = latest_iteration(d.checkpoint_dir)
         if fw.signal is not None:
             write_marker(run, "train", "interrupted", exit_code=rc, iteration=end_it, restart=restart)
@@ -173,8 +194,13 @@ def _train(fw, prep, env: dict) -> None:
         if rc in REQUEUE_EXIT_CODES or (rc == 0 and (end_it is None or end_it < d.train_iters)):
             dec = guard.decide(restart, end_it)
             verdict = (dec.requeue, dec.reason)
-        out = train_outcome(rc, end_it, d.train_iters, verdict)
-        print(f"[hpcmeg local] train: {out.action}: {out.reason}", flush=True)
+        cause = None
+        if rc != 0 and rc not in REQUEUE_EXIT_CODES:
+            c = failure_cause(run.root, "train", "local", restart)
+            cause = c.describe(run.root) if c else None
+        out = train_outcome(rc, end_it, d.train_iters, verdict, cause)
+        if out.action != "fail":  # a failure is said once, as the chain's last line
+            tick.say(f"train: {out.action}: {out.reason}")
         if out.action == "done":
             write_marker(run, "train", "done", iteration=end_it, restart=restart)
             return
@@ -185,7 +211,7 @@ def _train(fw, prep, env: dict) -> None:
         restart += 1
 
 
-def run_chain(prep) -> int:
+def run_chain(prep, heartbeat_s: float = 10.0) -> int:
     r, d, run = prep.recipe, prep.derived, prep.run.create()
     try:
         plan = _plan(prep)
@@ -207,8 +233,9 @@ def run_chain(prep) -> int:
         stages["convert"] = {"job_id": "local", "array": n_convert if n_convert > 1 else None}
     write_jobs(run, {"executor": "local", "submitted": time.time(), "pid": os.getpid(), "recipe": str(run.recipe),
                      "stages": stages})
+    tick = Ticker(sys.stdout, heartbeat_s)
     if r.cluster.setup:
-        print("[hpcmeg local] note: cluster.setup lines are for Slurm batch scripts; not run locally", flush=True)
+        tick.say("note: cluster.setup lines are for Slurm batch scripts; not run locally")
     fw = _Forwarder()
     old = fw.install()
     print(f"run directory: {run.root}", flush=True)
@@ -217,13 +244,13 @@ def run_chain(prep) -> int:
         if plan:
             manifest = (d.data_prefix, input_manifest(prep.files, S.tokenizer_settings(r)))
         elif prep.skip_preprocess:
-            print(f"[hpcmeg local] preprocess: skipped, {d.data_prefix} matches its inputs and tokenizer", flush=True)
+            tick.say(f"preprocess: skipped, {d.data_prefix} matches its inputs and tokenizer")
         for st, t, argv, _ in plan:
-            _simple(fw, run, st, t, argv, env)
+            _simple(fw, run, st, t, argv, env, tick)
         if manifest:
             write_manifest(*manifest)
         if "train" in prep.stages:
-            _train(fw, prep, env)
+            _train(fw, prep, env, tick)
         out_dir = r.convert.output_dir or str(run.root / "hf")
         for i in range(n_convert):
             task = {"task": i, "checkpoint_dir": d.checkpoint_dir, "iterations": str(r.convert.iterations)}
@@ -239,12 +266,13 @@ def run_chain(prep) -> int:
                 continue
             argv = _cmd(prep, "convert", d.checkpoint_dir, str(Path(out_dir) / f"iter_{it:07d}"), "--iteration",
                         str(it), "--dtype", r.convert.dtype)
-            _simple(fw, run, "convert", t, argv, env)
+            _simple(fw, run, "convert", t, argv, env, tick)
     except _Stopped:
         print(f"hpcmeg: the local chain was stopped ({signal.Signals(fw.signal).name}); resubmit to resume", file=sys.stderr)
         return 128 + int(fw.signal)
     except RuntimeError as e:
-        print(f"hpcmeg: {e}", file=sys.stderr)
+        sys.stdout.flush()
+        print(f"hpcmeg submit: {e}; more: hpcmeg logs {S.q([str(run.root)])}", file=sys.stderr)
         return 1
     finally:
         for s, h in old.items():

@@ -76,7 +76,8 @@ class RunDir:
 
 
 def write_atomic(path: str | os.PathLike, text: str, mode: Optional[int] = None) -> Path:
-    """Write text atomically (hpcmeg.fsutil), creating parent dirs; ``mode`` e.g. 0o755 for step scripts."""
+    """Write text atomically (hpcmeg.fsutil), creating parent dirs; ``mode`` e.g.
+    ``fsutil.executable_mode()`` for step scripts (default: the umask's, fsutil.default_mode)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, text, mode=mode)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpcmeg.launch.container import ContainerSpec, Wrapped, python_argv, wrap
+from hpcmeg.jobenv import passed_names, written_env
 from hpcmeg.launch.rundir import RunDir
 
 # Time-limit/preemption lead signal for the steps of the train job. No "B:" prefix: Slurm signals the
@@ -286,7 +287,13 @@ def _common_params(r, stage: str, run: RunDir, time: str, array: bool) -> dict[s
     log = slurm_path("run.output_root", str(run.logs(stage) / f"{stage}."))
     # requeued jobs keep their id: append, never truncate (the supervisor prints a banner per restart)
     p["additional_parameters"] = {"output": f"{log}{pat}.batch.log", "open-mode": "append"}
-    setup = ["export PYTHONUNBUFFERED=1", *env_exports(c.env)]
+    # cluster.secret_env values are never rendered; they and cluster.env_passthrough travel by name in
+    # sbatch's environment propagation (--export=ALL,NAME: ALL is Slurm's default, spelled out so that a
+    # site's SBATCH_EXPORT=NONE cannot drop them; srun steps inherit it through SLURM_EXPORT_ENV)
+    setup = ["export PYTHONUNBUFFERED=1", *env_exports(written_env(c))]
+    names = passed_names(c)
+    if names:
+        p["additional_parameters"]["export"] = sbatch_value("cluster.env_passthrough", ",".join(["ALL", *names]))
     if c.setup:
         setup += ["# cluster.setup (shell by design: copied verbatim from the profile/recipe)", *c.setup]
     p["setup"] = setup

@@ -1,9 +1,11 @@
 """`hpcmeg status | logs | cancel RUN`: watch, tail and stop a run's job chain.
 
 Contract: ``run_status(run_dir) -> dict`` ({"run_dir", "executor", "stages": {stage: {"job_id",
-"state", "tasks": {task: {...}}, "detail"}}}); ``cli_status(run, as_json)``, ``cli_logs(run, follow,
-stage, rank, lines)``, ``cli_cancel(run)`` return exit codes; ``wait_for_run(run_dir)`` blocks until
-every job is in a final state (0 if all COMPLETED). ``parse_squeue/parse_sacct(text, job_id)`` and
+"state", "tasks": {task: {...}}, "detail"}}}); ``cli_status(run, as_json)`` (1 when a stage failed, with one
+stderr line naming the failing task's own cause and ``hpcmeg logs``), ``cli_logs(run, follow, stage,
+rank, lines)``, ``cli_cancel(run)`` (only jobs not yet final; an ended chain: "nothing to cancel" and
+the run is not marked cancelled) return exit codes; ``wait_for_run(run_dir)`` follows the chain until
+every job is final (hpcmeg.launch.watch; 0 if all COMPLETED). ``parse_squeue/parse_sacct(text, job_id)`` and
 ``parse_scontrol(text)`` are the pure parsers of the three commands' output (squeue and sacct share one
 line loop for their ``|``-separated lines).
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -226,7 +229,9 @@ def _args(a, *names):
     return None
 
 
-def cli_status(run, as_json: bool = False) -> int:
+def cli_status(run, as_json: bool = False, quiet: bool = False) -> int:
+    """Print the table (or JSON); exit 1 when a stage failed (then, unless ``quiet``, one last line on
+    stderr with the failing task's own error line and the ``hpcmeg logs`` command), else 0."""
     if (got := _args(run, "run", "json")) is not None:
         run, as_json = got
     try:
@@ -234,9 +239,12 @@ def cli_status(run, as_json: bool = False) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcmeg status: {e}", file=sys.stderr)
         return 2
+    from hpcmeg.launch.causes import failure_lines
+
+    bad = failure_lines(run, st)
     if as_json:
         print(json.dumps(st, indent=2))
-        return 0
+        return 1 if bad else 0
     print(f"run {st['run_dir']} ({st['executor']}{', cancelled' if st['cancelled'] else ''})")
     print(f"{'stage':<11}{'job':<9}{'state':<14}{'source':<10}detail")
     for stage, s in st["stages"].items():
@@ -244,19 +252,21 @@ def cli_status(run, as_json: bool = False) -> int:
         reasons = sorted({t.get("reason", "") for t in s["tasks"].values() if t.get("reason") and t["reason"] not in s["detail"]})
         detail = "; ".join(x for x in [s["detail"], *reasons[:2]] if x)
         print(f"{stage:<11}{s['job_id']:<9}{s['state']:<14}{','.join(srcs):<10}{detail}")
+    sys.stdout.flush()
+    if bad:
+        if not quiet:
+            stage, line = bad[0]
+            print(f"hpcmeg status: {line}; more: hpcmeg logs {shlex.quote(str(run))} --stage "
+                  f"{'preprocess' if stage == 'merge' else stage}", file=sys.stderr)
+        return 1
     return 0
 
 
-def wait_for_run(run_dir: str | os.PathLike, poll_s: float = 5.0, timeout_s: Optional[float] = None) -> int:
-    """Block until every stage is final; 0 when all COMPLETED, 1 otherwise (prints the final table)."""
-    t0 = time.time()
-    while True:
-        st = run_status(run_dir)
-        if is_final(st) or (timeout_s is not None and time.time() - t0 > timeout_s):
-            break
-        time.sleep(poll_s)
-    cli_status(str(run_dir))
-    return 0 if all(s["state"] == "COMPLETED" for s in st["stages"].values()) else 1
+def wait_for_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: float = 10.0) -> int:
+    """Follow the chain until every stage is final (hpcmeg.launch.watch); 0 when all COMPLETED."""
+    from hpcmeg.launch.watch import watch_run
+
+    return watch_run(run_dir, poll_s=poll_s, heartbeat_s=heartbeat_s)
 
 
 # ----------------------------------------------------------------------------- logs
@@ -356,24 +366,37 @@ def cli_cancel(run) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcmeg cancel: {e}", file=sys.stderr)
         return 2
-    rec["cancelled_at"] = time.time()
-    write_atomic(root.jobs, json.dumps(rec, indent=2) + "\n")
+    try:
+        st = run_status(root.root)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"hpcmeg cancel: {e}", file=sys.stderr)
+        return 2
+    states = ", ".join(f"{k} {s['state']}" for k, s in st["stages"].items()) or "no stages recorded"
     if rec.get("executor") == "local":
         pid = rec.get("pid")
-        if pid and _alive(int(pid)):
-            os.kill(int(pid), signal.SIGTERM)  # the local chain forwards it to its ranks, which save and exit
-            print(f"sent SIGTERM to the local chain (pid {pid})")
-        else:
-            print("the local chain is not running")
+        if not (pid and _alive(int(pid))):
+            print(f"nothing to cancel: the local chain of {root.root} is not running ({states})")
+            return 0
+        _mark_cancelled(root, rec)
+        os.kill(int(pid), signal.SIGTERM)  # the local chain forwards it to its ranks, which save and exit
+        print(f"sent SIGTERM to the local chain (pid {pid})")
         return 0
-    ids = [str(s["job_id"]) for s in rec.get("stages", {}).values() if s.get("job_id")]
-    if not ids:
-        print("no jobs recorded")
+    live = {k: s for k, s in st["stages"].items() if s["state"] not in FINAL and s.get("job_id")}
+    if not live:
+        print(f"nothing to cancel: every job of {root.root} has ended ({states})")
         return 0
+    _mark_cancelled(root, rec)
+    ids = [str(s["job_id"]) for s in live.values()]
     # newest first, so no dependant starts in between
     r = subprocess.run(["scancel", *reversed(ids)], capture_output=True, text=True)
     if r.returncode != 0:
         print(f"hpcmeg cancel: scancel failed: {r.stderr.strip()}", file=sys.stderr)
         return 1
-    print(f"cancelled jobs {', '.join(ids)} of {root.root}")
+    what = ", ".join(f"{k} (job {s['job_id']}, was {s['state']})" for k, s in live.items())
+    print(f"cancelled {what} of {root.root}")
     return 0
+
+
+def _mark_cancelled(root: RunDir, rec: dict) -> None:
+    rec["cancelled_at"] = time.time()
+    write_atomic(root.jobs, json.dumps(rec, indent=2) + "\n")

@@ -5,17 +5,21 @@ Contract: ``cli_submit(args) -> exit code`` (args: recipe, overrides, profile, d
 inputs, whether the dataset can be reused, the plan) and ``submit_plan(prep) -> {stage: job id}``.
 
 Order of work: validate -> make every path absolute (jobs and containers do not share the login
-shell's cwd) -> expand data.inputs -> reuse the dataset when its manifest matches (inputs' paths,
-sizes, mtimes and the tokenizer) -> write recipe.yaml, scripts/*.sbatch and scripts/*_step.sh ->
-(--dry-run: print them and stop) -> refuse if this run still has jobs in the queue -> submit each
-stage through submitit with ``afterok`` on the previous one, recording jobs.json after every
-submission (a failure mid-chain still leaves ids for ``hpcmeg cancel``).
+shell's cwd) -> the shared checks (hpcmeg.launch.checks: no '%' in the run dir, every data.inputs
+entry matches a file whose first document has the json_keys; pass-through/secret variables set) ->
+reuse the dataset when its manifest matches (inputs' paths, sizes, mtimes and the tokenizer) -> the
+plan (``prepare``: all of this is what ``hpcmeg validate`` runs too) -> write recipe.yaml,
+scripts/*.sbatch and scripts/*_step.sh (--dry-run: print them and stop; where the run dir cannot be
+created, print them and say nothing was written) -> refuse if this run still has jobs in the queue ->
+submit each stage through submitit with ``afterok`` on the previous one, recording jobs.json after
+every submission (a failure mid-chain still leaves ids for ``hpcmeg cancel``); secret values sit in
+the submitting process's environment only while sbatch runs -> ``--wait``: follow the chain
+(hpcmeg.launch.watch).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import fnmatch
-import glob
 import os
 import shlex
 import subprocess
@@ -23,12 +27,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
+from hpcmeg.fsutil import executable_mode
+from hpcmeg import jobenv
+from hpcmeg.launch import checks
 from hpcmeg.launch import scripts as S
 from hpcmeg.launch.container import ContainerError
 from hpcmeg.launch.rundir import RunDir, dataset_is_current, input_manifest, read_json, write_atomic, write_jobs
-from hpcmeg.recipe import Recipe, RecipeError, derive, dump_yaml, load_recipe, write_resolved
+from hpcmeg.recipe import Recipe, RecipeError, derive, dump_yaml, load_recipe
 
 ALL_STAGES = ("preprocess", "train", "convert")
 
@@ -66,30 +73,6 @@ def absolutize(r: Recipe) -> Recipe:
     return dataclasses.replace(r, run=run, data=data, checkpoint=ck, convert=cv)
 
 
-def expand_inputs(specs: list[str], allow_missing: bool = False) -> list[str]:
-    """data.inputs -> sorted files per spec, in spec order; one line per spec that matches nothing.
-
-    With ``allow_missing`` (``--dry-run`` on a machine that does not see the data, e.g. a laptop
-    rendering a cluster's scripts) an unmatched spec stays as one literal shard and a warning is
-    printed instead of an error."""
-    out, bad = [], []
-    for spec in specs:
-        if any(c in spec for c in "*?["):
-            found = sorted(p for p in glob.glob(spec) if os.path.isfile(p))
-        else:
-            found = [spec] if os.path.isfile(spec) else []
-        if not found:
-            bad.append(f"data.inputs: '{spec}' matches no file (paths are relative to the directory you submit from)")
-        out += found
-    if bad and allow_missing:
-        for line in bad:
-            print(f"hpcmeg submit: warning (dry run): {line}; kept as one literal shard", file=sys.stderr)
-        return out + [spec for spec in specs if not any(f == spec or fnmatch.fnmatch(f, spec) for f in out)]
-    if bad:
-        raise RecipeError(bad)
-    return out
-
-
 def parse_stages(text: str) -> tuple[str, ...]:
     st = tuple(s.strip() for s in str(text).split(",") if s.strip())
     bad = [s for s in st if s not in ALL_STAGES]
@@ -99,25 +82,55 @@ def parse_stages(text: str) -> tuple[str, ...]:
 
 
 def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Optional[str] = None,
-            dry_run: bool = False) -> Prepared:
+            dry_run: bool = False, environ: Optional[dict] = None) -> Prepared:
+    """Every check ``submit`` makes before writing anything; ``hpcmeg validate`` runs exactly this.
+
+    Raises RecipeError (recipe faults, exit 2) or checks.DataError (unreadable inputs, exit 1), one
+    line each; warnings (dry-run leniency, secret-looking cluster.env names) are printed to stderr."""
     r = absolutize(r)
     d = derive(r)
+    problems = checks.run_dir_problems(r, d.run_dir)
+    env_errors, env_warnings = jobenv.problems(r.cluster, os.environ if environ is None else environ, lenient=dry_run)
+    if problems or env_errors:
+        raise RecipeError(problems + env_errors)
+    for line in env_warnings:
+        print(f"hpcmeg: warning: {line}", file=sys.stderr)
+    for name in jobenv.secret_looking(r.cluster):
+        print(f"hpcmeg: warning: cluster.env.{name} looks like a credential and is written into recipe.yaml "
+              f"and the job scripts; list it in cluster.secret_env (or pass it with cluster.env_passthrough) to "
+              f"keep its value out of every file", file=sys.stderr)
     run = RunDir(Path(d.run_dir))
     files: list[str] = []
     skip = False
     if "preprocess" in stages and not r.data.data_path:
-        files = expand_inputs(r.data.inputs, allow_missing=dry_run)
+        files = checks.expand_inputs(r.data.inputs, allow_missing=dry_run)
+        present = [f for f in files if os.path.isfile(f)]  # (a dry run may carry unmatched specs)
+        bad_keys, bad_data = checks.first_document_problems(present, list(r.data.json_keys))
+        if bad_keys:
+            raise RecipeError(bad_keys)
+        if bad_data:
+            raise checks.DataError(bad_data)
         outs = S.dataset_outputs(d.data_prefix, r)
-        if all(os.path.isfile(f) for f in files):  # (a dry run may carry unmatched specs)
+        if len(present) == len(files):
             skip = dataset_is_current(d.data_prefix, outs, input_manifest(files, S.tokenizer_settings(r)))
+    missing = checks.dataset_problems(r, d, stages)
+    if missing and not dry_run:
+        raise RecipeError(missing)
+    for line in missing:  # a dry run may render for a machine that sees the data
+        print(f"hpcmeg submit: warning (dry run): {line}", file=sys.stderr)
     prep = Prepared(r, d, run, files, skip, stages)
-    if r.cluster.executor == "slurm":
-        warnings = unbound_paths(r, d, files)
-        try:
+    try:
+        if r.cluster.executor == "slurm":
+            warnings = unbound_paths(r, d, files)
             prep.plan = S.build_plan(r, d, files, host_python or sys.executable, stages, skip_preprocess=skip)
-        except (S.ScriptError, ContainerError) as e:
-            raise RecipeError([str(e)]) from None
-        prep.plan.notes += warnings
+            prep.plan.notes += warnings
+        else:
+            from hpcmeg.launch import local
+
+            local.describe(prep)  # the local executor's own refusals (pyxis needs srun)
+            S.env_exports(r.cluster.env)
+    except (S.ScriptError, ContainerError) as e:
+        raise RecipeError([str(e)]) from None
     return prep
 
 
@@ -138,16 +151,24 @@ def unbound_paths(r: Recipe, d, files: list[str]) -> list[str]:
     return out
 
 
-def write_run_files(prep: Prepared, dependencies: Optional[dict[str, str]] = None) -> list[Path]:
-    """recipe.yaml, the step scripts and the sbatch scripts (dependencies as placeholders unless given)."""
-    run = prep.run.create()
-    written = [write_resolved(prep.recipe, run.recipe)]
+def run_files(prep: Prepared, dependencies: Optional[dict[str, str]] = None) -> list[tuple[Path, str, bool]]:
+    """(path, text, executable) of recipe.yaml, the step scripts and the sbatch scripts (dependencies
+    as placeholders unless given), rendered without touching the filesystem."""
+    run = prep.run
+    out = [(run.recipe, dump_yaml(prep.recipe), False)]
     for job in prep.plan.jobs if prep.plan else []:
-        written.append(write_atomic(run.step_script(job.stage), job.step_script, mode=0o755))
+        out.append((run.step_script(job.stage), job.step_script, True))
         dep = (dependencies or {}).get(job.stage, _placeholder_dependency(prep.plan, job.stage))
-        text = S.render_sbatch(job, str(run.submitit(job.stage)), shlex.quote(sys.executable), dep)
-        written.append(write_atomic(run.sbatch_script(job.stage), text))
-    return written
+        out.append((run.sbatch_script(job.stage),
+                    S.render_sbatch(job, str(run.submitit(job.stage)), shlex.quote(sys.executable), dep), False))
+    return out
+
+
+def write_run_files(prep: Prepared, dependencies: Optional[dict[str, str]] = None) -> list[Path]:
+    """Write `run_files` into the run directory (created); step scripts get ``0o777 & ~umask``."""
+    files = run_files(prep, dependencies)
+    prep.run.create()
+    return [write_atomic(p, text, mode=executable_mode() if exe else None) for p, text, exe in files]
 
 
 def _previous_stage(plan: S.Plan, stage: str) -> Optional[str]:
@@ -215,59 +236,97 @@ def _update_jobs(run: RunDir, record: dict) -> None:
     write_atomic(run.jobs, json.dumps({**record, "history": cur.get("history", [])}, indent=2) + "\n")
 
 
-def print_dry_run(prep: Prepared, written: list[Path]) -> None:
-    r, d = prep.recipe, prep.derived
+def print_dry_run(prep: Prepared, files: list[tuple[Path, str, bool]], written: bool) -> None:
+    d = prep.derived
     print(f"# hpcmeg submit --dry-run: nothing submitted. Run directory: {prep.run.root}")
     print("# ---- resolved recipe (" + str(prep.run.recipe) + ")")
-    print(dump_yaml(r), end="")
+    print(files[0][1], end="")
     print("# ---- derived values")
     for k, v in vars(d).items():
         print(f"#   {k}: {v}")
     if prep.plan:
         for note in prep.plan.notes:
             print(f"# {note}")
-    for p in written[1:]:
+    for p, text, _ in files[1:]:
         print(f"# ---- {p}")
-        print(p.read_text(), end="")
-    print("# ---- files written")
-    for p in written:
-        print(f"#   {p}")
+        print(text, end="")
+    if written:
+        print("# ---- files written")
+        for p, _, _ in files:
+            print(f"#   {p}")
+
+
+def _os_error(e: OSError) -> str:
+    """'No such file or directory: /lustre' (strerror and the path it is about)."""
+    return f"{e.strerror or e}" + (f": {e.filename}" if getattr(e, "filename", None) else "")
+
+
+def dry_run(prep: Prepared) -> int:
+    """Write the run directory's files so they can be read as files; where run.output_root cannot be
+    created here (a laptop rendering a cluster's scripts) print them and say in one line that nothing
+    was written. Exit 0 either way."""
+    files = run_files(prep)
+    try:
+        write_run_files(prep)
+        written, why = True, ""
+    except OSError as e:
+        written, why = False, _os_error(e)
+    print_dry_run(prep, files, written)
+    if prep.recipe.cluster.executor == "local":
+        from hpcmeg.launch import local
+
+        print("# local executor: these commands would run here, one after the other:")
+        for line in local.describe(prep):
+            print(f"#   {line}")
+    sys.stdout.flush()
+    if not written:
+        print(f"hpcmeg submit: dry run: nothing was written (cannot create the run directory {prep.run.root}: "
+              f"{why}); the files above are what submit would write there", file=sys.stderr)
+    return 0
 
 
 def cli_submit(args) -> int:
     stages = parse_stages(getattr(args, "stages", ",".join(ALL_STAGES)))
     r = load_recipe(args.recipe, args.overrides, args.profile)
-    prep = prepare(r, stages, dry_run=bool(args.dry_run))
+    try:
+        prep = prepare(r, stages, dry_run=bool(args.dry_run))
+    except checks.DataError as e:
+        print(f"hpcmeg submit: {e.lines[0]}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        return dry_run(prep)
+    try:
+        prep.run.create()
+    except OSError as e:
+        print(f"hpcmeg submit: cannot create the run directory {prep.run.root}: {_os_error(e)}; check run.output_root",
+              file=sys.stderr)
+        return 1
     if r.cluster.executor == "local":
         from hpcmeg.launch import local
 
-        if args.dry_run:
-            written = [write_resolved(prep.recipe, prep.run.create().recipe)]
-            print_dry_run(prep, written)
-            print("# local executor: these commands would run here, one after the other:")
-            for line in local.describe(prep):
-                print(f"#   {line}")
-            return 0
         return local.run_chain(prep)
-    if args.dry_run:
-        print_dry_run(prep, write_run_files(prep))
-        return 0
     busy = active_jobs(prep.run)
     if busy:
         print(f"hpcmeg submit: run {prep.run.root} still has jobs in the queue ({', '.join(busy)}); "
               f"wait for them or run 'hpcmeg cancel {prep.run.root}' first", file=sys.stderr)
         return 1
-    write_run_files(prep)
     try:
-        ids = submit_plan(prep)
+        write_run_files(prep)
+    except OSError as e:
+        print(f"hpcmeg submit: cannot write the run directory {prep.run.root}: {_os_error(e)}; check run.output_root",
+              file=sys.stderr)
+        return 1
+    try:
+        with _job_environment(jobenv.submission_values(r.cluster)):
+            ids = submit_plan(prep)
     except Exception as e:  # submitit raises for sbatch errors: show Slurm's message in one line
         msg = " ".join(str(e).split())
-        print(f"hpcmeg submit: submission failed: {msg}", file=sys.stderr)
         done = (read_json(prep.run.jobs, {}) or {}).get("stages", {})
-        if done:
+        more = ""
+        if done:  # one line: what failed, and what is already queued
             ids = ", ".join(f"{stage} {info['job_id']}" for stage, info in done.items())
-            print(f"hpcmeg submit: already submitted: {ids}; 'hpcmeg cancel {prep.run.root}' removes them",
-                  file=sys.stderr)
+            more = f"; already submitted: {ids} ('hpcmeg cancel {prep.run.root}' removes them)"
+        print(f"hpcmeg submit: submission failed: {msg}{more}", file=sys.stderr)
         return 1
     for note in prep.plan.notes:
         print(f"  {note}")
@@ -277,7 +336,24 @@ def cli_submit(args) -> int:
     print(f"  hpcmeg status {shlex.quote(str(prep.run.root))}")
     print(f"  hpcmeg logs {shlex.quote(str(prep.run.root))} -f --stage train")
     if getattr(args, "wait", False):
-        from hpcmeg.launch.status import wait_for_run
+        from hpcmeg.launch.watch import watch_run
 
-        return wait_for_run(prep.run.root)
+        sys.stdout.flush()
+        return watch_run(prep.run.root)
     return 0
+
+
+@contextlib.contextmanager
+def _job_environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while sbatch runs (submitit starts it with ours), so
+    secrets reach the jobs through Slurm's --export and no file; the old environment comes back after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

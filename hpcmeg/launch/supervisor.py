@@ -12,6 +12,8 @@ ever reads it, so host/container Python versions never meet). It runs in the bat
      checkpointed iteration advanced during this attempt -> ``scontrol requeue $SLURM_JOB_ID`` (same
      job id, so ``afterok`` dependants keep waiting) and exit without a result; otherwise ``failed``
      with one clear line. Other stages: step exit 0 -> ``done`` (+ dataset manifest), else ``failed``.
+     A failure's marker reason carries the failing task's own error line and log path
+     (hpcmeg.launch.causes); the job then ends with that line and exit code 1, no traceback.
 
 Signals: the train job's ``--signal=TERM@lead`` has no ``B:``, so it reaches the step's ranks and not
 this process (verified on Slurm 22.05). This process only gets SIGTERM when Slurm itself ends the
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hpcmeg.launch.causes import failure_cause
 from hpcmeg.launch.rundir import (RunDir, committed_iterations, input_manifest, latest_iteration, read_json,
                                   write_manifest, write_marker)
 from hpcmeg.launch.scripts import parse_iteration_list
@@ -67,8 +70,9 @@ def effective_train_rc(rc: int, run_dir: str | os.PathLike, attempt_start: float
 
 
 def train_outcome(rc: int, end_iteration: Optional[int], train_iters: int, needs_requeue_ok: tuple[bool, str],
-                  ) -> TrainOutcome:
-    """Pure decision after a train step ended (``needs_requeue_ok``: the requeue guard's verdict)."""
+                  cause: Optional[str] = None) -> TrainOutcome:
+    """Pure decision after a train step ended (``needs_requeue_ok``: the requeue guard's verdict;
+    ``cause``: the failing rank's one-line cause and log, hpcmeg.launch.causes)."""
     finished = end_iteration is not None and end_iteration >= train_iters
     if rc == 0 and finished:
         return TrainOutcome("done", f"finished at iteration {end_iteration}")
@@ -78,8 +82,27 @@ def train_outcome(rc: int, end_iteration: Optional[int], train_iters: int, needs
             return TrainOutcome("requeue", f"saved at iteration {end_iteration} of {train_iters}; requeue: {why}")
         return TrainOutcome("fail", f"training stopped at checkpointed iteration {end_iteration} of {train_iters} "
                                     f"and will not be requeued: {why}")
-    return TrainOutcome("fail", f"the training step failed with exit code {rc} (see the rank logs); "
-                                f"last checkpointed iteration {end_iteration}")
+    return TrainOutcome("fail", f"the training step failed (exit code {rc}, last checkpointed iteration "
+                                f"{end_iteration}): {cause or 'no error line in the rank logs (killed?)'}")
+
+
+class StageFailed(Exception):
+    """An expected failure of a stage (its marker is written): one line in the batch log, exit 1."""
+
+
+def _tag() -> tuple[str, int]:
+    """(log tag, restart) as the step scripts name this job's task logs."""
+    env = os.environ
+    tag = (f"{env['SLURM_ARRAY_JOB_ID']}_{env.get('SLURM_ARRAY_TASK_ID')}" if env.get("SLURM_ARRAY_JOB_ID")
+           else env.get("SLURM_JOB_ID", "local"))
+    return tag, int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def step_cause(run: RunDir, stage: str) -> Optional[str]:
+    """The failing task's one-line cause in this job's task logs (None: no error line found)."""
+    tag, restart = _tag()
+    c = failure_cause(run.root, stage, tag, restart)
+    return c.describe(run.root) if c else None
 
 
 class _SlurmEnds:
@@ -178,17 +201,22 @@ def run_train(task: dict) -> dict:
     if rc in REQUEUE_EXIT_CODES or (rc == 0 and (end_it is None or end_it < int(task["train_iters"]))):
         d = guard.decide(restart, end_it)
         verdict = (d.requeue, d.reason)
-    out = train_outcome(rc, end_it, int(task["train_iters"]), verdict)
+    cause = step_cause(run, "train") if rc not in REQUEUE_EXIT_CODES and rc != 0 else None
+    out = train_outcome(rc, end_it, int(task["train_iters"]), verdict, cause)
     print(f"[hpcmeg supervisor] decision: {out.action}: {out.reason}", flush=True)
     if out.action == "done":
         write_marker(run, "train", "done", iteration=end_it)
         return {"stage": "train", "iteration": end_it}
     if out.action == "requeue":
         write_marker(run, "train", "requeued", iteration=end_it, reason=out.reason)
-        _requeue_self()
+        try:
+            _requeue_self()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            write_marker(run, "train", "failed", exit_code=rc, iteration=end_it, reason=str(e))
+            raise StageFailed(f"train failed: {e}") from None
         sys.exit(0)  # SystemExit: no result pickle, the same job id runs again
     write_marker(run, "train", "failed", exit_code=rc, iteration=end_it, reason=out.reason)
-    raise RuntimeError(f"hpcmeg train: {out.reason}")
+    raise StageFailed(f"train failed: {out.reason}")
 
 
 def convert_iteration(task: dict) -> Optional[int]:
@@ -224,7 +252,7 @@ def run_array_task(task: dict) -> dict:
             it = convert_iteration(task)
         except RuntimeError as e:
             write_marker(run, stage, "failed", task=idx, reason=str(e))
-            raise
+            raise StageFailed(f"{stage} failed: {e}") from None
         if it is None:
             print(f"[hpcmeg supervisor] convert task {idx}: no checkpoint left to convert", flush=True)
             write_marker(run, stage, "done", task=idx, iteration=None)
@@ -232,9 +260,9 @@ def run_array_task(task: dict) -> dict:
         args = [str(it), str(Path(task["out_dir"]) / f"iter_{it:07d}")]
     rc = _run_step(run, stage, args)
     if rc != 0:
-        reason = f"{stage} step failed with exit code {rc} (see logs/{stage}/)"
+        reason = f"{stage} step failed (exit code {rc}): {step_cause(run, stage) or f'no error line in logs/{stage}/'}"
         write_marker(run, stage, "failed", task=idx, exit_code=rc, reason=reason)
-        raise RuntimeError(f"hpcmeg {reason}")
+        raise StageFailed(reason)
     if manifest:
         write_manifest(*manifest)
     write_marker(run, stage, "done", task=idx, **({"iteration": int(args[0])} if stage == "convert" else {}))
@@ -242,8 +270,16 @@ def run_array_task(task: dict) -> dict:
 
 
 def run_task(task: dict) -> dict:
-    """The submitit entry point of every hpcmeg job (see the module docstring)."""
+    """The submitit entry point of every hpcmeg job (see the module docstring).
+
+    An expected failure (``StageFailed``: marker written, cause known) ends the job with one line and
+    exit code 1 through SystemExit, which submitit does not catch: no traceback of submitit's frames in
+    the batch log (Slurm still records FAILED, and hpcmeg never reads submitit's result pickles)."""
     _banner(task)
-    if task["stage"] == "train":
-        return run_train(task)
-    return run_array_task(task)
+    try:
+        if task["stage"] == "train":
+            return run_train(task)
+        return run_array_task(task)
+    except StageFailed as e:
+        print(f"[hpcmeg supervisor] {e}", flush=True)
+        sys.exit(1)

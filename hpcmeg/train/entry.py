@@ -216,7 +216,8 @@ def build_trainer(r: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=N
         except ValueError as e:
             raise RecipeError([f"train.lr_warmup_iters / train.lr_decay_iters: {e}; shorten the warmup or "
                                f"lengthen the decay"]) from None
-        metrics = MetricsLogger(d.run_dir, enabled=ctx.is_rank0, train_iters=d.train_iters)
+        metrics = MetricsLogger(d.run_dir, enabled=ctx.is_rank0, train_iters=d.train_iters,
+                                per="gpu" if dev.type == "cuda" else "rank")
         trainer = Trainer(recipe=r, derived=d, ctx=ctx, model=model, ddp_model=ddp, optimizer=optimizer,
                           schedule=schedule, loss_scaler=scaler,
                           step=step, train_dataset=train_ds, eval_set=evals, metrics=metrics,

@@ -10,6 +10,9 @@ Contract
   iterations after the last checkpoint, readers keep the last record per iteration); each record
   is one JSON object with "kind": "start" | "train" | "eval" | "event", flushed per line.
   TensorBoard events go to `<run_dir>/tensorboard/` when torch.utils.tensorboard imports.
+- Each train line/record also carries elapsed_s (since this process started) and eta_s (iterations
+  left x wall time per iteration since this process's first logged line), so a console shows how
+  long the run has left; per-process numbers are labelled per GPU, or per rank on CPU (``per=``).
 - Units: times in seconds (step_time_s), memory in GiB (peak_mem_gib: CUDA max allocated; on
   CPU the process's max RSS), lr plain, tokens/s and TFLOP/s per GPU.
 - `peak_flops_for(device)`: measured dense bf16 matmul FLOP/s on CUDA (hpcmeg.model.flops), None
@@ -73,8 +76,21 @@ def _fmt(v: Any, spec: str, none: str = "n/a") -> str:
     return format(v, spec)
 
 
-def format_train_line(r: dict, train_iters: int) -> str:
-    """One Megatron-like metrics line (rank 0's stdout)."""
+def duration(seconds: float | None) -> str:
+    """Seconds -> '45s', '12m05s', '3h07m' (None -> 'n/a')."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    s = int(round(max(0.0, seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_train_line(r: dict, train_iters: int, per: str = "gpu") -> str:
+    """One Megatron-like metrics line (rank 0's stdout); ``per`` names the unit of the per-process
+    numbers: 'gpu', or 'rank' for CPU processes. Elapsed/ETA appear when the record has them."""
     w = len(str(train_iters))
     parts = [
         f"iteration {r['iteration']:>{w}}/{train_iters}",
@@ -89,11 +105,15 @@ def format_train_line(r: dict, train_iters: int) -> str:
         parts.append(f"skipped {r['skipped']}")
     parts += [
         f"step {_fmt(None if r['step_time_s'] is None else 1e3 * r['step_time_s'], '.1f')} ms",
-        f"tokens/s/gpu {_fmt(r['tokens_per_s_per_gpu'], ',.0f')}",
-        f"TFLOP/s/gpu {_fmt(r['tflops_per_gpu'], '.2f')}",
+        f"tokens/s/{per} {_fmt(r['tokens_per_s_per_gpu'], ',.0f')}",
+        f"TFLOP/s/{per} {_fmt(r['tflops_per_gpu'], '.2f')}",
         f"MFU {_fmt(r['mfu'], 'pct')}",
         f"peak mem {_fmt(r['peak_mem_gib'], '.2f')} GiB",
     ]
+    if "elapsed_s" in r:
+        parts.append(f"elapsed {duration(r['elapsed_s'])}")
+    if "eta_s" in r:
+        parts.append(f"ETA {duration(r['eta_s'])}")
     return " | ".join(parts)
 
 
@@ -106,8 +126,13 @@ class MetricsLogger:
     """Rank-0 sink for metric records: stdout line, JSONL file, TensorBoard scalars."""
 
     def __init__(self, run_dir: str, enabled: bool, train_iters: int, tensorboard: bool = True,
-                 stream: TextIO | None = None):
-        self.enabled, self.train_iters = enabled, train_iters
+                 stream: TextIO | None = None, per: str = "gpu"):
+        self.enabled, self.train_iters, self.per = enabled, train_iters, per
+        # elapsed: since this process built its logger (start-up included); ETA: iterations left x the
+        # wall time per iteration since this process's first logged line (evals and saves included,
+        # start-up and compilation not); the first line uses its own step time
+        self.t_start = time.time()
+        self._first: tuple[int, float] | None = None
         self.stream = stream if stream is not None else sys.stdout
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = None
@@ -134,11 +159,25 @@ class MetricsLogger:
         record = {"kind": record.get("kind", "event"), "time": round(time.time(), 3), **record}
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
 
+    def timing(self, iteration: int, step_time_s: float | None, now: float | None = None) -> dict[str, float | None]:
+        """{"elapsed_s", "eta_s"} for a train record at ``iteration`` (see __init__ for the rule)."""
+        now = time.time() if now is None else now
+        left = max(0, self.train_iters - iteration)
+        if self._first is None:
+            self._first = (iteration, now)
+            eta = None if step_time_s is None else left * step_time_s
+        elif iteration > self._first[0]:
+            eta = left * (now - self._first[1]) / (iteration - self._first[0])
+        else:
+            eta = None if step_time_s is None else left * step_time_s
+        return {"elapsed_s": round(now - self.t_start, 3), "eta_s": None if eta is None else round(eta, 3)}
+
     def train(self, r: dict) -> None:
         if not self.enabled:
             return
+        r = {**r, **self.timing(r["iteration"], r.get("step_time_s"))}
         self.write({"kind": "train", **r})
-        self.print(format_train_line(r, self.train_iters))
+        self.print(format_train_line(r, self.train_iters, self.per))
         if self._tb is not None:
             it = r["iteration"]
             for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),

@@ -18,6 +18,10 @@ def _metrics_path(run: str) -> str:
     return run if os.path.isfile(run) else os.path.join(run, "metrics.jsonl")
 
 
+DEFAULT_NAME = "curves.png"
+"""The PNG's name in the run directory, for `hpcmeg plot` and `hpcmeg demo` alike."""
+
+
 def plot_run(run: str, output: str | None = None) -> str:
     import matplotlib
 
@@ -34,7 +38,7 @@ def plot_run(run: str, output: str | None = None) -> str:
     if not train and not evals:
         raise ValueError(f"{path}: no train or eval records (yet); give a run directory or its metrics.jsonl")
     if output is None:
-        output = os.path.join(os.path.dirname(os.path.abspath(path)), "curves.png")
+        output = os.path.join(os.path.dirname(os.path.abspath(path)), DEFAULT_NAME)
     parent = os.path.dirname(os.path.abspath(output))
     if os.path.isdir(output) or not os.path.isdir(parent):
         what = "is a directory" if os.path.isdir(output) else f"cannot be created: {parent} is not a directory"
@@ -52,10 +56,12 @@ def plot_run(run: str, output: str | None = None) -> str:
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
 
+    # CPU runs are not "per GPU": the start record names the device (the last start wins after a resume)
+    per = "rank" if m["start"] and m["start"][-1].get("device") == "cpu" else "GPU"
     tp = [(r["iteration"], r["tokens_per_s_per_gpu"]) for r in train if r.get("tokens_per_s_per_gpu")]
     if tp:
-        ax_tp.plot([i for i, _ in tp], [v for _, v in tp], color="tab:green", label="tokens/s per GPU")
-    ax_tp.set_ylabel("tokens/s per GPU")
+        ax_tp.plot([i for i, _ in tp], [v for _, v in tp], color="tab:green", label=f"tokens/s per {per}")
+    ax_tp.set_ylabel(f"tokens/s per {per}")
     ax_tp.set_xlabel("iteration")
     ax_tp.grid(alpha=0.3)
     mfu = [(r["iteration"], 100 * r["mfu"]) for r in train if r.get("mfu") is not None]
