@@ -44,7 +44,7 @@ def test_real_preprocess_prints_percent(tmp_path):
     # 3.5 MB: the reader hands out batches of at least 1 MiB, so this makes several progress lines
     src.write_text("".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(17000)))
     r = subprocess.run([*hpcmeg_cmd(), "preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "o"),
-                        "--json-keys", "text", "--append-eod", "--workers", "0", "--log-interval", "500"],
+                        "--json-keys", "text", "--append-eod", "--workers", "1", "--log-interval", "500"],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert r.returncode == 0, r.stderr
     pct = [float(ln.split("| ")[1].split("%")[0]) for ln in r.stderr.splitlines() if "% of " in ln]
