@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         except BaseException:  # noqa: BLE001 - reported to the parent as text
             out = (case_id, rank, False, traceback.format_exc())
         results.put(out)
-    dist.destroy_process_group()
+    # no destroy_process_group(): it can wait on peers that are already gone; the process just exits
 
 
 class DistPool:

@@ -1,13 +1,13 @@
-"""AdamW construction (param groups, fused implementation choice) and the fp16 loss scaler.
+"""AdamW over a ParamAndGradBuffer (fp32 master weights, optionally sharded: the distributed
+optimizer), the parameter groups, and the fp16 loss scaler.
 
 Owns:
   param_groups(model, weight_decay) -> two groups: decayed (matrices and embeddings) and not
-    decayed (biases and LayerNorm weights: every tensor with ndim < 2), as Megatron does.
-  build_optimizer(model, lr, weight_decay, betas, eps, impl, master_weights=False) -> (optimizer,
-    impl name). Choice: apex.optimizers.FusedAdam(adam_w_mode=True) when apex imports and params
-    are on CUDA (the NGC container), else torch.optim.AdamW(fused=True) on CUDA, AdamW(foreach=True)
-    on CPU. master_weights=True: the model's params become bf16 and the optimizer is
-    MasterWeightAdamW below (Megatron's bf16 optimizer semantics).
+    decayed (biases and LayerNorm weights: every tensor with ndim < 2), as Megatron does. Their
+    order (group by group, model.parameters() order inside) is the checkpoint's optimizer order.
+  FlatAdamW(buffer, groups, lr, betas, eps): Megatron's mixed-precision optimizer over the flat
+    buffers of hpcmeg/parallel/grad_buffer.py (see its docstring below).
+  adamw_master_update_: the one update kernel (plain PyTorch; compiled to one Triton kernel on CUDA).
   DynamicLossScaler: Megatron-style dynamic loss scale for fp16 (initial 2**32, x0.5 on overflow
     after `hysteresis` overflows, x2 after `growth_interval` clean steps, floor `min_scale`).
 The LR schedule is not here: the trainer writes param_group["lr"] before each step.
@@ -19,7 +19,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+
+from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -33,35 +36,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    impl: str = "auto", master_weights: bool = False) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW over `param_groups(model)`; impl 'auto' | 'apex' | 'fused' | 'foreach'.
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, *,
+                    param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
+                    dp_size: int = 1, dp_rank: int = 0, dp_group=None, distributed: bool = False,
+                    bucket_numel: int | None = None, compiled: bool | None = None
+                    ) -> tuple[ParamAndGradBuffer, "FlatAdamW"]:
+    """The model's parameters moved into a ParamAndGradBuffer of `param_dtype` (gradients in
+    `grad_dtype`, default fp32), and a FlatAdamW over it (sharded over the data-parallel group when
+    `distributed`). Call before torch.compile; do not move or re-cast the model afterwards."""
+    from hpcmeg.parallel.grad_buffer import DEFAULT_BUCKET_NUMEL
 
-    master_weights: cast the model's params to bf16 IN PLACE (views of one flat buffer) and keep
-    fp32 masters + Adam states in the optimizer; call before wrapping the model in DDP. The caller
-    then runs the model without autocast (TrainStep does when it sees bf16 params)."""
     groups = param_groups(model, weight_decay)
-    if master_weights:
-        opt = MasterWeightAdamW(model, groups, lr=lr, betas=betas, eps=eps)
-        return opt, f"hpcmeg.MasterWeightAdamW({'compiled' if opt.compiled else 'plain'})"
-    on_cuda = next(model.parameters()).is_cuda
-    if impl == "auto":
-        impl = "foreach"
-        if on_cuda:
-            impl = "fused"
-            try:
-                import apex.optimizers  # noqa: F401  (NGC containers ship apex)
-                impl = "apex"
-            except ImportError:
-                pass
-    if impl == "apex":
-        from apex.optimizers import FusedAdam
-        return FusedAdam(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True), "apex.FusedAdam"
-    if impl == "fused":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True), "torch.AdamW(fused)"
-    if impl == "foreach":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True), "torch.AdamW(foreach)"
-    raise ValueError(f"build_optimizer: impl={impl!r}; use auto, apex, fused or foreach")
+    for g, name in zip(groups, ("decay", "no_decay")):
+        g["class"] = name
+    buffer = ParamAndGradBuffer([(g["class"], g["params"]) for g in groups], param_dtype=param_dtype,
+                                grad_dtype=grad_dtype or torch.float32, dp_size=dp_size, dp_rank=dp_rank,
+                                dp_group=dp_group, shard=distributed,
+                                bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL)
+    return buffer, FlatAdamW(buffer, groups, lr=lr, betas=betas, eps=eps, compiled=compiled)
 
 
 @dataclass
@@ -106,19 +98,19 @@ class DynamicLossScaler:
         self.scale, self._good_steps, self._hysteresis_left = sd["scale"], sd["good_steps"], sd["hysteresis_left"]
 
 
-# ---- bf16 params + fp32 master weights ------------------------------------------------------
+# ---- the update kernel ----------------------------------------------------------------------
 
-def adamw_master_update_(p16, master, g16, m, v, hp):
-    """One AdamW step on flat 1-D buffers, in place: fp32 master/m/v from a bf16 grad, then the
-    bf16 copy of the master into p16. hp float32 [8] = lr, beta1, beta2, eps, weight_decay,
-    1 - beta1**step, clip coefficient (grads are multiplied by it), sqrt(1 - beta2**step). Same math as torch.optim.AdamW
-    (decoupled decay, bias-corrected moments, eps added after sqrt(v_hat)). Plain PyTorch; on CUDA
-    MasterWeightAdamW runs torch.compile of this function, one Triton kernel that reads g16,
-    master, m, v once and writes master, m, v, p16 once (28 bytes/param; the unfused chain of
-    copy-grad-to-fp32 + fused AdamW + copy-back is ~40)."""
+def adamw_master_update_(p16, master, grad, m, v, hp):
+    """One AdamW step on flat 1-D buffers, in place: fp32 master/m/v from a grad of any float dtype,
+    then the copy of the master into p16 (the model's bf16/fp16/fp32 parameters). hp float32 [8] =
+    lr, beta1, beta2, eps, weight_decay, 1 - beta1**step, clip coefficient (grads are multiplied by
+    it), sqrt(1 - beta2**step). Same math as torch.optim.AdamW (decoupled decay, bias-corrected
+    moments, eps added after sqrt(v_hat)). Plain PyTorch; on CUDA FlatAdamW runs torch.compile of
+    this function: one Triton kernel that reads grad, master, m, v once and writes master, m, v, p16
+    once (28 bytes/param with bf16 grads; the unfused chain of cast + fused AdamW + copy-back is ~40)."""
     lr, b1, b2, eps, wd, bc1, coef = hp[0], hp[1], hp[2], hp[3], hp[4], hp[5], hp[6]
     bc2_sqrt = hp[7]
-    g = g16.float() * coef
+    g = grad.float() * coef
     m.mul_(b1).add_(g * (1 - b1))
     v.mul_(b2).add_(g * g * (1 - b2))
     master.mul_(1 - lr * wd)
@@ -133,104 +125,74 @@ def _compiled_update():
     return torch.compile(adamw_master_update_, dynamic=False)
 
 
-class MasterWeightAdamW(torch.optim.Optimizer):
-    """AdamW with bf16 model params and fp32 master weights (Megatron's bf16 optimizer semantics).
+# ---- the optimizer ----------------------------------------------------------------------------
 
-    The model's trainable params are re-pointed into ONE flat bf16 buffer (ordered group by group);
-    the optimizer owns flat fp32 buffers of master weights, exp_avg and exp_avg_sq, and a flat bf16
-    grad buffer. Per step: clip_grad_norm_() copies the model grads into the flat buffer and takes
-    the global norm in fp32; step() runs adamw_master_update_ per group (compiled on CUDA). With
-    several micro batches per step, accumulate_grads_() after each backward but the last sums them
-    in a flat fp32 buffer instead (TrainStep calls it), and step() reads that one.
-    param_groups hold the fp32 masters (views), so schedules set group["lr"] as usual.
-    state_dict() is torch AdamW's layout over the masters (state[i] = step, exp_avg, exp_avg_sq in
-    each param's shape; param_groups with index lists) plus "fp32_from_fp16_params" (the masters,
-    Megatron's key) so a resume is exact; load_state_dict() takes that, or a plain AdamW state
-    (masters then come from the model). A load_state_dict on the model re-syncs the masters from it.
-    Do not move or re-cast the model afterwards (it would break the views)."""
+class FlatAdamW:
+    """AdamW with fp32 master weights over a ParamAndGradBuffer (Megatron's mixed-precision optimizer;
+    with a sharded buffer, Megatron's distributed optimizer).
 
-    def __init__(self, model: nn.Module, groups: list[dict], lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 compiled: bool | None = None):
-        model_params = [p for g in groups for p in g["params"]]
-        dev = model_params[0].device
-        n = sum(p.numel() for p in model_params)
-        self._p16 = torch.empty(n, dtype=torch.bfloat16, device=dev)
-        self._master = torch.empty(n, dtype=torch.float32, device=dev)
-        self._g16 = torch.zeros(n, dtype=torch.bfloat16, device=dev)
-        self._m, self._v = torch.zeros_like(self._master), torch.zeros_like(self._master)
-        self._model_params, self._slices, masters, off = model_params, [], [], 0
-        new_groups = []
-        for g in groups:
-            start, views = off, []
-            for p in g["params"]:
-                k = p.numel()
-                with torch.no_grad():
-                    self._master[off:off + k].copy_(p.detach().reshape(-1))
-                    self._p16[off:off + k].copy_(self._master[off:off + k])
-                p.data = self._p16[off:off + k].view(p.shape)  # the model now runs bf16
-                views.append(self._master[off:off + k].view(p.shape))
-                off += k
-            masters += views
-            self._slices.append((start, off))
-            new_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
-        self._masters = masters
-        self.compiled = dev.type == "cuda" if compiled is None else compiled
-        self._step_count = 0
-        self._coef = None  # clip coefficient tensor set by clip_grad_norm_ for the next step()
-        # gradient accumulation over micro batches in fp32 (Megatron's default for bf16): allocated
-        # on the first accumulate_grads_() call, i.e. only when a step has more than one micro batch
-        self._g32, self._n_acc = None, 0
-        self._g = self._g16  # the flat gradient the next step() reads (bf16, or fp32 after accumulation)
-        self._g16_views, self._g32_views = self._flat_views(self._g16), None
-        super().__init__(new_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
-        model.register_load_state_dict_post_hook(lambda module, keys: self._masters_from_model())
+    State: fp32 `master`, `exp_avg`, `exp_avg_sq` of this rank's shard only (the whole model without
+    sharding): 12 bytes per owned parameter. Per step: `clip_grad_norm_(max)` takes the global L2
+    norm of the reduced gradients (sum of squares over the shard, all-reduced over the data-parallel
+    group when sharded: exact, every element counted once) and folds the clip coefficient into the
+    next `step()`, which runs adamw_master_update_ once per group over the group's contiguous shard
+    range (compiled on CUDA) and then lets the buffer all-gather the updated parameters.
+    `unscale_and_check_(inv_scale)` (fp16) unscales the shard's gradients in place and returns a
+    device flag, 1 when any was inf/nan on any rank.
+    `param_groups` are plain dicts (lr, betas, eps, weight_decay, params): the LR schedule writes them.
+    Checkpoints: `state_dict()` is torch AdamW's layout over the model's parameters in param_groups
+    order (state[i] = step, exp_avg, exp_avg_sq in each parameter's shape; param_groups with index
+    lists) plus "fp32_from_fp16_params" (the masters, Megatron's key), gathered from every shard: a
+    COLLECTIVE over the data-parallel group when sharded (every rank calls it; ranks other than
+    dp rank 0 get None). `load_state_dict(sd)` takes that layout (or a plain torch AdamW state, whose
+    masters then come from the model) at any data-parallel size, sharded or not; every rank calls it.
+    After loading model weights from outside, call `masters_from_params()`."""
+
+    def __init__(self, buffer: ParamAndGradBuffer, groups: list[dict], lr: float, betas=(0.9, 0.95),
+                 eps: float = 1e-8, compiled: bool | None = None):
+        self.buffer = buffer
+        self.param_groups = []
+        for i, g in enumerate(groups):
+            name = g.get("class", f"group{i}")
+            self.param_groups.append({"lr": lr, "betas": tuple(betas), "eps": eps,
+                                      "weight_decay": g.get("weight_decay", 0.0), "params": list(g["params"]),
+                                      "class": name})
+        self._ranges = [buffer.class_shard_range(g["class"]) for g in self.param_groups]
+        n = buffer.shard_numel
+        self.master = buffer.take_fp32_shard()  # the fp32 values before the cast: exact masters
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=buffer.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.compiled = buffer.device.type == "cuda" if compiled is None else compiled
+        self.step_count = 0
+        self._coef = None  # clip coefficient for the next step(), set by clip_grad_norm_
+
+    @property
+    def name(self) -> str:
+        kind = "distributed " if self.buffer.sharded else ""
+        return f"hpcmeg.FlatAdamW({kind}{'compiled' if self.compiled else 'plain'})"
+
+    # -- per step
 
     @torch.no_grad()
-    def _masters_from_model(self) -> None:
-        self._master.copy_(self._p16)
-
-    def _flat_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a flat buffer in the model params' shapes and order (built once per buffer)."""
-        views, off = [], 0
-        for p in self._model_params:
-            views.append(buf[off:off + p.numel()].view(p.shape))
-            off += p.numel()
-        return views
-
-    def _model_grads(self) -> list[torch.Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._model_params]
-
-    def _accumulate(self) -> None:
-        """fp32 accumulator (+)= the model's bf16 grads (mixed-dtype foreach: no fp32 copies)."""
-        if self._g32 is None:
-            self._g32 = torch.zeros(self._g16.numel(), dtype=torch.float32, device=self._g16.device)
-            self._g32_views = self._flat_views(self._g32)
-        (torch._foreach_add_ if self._n_acc else torch._foreach_copy_)(self._g32_views, self._model_grads())
-        self._n_acc += 1
-
-    @torch.no_grad()
-    def accumulate_grads_(self) -> None:
-        """Add the model's (bf16) grads into an fp32 flat buffer and drop them: call after each
-        micro batch's backward except the last, so k micro batches sum in fp32, not in bf16
-        (Megatron accumulates bf16 grads in fp32 main_grad buffers for the same reason)."""
-        self._accumulate()
-        self.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def _gather_grads(self) -> None:
-        if self._n_acc:  # fp32 accumulator + the last micro batch's grads
-            self._accumulate()
-            self._g = self._g32
-        else:
-            torch._foreach_copy_(self._g16_views, self._model_grads())
-            self._g = self._g16
+    def unscale_and_check_(self, inv_scale: float) -> torch.Tensor:
+        found = torch.zeros(1, device=self.buffer.device)
+        inv = torch.full((1,), inv_scale, device=self.buffer.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([self.buffer.shard_grad], found, inv)
+        if self.buffer.sharded:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.buffer.dp_group)
+        return found
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """Gather the model grads; return their global L2 norm (fp32 accumulation) and, when
-        max_norm > 0, scale the next step's grads by min(1, max_norm / (norm + 1e-6)) (torch's rule)."""
-        self._gather_grads()
-        norm = torch.linalg.vector_norm(self._g, dtype=torch.float32)
+        """Global L2 norm of the gradients (fp32 accumulation); with max_norm > 0 the next step
+        scales them by min(1, max_norm / (norm + 1e-6)) (torch's clip_grad_norm_ rule)."""
+        g = self.buffer.shard_grad
+        if self.buffer.sharded:
+            sq = torch.linalg.vector_norm(g, dtype=torch.float32).square().reshape(1)
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.buffer.dp_group)
+            norm = sq.sqrt().reshape(())
+        else:
+            norm = torch.linalg.vector_norm(g, dtype=torch.float32)
         if max_norm and max_norm > 0:
             self._coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         else:
@@ -238,61 +200,83 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         return norm
 
     @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("MasterWeightAdamW.step: closures are not supported")
-        if self._coef is None:  # step() without clip_grad_norm_(): gather now, no clipping
-            self.clip_grad_norm_(None)
-        self._step_count += 1
+    def step(self) -> None:
+        if self._coef is None:  # step() without clip_grad_norm_(): no clipping
+            self._coef = torch.ones((), device=self.buffer.device)
+        self.step_count += 1
         fn = _compiled_update() if self.compiled else adamw_master_update_
-        for g, (a, b) in zip(self.param_groups, self._slices):
+        buf = self.buffer
+        for g, (a, b) in zip(self.param_groups, self._ranges):
             if a == b:
                 continue
             b1, b2 = g["betas"]
-            hp = torch.tensor([g["lr"], b1, b2, g["eps"], g["weight_decay"], 1 - b1 ** self._step_count, 0.0,
-                               math.sqrt(1 - b2 ** self._step_count)], dtype=torch.float32)
-            if self._master.is_cuda:  # async copy from pinned memory: no host sync per step
-                hp = hp.pin_memory().to(self._master.device, non_blocking=True)
+            hp = torch.tensor([g["lr"], b1, b2, g["eps"], g["weight_decay"], 1 - b1 ** self.step_count, 0.0,
+                               math.sqrt(1 - b2 ** self.step_count)], dtype=torch.float32)
+            if buf.device.type == "cuda":  # async copy from pinned memory: no host sync per step
+                hp = hp.pin_memory().to(buf.device, non_blocking=True)
             hp[6:7].copy_(self._coef.reshape(1))
-            args = (self._p16[a:b], self._master[a:b], self._g[a:b], self._m[a:b], self._v[a:b], hp)
+            args = (buf.shard_param[a:b], self.master[a:b], buf.shard_grad[a:b], self.exp_avg[a:b],
+                    self.exp_avg_sq[a:b], hp)
             try:
                 fn(*args)
             except Exception as ex:  # a compiler failure must not stop training: run the plain twin
                 if fn is adamw_master_update_:
                     raise
-                print(f"MasterWeightAdamW: compiled update failed ({type(ex).__name__}: {ex}); using the plain one",
+                print(f"FlatAdamW: compiled update failed ({type(ex).__name__}: {ex}); using the plain one",
                       flush=True)
                 self.compiled, fn = False, adamw_master_update_
                 fn(*args)
         self._coef = None
-        self._n_acc, self._g = 0, self._g16
+        buf.gather_params()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._model_params:  # the model's grads; the flat buffer is overwritten per step
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+    # -- checkpoints
 
-    # -- checkpoint: torch AdamW's layout over the fp32 masters
+    def _ordered_params(self) -> list[tuple[int, torch.Tensor]]:
+        return [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
 
-    def state_dict(self) -> dict:
+    @torch.no_grad()
+    def _gather(self, shard_tensors: list[torch.Tensor]) -> list[dict[int, torch.Tensor]] | None:
+        """Per-parameter full values (CPU) of flat shard tensors, gathered bucket by bucket (peak
+        extra memory: one bucket per tensor). Collective when sharded; None off dp rank 0."""
+        buf = self.buffer
+        index = {id(p): i for i, (_, p) in enumerate(self._ordered_params())}
+        out: list[dict[int, torch.Tensor]] = [{} for _ in shard_tensors]
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        for bk in buf.buckets:
+            n = buf.slice_numel(bk)
+            for t, dest in zip(shard_tensors, out):
+                local = t[bk.shard_start:bk.shard_start + n]
+                if buf.sharded:
+                    full = torch.empty(bk.end - bk.start, dtype=t.dtype, device=t.device)
+                    gather(full, local.contiguous(), group=buf.dp_group)
+                else:
+                    full = local
+                for p in bk.params:
+                    a, b = buf.locate(p)
+                    dest[index[id(p)]] = full[a - bk.start:b - bk.start].view(p.shape).to("cpu", copy=True)
+        if buf.sharded and buf.dp_rank != 0:
+            return None
+        return out
+
+    def state_dict(self) -> dict | None:
+        got = self._gather([self.exp_avg, self.exp_avg_sq, self.master])
+        if got is None:
+            return None
+        m, v, master = got
         state, groups, i = {}, [], 0
         for g in self.param_groups:
             idx = []
-            for p in g["params"]:
-                if self._step_count:
-                    off = p.data_ptr() - self._master.data_ptr()
-                    off //= self._master.element_size()
-                    k = p.numel()
-                    state[i] = {"step": torch.tensor(float(self._step_count)),
-                                "exp_avg": self._m[off:off + k].view(p.shape).clone(),
-                                "exp_avg_sq": self._v[off:off + k].view(p.shape).clone()}
+            for _ in g["params"]:
+                if self.step_count:
+                    state[i] = {"step": torch.tensor(float(self.step_count)), "exp_avg": m[i], "exp_avg_sq": v[i]}
                 idx.append(i)
                 i += 1
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": idx})
-        return {"state": state, "param_groups": groups,
-                "fp32_from_fp16_params": [[p.detach().clone() for p in g["params"]] for g in self.param_groups]}
+            groups.append({**{k: val for k, val in g.items() if k not in ("params", "class")}, "params": idx})
+        masters, i = [], 0
+        for g in self.param_groups:
+            masters.append([master[i + j] for j in range(len(g["params"]))])
+            i += len(g["params"])
+        return {"state": state, "param_groups": groups, "fp32_from_fp16_params": masters}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
@@ -301,28 +285,37 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
             raise ValueError("optimizer state does not match the model's parameter groups")
         masters = sd.get("fp32_from_fp16_params")
-        steps = set()
+        buf, steps = self.buffer, set()
         for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
-            for k, v in saved.items():
-                if k != "params":
-                    mine[k] = v
+            for k, val in saved.items():
+                if k not in ("params", "class"):
+                    mine[k] = tuple(val) if k == "betas" else val
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
-                off = (p.data_ptr() - self._master.data_ptr()) // self._master.element_size()
-                sl = slice(off, off + p.numel())
                 st = sd["state"].get(pid, sd["state"].get(str(pid)))
                 if st is not None:
                     steps.add(int(float(st["step"])))
-                    self._m[sl].copy_(st["exp_avg"].reshape(-1))
-                    self._v[sl].copy_(st["exp_avg_sq"].reshape(-1))
-                else:
-                    self._m[sl].zero_()
-                    self._v[sl].zero_()
-                if masters is not None:
-                    p.copy_(masters[gi][j])
+                a, b = buf.locate(p)
+                for fa, fb, s in buf.shard_overlap(a, b):
+                    dst = slice(s, s + fb - fa)
+                    src = slice(fa - a, fb - a)
+                    for target, key in ((self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq")):
+                        if st is None:
+                            target[dst].zero_()
+                        else:
+                            target[dst].copy_(st[key].reshape(-1)[src])
+                    if masters is not None:
+                        self.master[dst].copy_(masters[gi][j].reshape(-1)[src])
         if len(steps) > 1:
             raise ValueError(f"optimizer state has different step counts per parameter {sorted(steps)[:4]}")
-        self._step_count = steps.pop() if steps else 0
+        self.step_count = steps.pop() if steps else 0
         if masters is None:
-            self._masters_from_model()
-        else:
-            self._p16.copy_(self._master)
+            self.masters_from_params()
+        else:  # the model's parameters are the masters rounded to their dtype, on every rank
+            buf.shard_param.copy_(self.master)
+            buf.gather_params()
+
+    @torch.no_grad()
+    def masters_from_params(self) -> None:
+        """The model's parameters were loaded from outside (weights-only start): masters follow them."""
+        self.buffer.params_changed()
+        self.master.copy_(self.buffer.shard_param)

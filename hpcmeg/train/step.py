@@ -1,34 +1,35 @@
-"""One optimizer step over a list of micro batches: forward/backward, accumulate, clip, step.
+"""One optimizer step over a list of micro batches: forward/backward, reduce, clip, step.
 
 Contract:
-  TrainStep(model, optimizer, precision="bf16"|"fp16"|"fp32", grad_clip=1.0,
-            loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", compile_mode=None,
-            compile_options=None)
-  .launch(micro_batches, ddp_model=None) -> PendingStep: queues the whole step on the device and
-    returns without a host sync (bf16/fp32); .result() later waits for just this step's two
-    numbers (copied to pinned host memory behind the step; the caller may add its own device
-    values to that copy with add_check). fp16 syncs once inside launch (the overflow check must
-    decide whether to step), so its loss and skip are known at once.
-  .run(micro_batches, ddp_model=None) = launch(...).result() -> StepResult(loss, grad_norm, skipped,
-    loss_scale)
+  TrainStep(model, buffer, optimizer, precision="bf16"|"fp16"|"fp32", grad_clip=1.0,
+            loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", dp_size=1,
+            compile_mode=None, compile_options=None)
+    buffer: the ParamAndGradBuffer that owns the model's parameters and gradients
+    (hpcmeg/parallel/grad_buffer.py); optimizer: the FlatAdamW over it (hpcmeg/train/optim.py).
+  .launch(micro_batches) -> PendingStep: queues the whole step on the device and returns without a
+    host sync (bf16/fp32); .result() later waits for just this step's two numbers (copied to pinned
+    host memory behind the step; the caller may add its own device values to that copy with
+    add_check). fp16 syncs once inside launch (the overflow check must decide whether to step), so
+    its loss and skip are known at once.
+  .run(micro_batches) = launch(...).result() -> StepResult(loss, grad_norm, skipped, loss_scale)
     micro_batches: list of (tokens [b,s], labels [b,s]) or (tokens, labels, loss_mask [b,s]).
-    loss: mean per-token loss over ALL micro batches of this rank (masked tokens excluded);
-      gradients are those of that mean, so k micro batches of b == one batch of k*b.
+    loss: mean per-token loss over ALL micro batches of this rank (masked tokens excluded).
+    Gradients: each micro batch's backward is of its loss sum x scale / (this rank's step tokens x
+    dp_size); the buffer sums micro batches and data-parallel ranks, so the reduced gradient is that
+    of the global mean (equal token counts per rank, as Megatron assumes) and k micro batches of b
+    equal one batch of k*b.
     grad_norm: global L2 norm of the (unscaled) gradients before clipping; nan on a skipped step.
-    skipped: True when fp16 found inf/nan gradients (step skipped, scale lowered, grads zeroed).
-  With ddp_model (a DistributedDataParallel around `model`), gradients are all-reduced only on
-  the last micro batch (require_backward_grad_sync); DDP averages over ranks, so with equal
-  token counts per rank the gradient is that of the global mean.
+    skipped: True when fp16 found inf/nan gradients (step skipped, scale lowered).
   The LR schedule is the caller's: set param_group["lr"] before launch(). NaN handling is the
   caller's too: the result holds the loss as computed. The trainer keeps one step in flight
   (it checks step k's numbers after queueing step k+1) so the GPU never waits for the host.
 compile_mode / compile_options go to torch.compile; with neither given on CUDA the default is
-{"triton.cudagraphs": True} (CUDA graphs; not for a DDP module). Never max-autotune (compile time);
-coordinate_descent_tuning did not finish compiling within the benchmark's budget.
-Precision: "bf16" = fp32 params + bf16 autocast, or, when the model's params are bf16
-(build_optimizer(master_weights=True): fp32 masters live in MasterWeightAdamW), the model runs in
-bf16 without autocast and clipping uses the optimizer's clip_grad_norm_ (fp32 norm over the bf16
-grads); "fp16" = fp16 autocast + dynamic loss scaling. Measurements: bench/results/train_throughput*.md.
+{"triton.cudagraphs": True} (CUDA graphs: the buffer's gradient hooks run in eager autograd after
+the graphed backward and copy the gradients out of the graph's memory). Never max-autotune (compile
+time); coordinate_descent_tuning did not finish compiling within the benchmark's budget.
+Precision: the buffer's parameter dtype decides. bf16/fp16 parameters (fp32 masters in FlatAdamW)
+run without autocast; fp32 parameters with precision bf16/fp16 run under autocast (CPU);
+"fp16" adds dynamic loss scaling. Measurements: bench/results/train_throughput*.md.
 """
 from __future__ import annotations
 
@@ -115,110 +116,89 @@ class PendingStep:
 
 
 class TrainStep:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str = "bf16",
+    def __init__(self, model: nn.Module, buffer, optimizer, precision: str = "bf16",
                  grad_clip: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
-                 compile: bool = False, device: str | torch.device = "cuda",
+                 compile: bool = False, device: str | torch.device = "cuda", dp_size: int = 1,
                  compile_mode: str | None = None, compile_options: dict | None = None):
         if precision not in _AUTOCAST:
             raise ValueError(f"TrainStep: precision={precision!r}; use one of {list(_AUTOCAST)}")
         if precision == "fp16" and loss_scaler is None:
             loss_scaler = DynamicLossScaler()
-        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.model, self.buffer, self.optimizer, self.precision = model, buffer, optimizer, precision
         self.grad_clip, self.loss_scaler = grad_clip, (loss_scaler if precision == "fp16" else None)
         self.device = torch.device(device)
+        self.dp_size = dp_size
         if compile_mode and compile_options:
             raise ValueError("TrainStep: give compile_mode or compile_options, not both (torch.compile's rule)")
         if compile and not compile_mode and compile_options is None and self.device.type == "cuda":
             # measured default on the H200 (bench/results/train_throughput_h200_124M.md): CUDA graphs
-            # +4-8% tokens/s and less memory; kept off for DDP modules (see _forward_fn)
+            # +4-8% tokens/s and less memory
             compile_options = {"triton.cudagraphs": True}
         self.compile, self.compile_mode, self.compile_options = compile, compile_mode, compile_options
-        # CUDA graphs (mode reduce-overhead or option triton.cudagraphs): see run()
         self.cudagraphs = compile and bool((compile_mode and "overhead" in compile_mode)
                                            or (compile_options or {}).get("triton.cudagraphs"))
-        self._compiled: dict[int, nn.Module] = {}  # id(module) -> torch.compile wrapper
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        # bf16 params (master weights in the optimizer): autocast would only add fp32 LayerNorm outputs
-        self.bf16_params = precision == "bf16" and all(p.dtype == torch.bfloat16 for p in self.params)
-        self._opt_clips = hasattr(optimizer, "clip_grad_norm_")
-        self._opt_accumulates = hasattr(optimizer, "accumulate_grads_")
+        self._compiled: nn.Module | None = None
+        # low-precision parameters (fp32 masters in the optimizer) run as they are; fp32 parameters
+        # with precision bf16/fp16 run under autocast
+        self.autocast_dtype = _AUTOCAST[precision] if buffer.param_dtype == torch.float32 else None
 
-    def _forward_fn(self, module: nn.Module) -> nn.Module:
+    def forward_module(self) -> nn.Module:
+        """The module a step calls: the model, or its torch.compile wrapper (built once)."""
         if not self.compile:
-            return module
-        if id(module) not in self._compiled:
+            return self.model
+        if self._compiled is None:
             kw = {"mode": self.compile_mode} if self.compile_mode else {"options": self.compile_options}
-            if isinstance(module, nn.parallel.DistributedDataParallel) and self.cudagraphs:
-                # untested: CUDA-graph-owned grads under DDP's bucket views / comm hooks
-                opts = dict(self.compile_options or {})
-                opts.pop("triton.cudagraphs", None)
-                kw = {"options": opts}
-            self._compiled[id(module)] = torch.compile(module, **kw)
-        return self._compiled[id(module)]
+            self._compiled = torch.compile(self.model, **kw)
+        return self._compiled
 
-    def _autocast(self):
-        dt = _AUTOCAST[self.precision]
-        if dt is None or self.bf16_params:
+    def autocast(self):
+        if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dt)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def run(self, micro_batches: list, ddp_model: nn.Module | None = None) -> StepResult:
-        return self.launch(micro_batches, ddp_model).result()
+    def run(self, micro_batches: list) -> StepResult:
+        return self.launch(micro_batches).result()
 
-    def launch(self, micro_batches: list, ddp_model: nn.Module | None = None) -> PendingStep:
+    def launch(self, micro_batches: list) -> PendingStep:
         if not micro_batches:
             raise ValueError("TrainStep.run: micro_batches is empty")
-        fwd = self._forward_fn(ddp_model if ddp_model is not None else self.model)
+        fwd = self.forward_module()
         if self.cudagraphs:
-            # CUDA graphs: the previous step's outputs are dead (loss read, grads set to None)
+            # CUDA graphs: the previous step's outputs are dead (loss read, grads moved to the buffer)
             torch.compiler.cudagraph_mark_step_begin()
         masks = [mb[2] if len(mb) > 2 else None for mb in micro_batches]
-        # token count of the whole step, so each micro batch's loss is a share of ONE mean
+        # token count of this rank's step, so each micro batch's loss is a share of ONE mean
         if all(m is None for m in masks):  # a plain number: no host->device copy (a sync) per step
             n_tok = float(sum(mb[1].numel() for mb in micro_batches))
         else:
             n_tok = sum((m.sum() if m is not None else torch.tensor(mb[1].numel()))
                         for m, mb in zip(masks, micro_batches)).to(self.device, torch.float32)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # 1/dp here and a SUM over ranks in the buffer = the mean over ranks (power-of-two dp sizes
+        # scale exactly, so DP2 gradients equal DP1 with accumulation 2 bit for bit in fp32)
+        factor = scale / (n_tok * self.dp_size)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for i, (mb, mask) in enumerate(zip(micro_batches, masks)):
+        self.buffer.start_step(len(micro_batches))
+        for mb, mask in zip(micro_batches, masks):
             tokens = mb[0].to(self.device, non_blocking=True)
             labels = mb[1].to(self.device, non_blocking=True)
-            if ddp_model is not None:  # all-reduce only after the last micro batch's backward
-                ddp_model.require_backward_grad_sync = i == len(micro_batches) - 1
-            with self._autocast():
+            with self.autocast():
                 per_tok = fwd(tokens, labels)
             if mask is not None:
                 per_tok = per_tok * mask.to(self.device, per_tok.dtype)
             mb_sum = per_tok.float().sum()
-            (mb_sum * (scale / n_tok)).backward()
-            if (self._opt_accumulates and ddp_model is None and self.loss_scaler is None
-                    and i < len(micro_batches) - 1):
-                self.optimizer.accumulate_grads_()  # bf16 params: sum micro batches in fp32
+            (mb_sum * factor).backward()  # the buffer's hooks take the gradients
             loss_sum += mb_sum.detach()
-        if ddp_model is not None:
-            ddp_model.require_backward_grad_sync = True
+        self.buffer.finish_grads()
         mean_loss = loss_sum / n_tok
 
-        grads = [p.grad for p in self.params if p.grad is not None]
         if self.loss_scaler is not None:
-            found_inf = torch.zeros(1, device=self.device)
-            inv = torch.full((1,), 1.0 / scale, device=self.device)
-            for dtype in {g.dtype for g in grads}:  # the kernel wants one dtype per call
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    [g for g in grads if g.dtype == dtype], found_inf, inv)
+            found_inf = self.optimizer.unscale_and_check_(1.0 / scale)
             if found_inf.item() > 0:  # the one sync fp16 needs before stepping
                 self.loss_scaler.update(True)
-                self.optimizer.zero_grad(set_to_none=True)
                 return PendingStep(True, scale, done=StepResult(mean_loss.item(), math.nan, True, scale))
             self.loss_scaler.update(False)
-        if self._opt_clips:  # MasterWeightAdamW: gathers the bf16 grads, fp32 norm, clip folded into step()
-            gnorm = self.optimizer.clip_grad_norm_(self.grad_clip)
-        elif self.grad_clip and self.grad_clip > 0:
-            gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
-        else:
-            gnorm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        gnorm = self.optimizer.clip_grad_norm_(self.grad_clip)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         vals = torch.stack([mean_loss, gnorm.float().to(self.device)])  # stays on the device: no sync
         return PendingStep(False, scale if self.loss_scaler is not None else None, vals)

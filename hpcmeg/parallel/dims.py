@@ -1,0 +1,153 @@
+"""ParallelDims: the sizes of a run's parallel layout, checked and derived in one place (no torch).
+
+Contract
+- ``ParallelDims(world, tp=1, pp=1, vpp=1, sequence_parallel=False, distributed_optimizer=False)``
+  is plain data. ``problems()`` lists what is wrong with the sizes themselves, as
+  ``(recipe key, message)`` pairs so ``recipe.validate`` can prefix the file and line; it never
+  raises. Everything below assumes ``problems()`` is empty.
+- ``dp = world // (tp * pp)``; ``grad_accum(global_batch, micro_batch)`` is the number of micro
+  batches per optimizer step on each rank (ValueError when it does not divide);
+  ``batch_problems`` / ``model_problems`` are the checks that tie the layout to the batch and the
+  model (heads % tp, ffn % tp, layers % (pp * vpp), seq % tp under sequence parallelism).
+- Rank order is Megatron's default 'tp-dp-pp', fastest-varying first:
+      global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+  so TP groups are runs of consecutive ranks (keep TP inside a node), DP groups are strided by
+  tp, PP groups by tp * dp. Example world 16, tp 2, pp 4 (dp 2): TP [0,1],[2,3],..;
+  DP [0,2],[1,3],[4,6],..; PP [0,4,8,12],[1,5,9,13],... ``coords(rank)`` and ``rank_of(...)``
+  convert; ``groups()`` lists the members of every group of each kind, in the order every rank
+  must create them: 'tp', 'dp', 'pp', and 'embedding' (first and last stage of each pipeline:
+  the ranks holding the tied word embeddings, Megatron's embedding group; only when pp > 1).
+- ``NOT_IMPLEMENTED`` names the layouts the train job cannot run yet; ``problems()`` refuses them,
+  so ``validate`` (and ``submit``, before preprocessing) says so rather than the train job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+# Layouts the train job cannot run yet (removed as each lands): recipe key -> why.
+NOT_IMPLEMENTED = {
+    "parallel.tensor": "tensor parallelism (parallel.tensor > 1) is not implemented in hpcmeg train yet; "
+                       "use parallel.tensor=1 (data parallelism, with parallel.distributed_optimizer for memory)",
+    "parallel.pipeline": "pipeline parallelism (parallel.pipeline > 1) is not implemented in hpcmeg train yet; "
+                         "use parallel.pipeline=1",
+}
+
+
+class Coords(NamedTuple):
+    tp: int
+    dp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world: int
+    """Processes in the job (nodes x tasks per node)."""
+    tp: int = 1
+    """Tensor-parallel size (Megatron --tensor-model-parallel-size)."""
+    pp: int = 1
+    """Pipeline-parallel size (--pipeline-model-parallel-size)."""
+    vpp: int = 1
+    """Model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage's result); 1 = no interleaving."""
+    sequence_parallel: bool = False
+    """Megatron's --sequence-parallel (inside the TP group only)."""
+    distributed_optimizer: bool = False
+    """Megatron's --use-distributed-optimizer: optimizer state sharded over the data-parallel group."""
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp
+
+    # ------------------------------------------------------------------------------ checks
+
+    def problems(self, check_implemented: bool = True) -> list[tuple[str, str]]:
+        p: list[tuple[str, str]] = []
+        for key, val in (("cluster.nodes", self.world), ("parallel.tensor", self.tp),
+                         ("parallel.pipeline", self.pp), ("parallel.virtual_pipeline", self.vpp)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                p.append((key, f"must be an integer >= 1, got {val!r}"))
+        if p:
+            return p  # the divisibility checks below would divide by zero
+        if self.world % (self.tp * self.pp):
+            p.append(("cluster.nodes", f"{self.world} ranks are not divisible by parallel.tensor x parallel.pipeline = "
+                                       f"{self.tp} x {self.pp}; change the node/task count or the layout"))
+        if self.sequence_parallel and self.tp == 1:
+            p.append(("parallel.sequence_parallel", "needs parallel.tensor > 1 (it splits activations inside the "
+                                                    "tensor-parallel group); set it to false"))
+        if self.vpp > 1 and self.pp == 1:
+            p.append(("parallel.virtual_pipeline", "needs parallel.pipeline > 1; remove it or set parallel.pipeline"))
+        if check_implemented:
+            if self.tp > 1:
+                p.append(("parallel.tensor", NOT_IMPLEMENTED["parallel.tensor"]))
+            if self.pp > 1:
+                p.append(("parallel.pipeline", NOT_IMPLEMENTED["parallel.pipeline"]))
+        return p
+
+    def batch_problems(self, global_batch: int, micro_batch: int) -> list[tuple[str, str]]:
+        if self.world % (self.tp * self.pp) or global_batch < 1 or micro_batch < 1:
+            return []  # reported by problems() / the field ranges
+        per_step = micro_batch * self.dp
+        if global_batch % per_step:
+            good = max(1, round(global_batch / per_step)) * per_step
+            return [("train.global_batch_size",
+                     f"{global_batch} is not divisible by train.micro_batch_size={micro_batch} x data-parallel size "
+                     f"{self.dp} (= {self.world} ranks / (TP {self.tp} x PP {self.pp})); use a multiple of "
+                     f"{per_step}, e.g. {good}")]
+        return []
+
+    def model_problems(self, *, num_layers: int, num_attention_heads: int, ffn_hidden_size: int,
+                       seq_length: int) -> list[tuple[str, str]]:
+        p: list[tuple[str, str]] = []
+        if min(self.tp, self.pp, self.vpp) < 1:
+            return p
+        if num_attention_heads % self.tp:
+            p.append(("model.num_attention_heads", f"{num_attention_heads} heads are not divisible by "
+                                                   f"parallel.tensor={self.tp}"))
+        if ffn_hidden_size % self.tp:
+            p.append(("model.ffn_hidden_size", f"{ffn_hidden_size} is not divisible by parallel.tensor={self.tp}"))
+        stages = self.pp * self.vpp
+        if num_layers % stages:
+            what = f"parallel.pipeline={self.pp}" + (f" x parallel.virtual_pipeline={self.vpp}" if self.vpp > 1 else "")
+            p.append(("model.num_layers", f"{num_layers} layers are not divisible by {what}"))
+        if self.sequence_parallel and seq_length % self.tp:
+            p.append(("data.seq_length", f"{seq_length} is not divisible by parallel.tensor={self.tp} "
+                                         f"(sequence parallelism splits the sequence across TP ranks)"))
+        return p
+
+    def grad_accum(self, global_batch: int, micro_batch: int) -> int:
+        """Micro batches per optimizer step on each rank: global / (micro x dp)."""
+        per_step = micro_batch * self.dp
+        if per_step < 1 or global_batch % per_step:
+            raise ValueError(f"global batch {global_batch} is not divisible by micro batch {micro_batch} x "
+                             f"data-parallel size {self.dp}")
+        return global_batch // per_step
+
+    # ------------------------------------------------------------------------------ rank grid
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside world size {self.world}")
+        return Coords(rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp))
+
+    def rank_of(self, tp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Members of every group, by kind (each list sorted; kinds in creation order)."""
+        r = self.rank_of
+        out = {
+            "tp": [[r(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)],
+            "dp": [[r(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)],
+            "pp": [[r(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)],
+        }
+        out["embedding"] = [[g[0], g[-1]] for g in out["pp"]] if self.pp > 1 else []
+        return out
+
+    def members(self, rank: int) -> dict[str, list[int]]:
+        """This rank's group members, by kind ('embedding': [] when the rank holds no embedding copy)."""
+        return {kind: next((g for g in gs if rank in g), []) for kind, gs in self.groups().items()}

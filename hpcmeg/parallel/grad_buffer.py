@@ -1,0 +1,288 @@
+"""ParamAndGradBuffer: the one owner of a model's parameter and gradient storage (Megatron's design).
+
+Why: torch DDP keeps gradients in the parameters' dtype, so with bf16 parameters it would sum
+micro batches and all-reduce in bf16; Megatron's rule for bf16 is "accumulate and all-reduce in
+fp32". Here the parameters become views of ONE flat buffer, gradients land in a flat "main grad"
+buffer of `grad_dtype`, and the optimizer (hpcmeg/train/optim.py FlatAdamW) reads and writes
+flat shards of both. Design and sources: shared/docs/parallel-design.md B.4.
+
+Contract
+- ``ParamAndGradBuffer(classes, *, param_dtype, grad_dtype, dp_size=1, dp_group=None, shard=False,
+  bucket_numel=10M, align=64)``. ``classes`` is an ordered list of ``(name, [params])`` (e.g. the
+  optimizer's decay / no-decay groups). Every parameter's storage moves into ``param_data`` (dtype
+  ``param_dtype``, values copied; a Parameter object keeps its identity, so modules, the optimizer
+  and torch.compile keep working): do not move or re-cast the model afterwards.
+- Layout: class by class; inside a class in REVERSE registration order (backward produces the last
+  layers' gradients first, so buckets fill in order); every parameter starts at a multiple of
+  ``align`` elements; a class is cut into buckets of about ``bucket_numel`` elements (a parameter is
+  never split; buckets never span classes); every bucket is padded to a multiple of
+  ``align * dp_size`` so each data-parallel rank's slice of each bucket has the same length.
+  Padding stays zero in both buffers.
+- Gradients: a post-accumulate-grad hook per parameter moves ``p.grad`` into its ``main_grad``
+  view (copy on the first micro batch of a step, add after: micro batches sum in ``grad_dtype``)
+  and frees it. ``start_step(n)`` arms the hooks for n micro batches; when every parameter of a
+  bucket has its n-th gradient the bucket's reduction over ``dp_group`` starts asynchronously
+  (buckets start strictly in index order, so every rank issues the same collectives in the same
+  order): an all-reduce SUM in place, or with ``shard=True`` (the distributed optimizer) a
+  reduce-scatter SUM into this rank's slice of ``shard_grad``. ``finish_grads()`` zeroes the
+  gradients of parameters that got none this step, starts what has not started and waits.
+  Reductions SUM: the caller scales each rank's loss by 1/dp (TrainStep does) to get the mean.
+- Shards: this rank owns slice ``dp_rank`` of every bucket. ``shard_param`` / ``shard_grad`` are
+  contiguous buffers of those slices in bucket order (without sharding: ``param_data`` and
+  ``grad_data`` themselves). ``class_shard_range(name)`` is a class's (start, end) in shard
+  coordinates (classes are contiguous there too). ``gather_params()`` all-gathers every bucket's
+  updated slices from ``shard_param`` into ``param_data`` (a no-op without sharding).
+- ``locate(p)`` -> (start, end) of a parameter in the full buffers; ``shard_overlap(start, end)`` ->
+  pieces ``(full_start, full_end, shard_start)`` of a full-buffer range this rank owns: the
+  optimizer uses them to gather and scatter its state per parameter for checkpoints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+DEFAULT_BUCKET_NUMEL = 10_000_000  # 40 MB of fp32 gradients: Megatron's default bucket size
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass
+class Bucket:
+    start: int
+    end: int
+    """[start, end) in the full buffers; (end - start) is a multiple of align * dp_size."""
+    cls: str
+    params: list
+    shard_start: int
+    """Where this rank's slice of the bucket starts in the shard buffers."""
+
+
+class ParamAndGradBuffer:
+    def __init__(self, classes: list[tuple[str, list[nn.Parameter]]], *, param_dtype: torch.dtype,
+                 grad_dtype: torch.dtype, dp_size: int = 1, dp_rank: int = 0, dp_group=None,
+                 shard: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL, align: int = 64):
+        params = [p for _, ps in classes for p in ps]
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("ParamAndGradBuffer: a parameter appears twice (tied weights must be passed once)")
+        if not params:
+            raise ValueError("ParamAndGradBuffer: no parameters")
+        self.dp_size, self.dp_rank, self.dp_group = dp_size, dp_rank, dp_group
+        self.sharded = shard and dp_size > 1
+        self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
+        device = params[0].device
+        self.device = device
+        n_shards = dp_size if self.sharded else 1
+
+        # ---- layout: offsets, buckets, class ranges (pure arithmetic first)
+        self._offset: dict[int, tuple[int, int]] = {}
+        self.buckets: list[Bucket] = []
+        self._class_shard: dict[str, tuple[int, int]] = {}
+        off, shard_off = 0, 0
+        for name, ps in classes:
+            cls_shard_start = shard_off
+            cur: list = []
+            b_start = off
+            for p in reversed(ps):
+                start = _round_up(off, align)
+                if cur and start + p.numel() - b_start > bucket_numel:
+                    off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size, n_shards)
+                    cur, b_start, start = [], off, off
+                self._offset[id(p)] = (start, start + p.numel())
+                cur.append(p)
+                off = start + p.numel()
+            if cur:
+                off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size, n_shards)
+            self._class_shard[name] = (cls_shard_start, shard_off)
+        self.numel, self.shard_numel = off, shard_off
+
+        # ---- storage
+        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.params = params
+        self._grad_views: dict[int, torch.Tensor] = {}
+        fp32_values = {id(p): p.detach().float() for p in params} if param_dtype != torch.float32 else None
+        with torch.no_grad():
+            for p in params:
+                a, b = self._offset[id(p)]
+                self.param_data[a:b].copy_(p.detach().reshape(-1))
+                p.data = self.param_data[a:b].view(p.shape)
+                self._grad_views[id(p)] = self.grad_data[a:b].view(p.shape)
+        if self.sharded:
+            self.shard_param = torch.zeros(self.shard_numel, dtype=param_dtype, device=device)
+            self.shard_grad = torch.zeros(self.shard_numel, dtype=grad_dtype, device=device)
+            self._copy_param_slices_to_shard()
+        else:
+            self.shard_param, self.shard_grad = self.param_data, self.grad_data
+        # the parameters' values before the cast, for the optimizer's fp32 masters (take_fp32_shard)
+        self._fp32_shard = self._shard_of(fp32_values) if param_dtype != torch.float32 else None
+
+        # ---- per-step hook state
+        self._bucket_of = {id(p): i for i, bk in enumerate(self.buckets) for p in bk.params}
+        self._left = [len(bk.params) for bk in self.buckets]
+        self._count = {id(p): 0 for p in params}
+        self._n_micro = 1
+        self._next_launch = 0
+        self._handles: list = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _shard_of(self, values: dict[int, torch.Tensor]) -> torch.Tensor:
+        """fp32 shard-layout tensor of per-parameter values (padding zero)."""
+        out = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        for p in self.params:
+            a, b = self._offset[id(p)]
+            for fa, fb, s in self.shard_overlap(a, b):
+                out[s:s + fb - fa].copy_(values[id(p)].reshape(-1)[fa - a:fb - a])
+        return out
+
+    def take_fp32_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameters in fp32 as they were before the cast to param_dtype
+        (once: the optimizer adopts it as its master weights), or an fp32 copy of shard_param."""
+        out, self._fp32_shard = self._fp32_shard, None
+        return out if out is not None else self.shard_param.detach().float().clone()
+
+    def _close(self, cls, params, start, end, shard_off, multiple, n_shards):
+        end = start + _round_up(end - start, multiple)
+        self.buckets.append(Bucket(start, end, cls, list(params), shard_off))
+        return end, shard_off + (end - start) // n_shards
+
+    def slice_numel(self, bucket: Bucket) -> int:
+        return (bucket.end - bucket.start) // (self.dp_size if self.sharded else 1)
+
+    def _my_slice(self, bucket: Bucket) -> tuple[int, int]:
+        """This rank's [start, end) of a bucket in the full buffers."""
+        n = self.slice_numel(bucket)
+        rank = self.dp_rank if self.sharded else 0
+        return bucket.start + rank * n, bucket.start + (rank + 1) * n
+
+    # --------------------------------------------------------------------------- gradients
+
+    def start_step(self, n_micro: int) -> None:
+        """Arm the hooks: the coming backward passes are the n micro batches of one step."""
+        if self._handles or self._next_launch:
+            raise RuntimeError("ParamAndGradBuffer.start_step: the previous step's finish_grads() was not called")
+        self._n_micro = n_micro
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        key = id(p)
+        view = self._grad_views[key]
+        if self._count[key] == 0:
+            view.copy_(p.grad)  # no zeroing pass: the first micro batch overwrites
+        else:
+            view.add_(p.grad)
+        p.grad = None
+        self._count[key] += 1
+        if self._count[key] == self._n_micro:
+            b = self._bucket_of[key]
+            self._left[b] -= 1
+            while self._next_launch < len(self.buckets) and self._left[self._next_launch] == 0:
+                self._launch(self._next_launch)
+
+    def _launch(self, b: int) -> None:
+        self._next_launch = b + 1
+        if self.dp_size == 1:
+            return
+        bk = self.buckets[b]
+        full = self.grad_data[bk.start:bk.end]
+        if self.sharded:
+            n = self.slice_numel(bk)
+            out = self.shard_grad[bk.shard_start:bk.shard_start + n]
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # 2.13 / 2.11
+            self._handles.append(scatter(out, full, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True))
+        else:
+            self._handles.append(dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True))
+
+    @torch.no_grad()
+    def finish_grads(self) -> None:
+        """Zero what got no gradient, start the remaining reductions in order, wait for all."""
+        for p in self.params:
+            if self._count[id(p)] == 0:  # unused this step: its view still holds the last step's
+                self._grad_views[id(p)].zero_()
+        for b in range(self._next_launch, len(self.buckets)):
+            self._launch(b)
+        for h in self._handles:
+            h.wait()
+        self._handles = []
+        self._next_launch = 0
+        self._left = [len(bk.params) for bk in self.buckets]
+        self._count = dict.fromkeys(self._count, 0)
+        self._n_micro = 1
+
+    # --------------------------------------------------------------------------- parameters
+
+    @torch.no_grad()
+    def _copy_param_slices_to_shard(self) -> None:
+        for bk in self.buckets:
+            a, b = self._my_slice(bk)
+            self.shard_param[bk.shard_start:bk.shard_start + (b - a)].copy_(self.param_data[a:b])
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Distributed optimizer: every rank's updated slices -> every rank's full param_data."""
+        if not self.sharded:
+            return
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 / 2.11
+        handles = []
+        for bk in self.buckets:
+            n = self.slice_numel(bk)
+            handles.append(gather(self.param_data[bk.start:bk.end], self.shard_param[bk.shard_start:bk.shard_start + n],
+                                  group=self.dp_group, async_op=True))
+        for h in handles:
+            h.wait()
+
+    @torch.no_grad()
+    def params_changed(self) -> None:
+        """The full param_data was written from outside (a checkpoint load): refresh the shard copy."""
+        if self.sharded:
+            self._copy_param_slices_to_shard()
+
+    # --------------------------------------------------------------------------- geometry
+
+    def class_shard_range(self, name: str) -> tuple[int, int]:
+        return self._class_shard[name]
+
+    def locate(self, p: torch.Tensor) -> tuple[int, int]:
+        return self._offset[id(p)]
+
+    def shard_overlap(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Pieces (full_start, full_end, shard_start) of the full-buffer range [start, end) that this
+        rank's shard holds (without sharding: the whole range, at the same offset)."""
+        if not self.sharded:
+            return [(start, end, start)]
+        out = []
+        for bk in self.buckets:
+            if bk.end <= start or bk.start >= end:
+                continue
+            a, b = self._my_slice(bk)
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                out.append((lo, hi, bk.shard_start + lo - a))
+        return out
+
+    def shard_bytes_per_param(self) -> float:
+        """Bytes this rank holds per model parameter in these buffers (for the memory table)."""
+        n_model = sum(p.numel() for p in self.params)
+        extra = self.shard_numel * (self.param_dtype.itemsize + self.grad_dtype.itemsize) if self.sharded else 0
+        return (self.numel * (self.param_dtype.itemsize + self.grad_dtype.itemsize) + extra) / n_model
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def main_grad_dtype(param_dtype: torch.dtype, dp_size: int, grad_accum: int) -> torch.dtype:
+    """fp32 whenever gradients are summed (over micro batches or over ranks), Megatron's bf16 rule;
+    fp16 parameters always get fp32 gradients (loss scaling); the parameters' dtype only when there
+    is nothing to sum (one micro batch, one rank): the gradient is then exactly what backward made,
+    and keeping it in bf16 saves 2 bytes/param of traffic in the copy, the norm and the update."""
+    if param_dtype == torch.float16 or dp_size > 1 or grad_accum > 1:
+        return torch.float32
+    return param_dtype
+
+
