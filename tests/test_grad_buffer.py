@@ -66,9 +66,9 @@ def assert_weights_close(a: dict, b: dict, *, rtol: float, atol: float, steps: i
     Adam normalises into steps of about lr once two runs differ by an ulp: bounded by steps x lr."""
     for k in b:
         if k.endswith("query_key_value.bias"):
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=steps * lr, msg=k)
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=steps * lr, msg=lambda m, k=k: f"{k}: {m}")
         else:
-            torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=k)
+            torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # ------------------------------------------------------------------------------- one process
@@ -90,9 +90,9 @@ def test_layout_views_alignment_and_classes():
         prev_end = bk.end
     assert seen == sorted(seen, key=["decay", "no_decay"].index)  # buckets never interleave classes
     assert len([c for c in seen if c == "decay"]) > 1  # 3000-element buckets: the decay class is cut
-    d0, d1 = buf.class_shard_range("decay")
-    n0, n1 = buf.class_shard_range("no_decay")
-    assert d0 == 0 and d1 == n0 and n1 == buf.numel
+    (d0, d1, _), = buf.update_pieces("decay")  # one process: one piece per class, contiguous
+    (n0, n1, _), = buf.update_pieces("no_decay")
+    assert d0 == 0 and d1 == n0 and n1 == buf.numel == buf.shard_numel
 
 
 def test_hooks_sum_micro_batches_and_zero_unused_params():
@@ -197,7 +197,9 @@ def _dp_case(rank, world, distributed, clip, micro, n_steps, bucket_numel):
                        clip=clip)
     sd = opt.state_dict()  # collective when distributed
     dist.barrier()
-    return {"hist": hist, "weights": snapshot(m), "opt": sd, "shard_numel": buf.shard_numel}
+    return {"hist": hist, "weights": snapshot(m), "opt": sd, "shard_numel": buf.shard_numel,
+            "split": sum(len({(a - bk.start) // buf.slice_numel(bk), (b - 1 - bk.start) // buf.slice_numel(bk)}) > 1
+                         for bk in buf.buckets for a, b in map(buf.locate, bk.params))}
 
 
 def _reference(world: int, micro: int, n_steps: int, clip: float):
@@ -238,8 +240,10 @@ def test_distributed_optimizer_equals_plain_dp2(dist_pool):
         assert torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"])
     with_clip = dist_pool(2).run(_dp_case, True, 1.0, 2, 5, 3000)
     ref_clip = dist_pool(2).run(_dp_case, False, 1.0, 2, 5, 3000)
-    for p, s in zip(ref_clip, with_clip):  # clip coefficients an ulp apart: 4e-7 measured
-        assert_weights_close(s["weights"], p["weights"], rtol=1e-5, atol=1e-6, steps=5, lr=1e-2)
+    # clip coefficients an ulp apart; Adam's 1/sqrt(v) magnifies that where a gradient is near zero:
+    # 1.5e-6 at most measured after 5 steps of lr 1e-2 (1e-4 of one step)
+    for p, s in zip(ref_clip, with_clip):
+        assert_weights_close(s["weights"], p["weights"], rtol=1e-5, atol=1e-5, steps=5, lr=1e-2)
 
 
 def _resume_case(rank, world, sd):
@@ -259,6 +263,7 @@ def test_dp3_distributed_optimizer_slices_and_resume(dist_pool):
     """DP3: parameters are cut across ranks' slices (3000-element buckets, 3 x 64-element alignment)."""
     ref_hist, ref_w, ref_opt = _reference(3, 2, 3, clip=1.0)
     out = dist_pool(3).run(_dp_case, True, 1.0, 2, 3, 3000)
+    assert out[0]["split"] >= 5  # parameters whose elements are updated by two or three ranks
     # 1/3 scaling and a 3-way sum: not bitwise. The reduced gradients agree to round-off (the norms
     # to 2e-7); Adam divides by sqrt(v), so elements with near-zero gradients turn that round-off
     # into visible steps: 5e-5 measured after 3 steps of lr 1e-2 (weights ~0.02-1)

@@ -9,40 +9,45 @@ import sys
 
 import pytest
 
-from hpcmeg.parallel.context import grid_coords, group_ranks, rank_grid
+from hpcmeg.parallel.dims import ParallelDims
 
 
 def test_megatron_docstring_example():
     # parallel_state.py's example: 16 GPUs, tp 2, pp 4 -> dp 2
-    g = group_ranks(16, tp=2, pp=4)
+    g = ParallelDims(16, tp=2, pp=4).groups()
     assert g["tp"][:3] == [[0, 1], [2, 3], [4, 5]]
     assert g["dp"][:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["pp"][:2] == [[0, 4, 8, 12], [1, 5, 9, 13]]
+    assert g["embedding"][:2] == [[0, 12], [1, 13]]  # first and last stage of each pipeline
 
 
 @pytest.mark.parametrize("world,tp,pp", [(16, 2, 4), (8, 1, 1), (12, 3, 2), (8, 8, 1)])
 def test_coords_invert_the_formula_and_groups_partition(world, tp, pp):
-    dp = world // (tp * pp)
+    dims = ParallelDims(world, tp=tp, pp=pp)
+    dp = dims.dp
     for rank in range(world):
-        t, d, p = grid_coords(rank, world, tp, pp)
-        assert rank == t + tp * (d + dp * p)
-        assert rank_grid(world, tp, pp)[p][d][t] == rank
+        t, d, p = dims.coords(rank)
+        assert rank == t + tp * (d + dp * p) == dims.rank_of(t, d, p)
     for kind, size in (("tp", tp), ("dp", dp), ("pp", pp)):
-        groups = group_ranks(world, tp, pp)[kind]
+        groups = dims.groups()[kind]
         assert sorted(r for grp in groups for r in grp) == list(range(world))
         assert all(len(grp) == size for grp in groups)
+    assert dims.groups()["embedding"] == ([] if pp == 1 else [[g[0], g[-1]] for g in dims.groups()["pp"]])
 
 
-def test_indivisible_world_is_refused():
-    with pytest.raises(ValueError, match="not divisible"):
-        rank_grid(6, tp=4)
+def test_indivisible_world_is_a_problem_line():
+    probs = ParallelDims(6, tp=4).problems(check_implemented=False)
+    assert probs and probs[0][0] == "cluster.nodes" and "not divisible" in probs[0][1]
 
 
 WORKER = r"""
 import json, sys, torch
 from hpcmeg.launch.env import dist_env
 from hpcmeg.parallel.context import init_distributed
-ctx = init_distributed(dist_env(), tp=2, pp=1, device="cpu")
+from hpcmeg.parallel.dims import ParallelDims
+e = dist_env()
+ctx = init_distributed(ParallelDims(e.world_size, tp=2), rank=e.rank, local_rank=e.local_rank,
+                       master_addr=e.master_addr, master_port=e.master_port, device="cpu")
 m = ctx.all_reduce_max(ctx.rank * 10)
 t = torch.tensor([float(ctx.rank)])
 ctx.dp_mean_(t)  # dp group of rank r = {r % 2, r % 2 + 2}

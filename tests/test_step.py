@@ -1,4 +1,6 @@
-"""TrainStep: learning, grad-accumulation equivalence, loss mask, fp16 overflow skip, optimizer groups."""
+"""TrainStep over the ParamAndGradBuffer + FlatAdamW: learning, grad-accumulation equivalence, loss
+mask, fp16 overflow skip, bf16 parameters with fp32 masters (resume, fp32 accumulation), the
+compiled update against its plain twin, optimizer groups."""
 import copy
 
 import pytest
@@ -21,6 +23,10 @@ def batch(n=4, s=32, seed=1):
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
+def grads_of(buf, model) -> dict[str, torch.Tensor]:
+    return {n: buf.grad_data[slice(*buf.locate(p))].view(p.shape).clone() for n, p in model.named_parameters()}
+
+
 def test_param_groups_no_decay_for_biases_and_norms():
     m = tiny_model()
     decay, no_decay = param_groups(m, 0.1)
@@ -30,15 +36,16 @@ def test_param_groups_no_decay_for_biases_and_norms():
     assert {names[id(p)] for p in decay["params"]} >= {"embedding.word_embeddings.weight",
                                                       "encoder.layers.1.mlp.dense_4h_to_h.weight"}
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
-    opt, impl = build_optimizer(m, 1e-3)
-    assert impl == "torch.AdamW(foreach)" and isinstance(opt, torch.optim.AdamW)
+    _, opt = build_optimizer(m, 1e-3)
+    assert opt.name == "hpcmeg.FlatAdamW(plain)"
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
 
 @pytest.mark.parametrize("precision,fused", [("fp32", False), ("bf16", True)])
 def test_loss_decreases(precision, fused):
     m = tiny_model(fused)
-    opt, _ = build_optimizer(m, 3e-3, weight_decay=0.0)
-    step = TrainStep(m, opt, precision, grad_clip=1.0, device="cpu")
+    buf, opt = build_optimizer(m, 3e-3, weight_decay=0.0)
+    step = TrainStep(m, buf, opt, precision, grad_clip=1.0, device="cpu")
     x, y = batch()
     losses = [step.run([(x, y)]).loss for _ in range(15)]
     assert losses[-1] < losses[0] - 1.0, losses
@@ -46,26 +53,26 @@ def test_loss_decreases(precision, fused):
 
 def test_grad_accumulation_equals_one_big_batch():
     x, y = batch(4)
-    results, params = [], []
+    results, grads = [], []
     for split in (1, 2):
         m = tiny_model()
-        opt = torch.optim.SGD(m.parameters(), lr=1.0)  # param change == gradient (Adam would hide scale bugs)
-        before = copy.deepcopy(m.state_dict())
-        step = TrainStep(m, opt, "fp32", grad_clip=0.0, device="cpu")
+        buf, opt = build_optimizer(m, 0.0)  # lr 0: the reduced gradients stay in the buffer to compare
+        step = TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu")
         mbs = [(x[i:i + 4 // split], y[i:i + 4 // split]) for i in range(0, 4, 4 // split)]
         results.append(step.run(mbs))
-        params.append({k: before[k] - v for k, v in m.state_dict().items()})
+        grads.append(grads_of(buf, m))
     assert abs(results[0].loss - results[1].loss) < 1e-6
     assert abs(results[0].grad_norm - results[1].grad_norm) < 1e-5 and results[0].grad_norm > 0
-    for k in params[0]:
-        torch.testing.assert_close(params[1][k], params[0][k], rtol=1e-5, atol=1e-7, msg=k)
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-5, atol=1e-7, msg=k)
 
 
 def test_loss_mask_excludes_tokens():
     m = tiny_model()
     x, y = batch(2)
     mask = torch.ones(2, 32); mask[:, 16:] = 0
-    step = TrainStep(m, torch.optim.SGD(m.parameters(), lr=0.0), "fp32", grad_clip=0.0, device="cpu")
+    buf, opt = build_optimizer(m, 0.0)
+    step = TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu")
     got = step.run([(x, y, mask)]).loss
     with torch.no_grad():
         want = m(x, y)[:, :16].mean().item()
@@ -74,9 +81,9 @@ def test_loss_mask_excludes_tokens():
 
 def test_fp16_overflow_skips_step_and_lowers_scale():
     m = tiny_model()
-    opt, _ = build_optimizer(m, 1e-3)
+    buf, opt = build_optimizer(m, 1e-3)
     scaler = DynamicLossScaler(initial_scale=2.0 ** 10, hysteresis=1, growth_interval=2)
-    step = TrainStep(m, opt, "fp16", grad_clip=1.0, loss_scaler=scaler, device="cpu")
+    step = TrainStep(m, buf, opt, "fp16", grad_clip=1.0, loss_scaler=scaler, device="cpu")
     x, y = batch()
     before = copy.deepcopy(m.state_dict())
     w = m.encoder.layers[0].mlp.dense_h_to_4h.weight
@@ -86,7 +93,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale():
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k  # nothing moved
     assert all(p.grad is None for p in m.parameters())
-    assert not opt.state  # Adam moments never saw the bad step
+    assert opt.step_count == 0 and not opt.exp_avg.any()  # Adam moments never saw the bad step
     hook.remove()
     r1, r2 = step.run([(x, y)]), step.run([(x, y)])
     assert not r1.skipped and r1.loss_scale == 2.0 ** 9 and r1.grad_norm > 0
@@ -105,73 +112,37 @@ def test_loss_scaler_hysteresis_and_floor():
     assert t.scale == 2.0
 
 
-# ---- bf16 params + fp32 master weights (MasterWeightAdamW) ----------------------------------
+# ---- bf16 parameters + fp32 master weights -------------------------------------------------
 
-def _master_setup(seed=0, lr=3e-3):
+def _bf16_setup(seed=0, lr=3e-3, grad_dtype=None):
     m = tiny_model(fused=True, seed=seed)
-    opt, impl = build_optimizer(m, lr, weight_decay=0.1, master_weights=True)
-    return m, opt, impl
+    buf, opt = build_optimizer(m, lr, weight_decay=0.1, param_dtype=torch.bfloat16, grad_dtype=grad_dtype)
+    return m, buf, opt
 
 
-def test_master_update_matches_torch_adamw():
-    """The fused update (plain twin) equals torch AdamW on the fp32 masters for the same grads."""
-    from hpcmeg.train.optim import MasterWeightAdamW
-    ref = tiny_model(seed=3)
-    m = tiny_model(seed=3)
-    opt_ref, _ = build_optimizer(ref, 1e-2, weight_decay=0.1)
-    opt, impl = build_optimizer(m, 1e-2, weight_decay=0.1, master_weights=True)
-    assert isinstance(opt, MasterWeightAdamW) and impl.endswith("(plain)")
-    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
-    g = torch.Generator().manual_seed(0)
-    for step in range(3):
-        for lr in (1e-2 * (step + 1),):
-            for group in opt_ref.param_groups + opt.param_groups:
-                group["lr"] = lr
-        for pr, pm in zip(ref.parameters(), m.parameters()):
-            gb = torch.randn(pr.shape, generator=g).to(torch.bfloat16)  # bf16-representable grads
-            pr.grad, pm.grad = gb.float(), gb.clone()
-        opt_ref.step()
-        opt.step()
-        opt.zero_grad()
-    masters = [p for grp in opt.param_groups for p in grp["params"]]
-    refs = [p for grp in opt_ref.param_groups for p in grp["params"]]
-    for a, b in zip(masters, refs):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
-    for pm, mst in zip(opt._model_params, masters):  # the model holds the bf16 rounding of the master
-        assert torch.equal(pm.detach(), mst.to(torch.bfloat16))
-    # the checkpoint layout is torch AdamW's: a plain AdamW over fp32 params loads it
-    sd = opt.state_dict()
-    fresh = tiny_model(seed=3)
-    plain, _ = build_optimizer(fresh, 1e-2, weight_decay=0.1)
-    plain.load_state_dict({k: v for k, v in sd.items() if k != "fp32_from_fp16_params"})
-    for i, st in opt_ref.state_dict()["state"].items():
-        torch.testing.assert_close(plain.state_dict()["state"][i]["exp_avg_sq"], st["exp_avg_sq"], rtol=1e-5, atol=1e-9)
-
-
-def test_master_weights_clip_and_trainstep_learns():
-    m, opt, _ = _master_setup()
-    step = TrainStep(m, opt, "bf16", grad_clip=1.0, device="cpu")
-    assert step.bf16_params
+def test_bf16_params_clip_and_trainstep_learns():
+    m, buf, opt = _bf16_setup()
+    step = TrainStep(m, buf, opt, "bf16", grad_clip=1.0, device="cpu")
+    assert step.autocast_dtype is None  # bf16 parameters: no autocast
     x, y = batch()
     first = step.run([(x, y)])
     for _ in range(15):
         last = step.run([(x, y)])
     assert last.loss < first.loss - 0.5 and first.grad_norm > 0
-    # clip: the reported norm is the fp32 norm of the bf16 grads, and the update uses min(1, 1/norm)
-    for p in m.parameters():
-        p.grad = torch.full_like(p, 1.0)
-    n = sum(p.numel() for p in m.parameters())
+    # clip: the reported norm is the fp32 norm of the gradients, the update uses min(1, 1/norm)
+    buf.grad_data.fill_(1.0)  # (padding included: the norm runs over the whole flat buffer)
+    n = buf.numel
     norm = opt.clip_grad_norm_(1.0)
     assert abs(float(norm) - n ** 0.5) < 1e-3 * n ** 0.5
     assert abs(float(opt._coef) - 1.0 / n ** 0.5) < 1e-6
 
 
-def test_master_weights_resume_is_exact():
+def test_bf16_resume_is_exact():
     """Save model + optimizer state after 2 steps, continue 2 more; a fresh run loading the state
     (model first, then optimizer, as the trainer does) ends bit-identical."""
     x, y = batch(seed=5)
-    m, opt, _ = _master_setup(seed=1)
-    step = TrainStep(m, opt, "bf16", grad_clip=1.0, device="cpu")
+    m, buf, opt = _bf16_setup(seed=1)
+    step = TrainStep(m, buf, opt, "bf16", grad_clip=1.0, device="cpu")
     for _ in range(2):
         step.run([(x, y)])
     msd = {k: v.clone() for k, v in m.state_dict().items()}
@@ -180,19 +151,19 @@ def test_master_weights_resume_is_exact():
     assert all(v.dtype == torch.bfloat16 for v in msd.values())
     losses = [step.run([(x, y)]).loss for _ in range(2)]
 
-    m2, opt2, _ = _master_setup(seed=9)  # different init: everything must come from the state
+    m2, buf2, opt2 = _bf16_setup(seed=9)  # different init: everything must come from the state
     m2.load_state_dict(msd)
     opt2.load_state_dict(osd)
-    step2 = TrainStep(m2, opt2, "bf16", grad_clip=1.0, device="cpu")
+    step2 = TrainStep(m2, buf2, opt2, "bf16", grad_clip=1.0, device="cpu")
     losses2 = [step2.run([(x, y)]).loss for _ in range(2)]
     assert losses == losses2
     for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
         assert torch.equal(a, b)
-    # weights-only start (no optimizer state): masters follow the loaded model
-    m3, opt3, _ = _master_setup(seed=9)
+    # weights-only start (no optimizer state): the masters follow the loaded model
+    m3, buf3, opt3 = _bf16_setup(seed=9)
     m3.load_state_dict(msd)
-    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in
-               zip((p for g in opt3.param_groups for p in g["params"]), opt3._model_params))
+    opt3.masters_from_params()
+    assert torch.equal(opt3.master.to(torch.bfloat16), buf3.param_data)
 
 
 def test_master_update_compiled_matches_plain():
@@ -212,35 +183,24 @@ def test_master_update_compiled_matches_plain():
         torch.testing.assert_close(x, z, rtol=1e-5, atol=1e-6)
 
 
-def test_master_weights_accumulate_micro_batches_in_fp32():
-    """16 micro batches of bf16 grads: accumulate_grads_() sums them in fp32 (exact for these bf16
-    values), where autograd's running sum in the bf16 p.grad rounds at every add; TrainStep takes
-    the fp32 path by itself whenever a step has more than one micro batch."""
+def test_bf16_micro_batches_accumulate_in_fp32():
+    """16 micro batches of bf16 gradients sum in the buffer's fp32 main grads (exact for these bf16
+    values), where a bf16 running sum rounds at every add. The loss sum(p * g) makes p.grad == g."""
     g = torch.Generator().manual_seed(0)
-    m, opt, _ = _master_setup(seed=4)
-    params = opt._model_params
+    m, buf, opt = _bf16_setup(seed=4, grad_dtype=torch.float32)
+    params = list(m.parameters())
     parts = [[torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in params] for _ in range(16)]
-    exact = torch.cat([sum(mb[j].double() for mb in parts).reshape(-1) for j in range(len(params))])
-    running = [torch.zeros_like(p) for p in params]  # what p.grad holds after 16 bf16 accumulations
-    for i, mb in enumerate(parts):
-        for p, gp, r in zip(params, mb, running):
-            p.grad = gp.clone()
+    exact = {id(p): sum(mb[j].double() for mb in parts) for j, p in enumerate(params)}
+    running = [torch.zeros_like(p) for p in params]  # a bf16 accumulation, for contrast
+    buf.start_step(16)
+    for mb in parts:
+        sum((p * gp).sum() for p, gp in zip(params, mb)).backward()
+        for r, gp in zip(running, mb):
             r += gp
-        if i < 15:
-            opt.accumulate_grads_()
-            assert all(p.grad is None for p in params)
-    opt.clip_grad_norm_(None)
-    assert opt._g.dtype == torch.float32
-    err32 = ((opt._g.double() - exact).norm() / exact.norm()).item()
-    err16 = ((torch.cat([r.reshape(-1) for r in running]).double() - exact).norm() / exact.norm()).item()
+        assert all(p.grad is None for p in params)
+    buf.finish_grads()
+    got = torch.cat([buf.grad_data[slice(*buf.locate(p))].double() for p in params])
+    want = torch.cat([exact[id(p)].reshape(-1) for p in params])
+    err32 = ((got - want).norm() / want.norm()).item()
+    err16 = ((torch.cat([r.reshape(-1) for r in running]).double() - want).norm() / want.norm()).item()
     assert err32 < 1e-6 and err16 > 1e-4, (err32, err16)
-    opt.step()
-    assert opt._n_acc == 0 and opt._g is opt._g16  # the next step starts from the bf16 path again
-
-    m, opt, _ = _master_setup(seed=4)
-    step = TrainStep(m, opt, "bf16", grad_clip=1.0, device="cpu")
-    calls = []
-    orig = opt.accumulate_grads_
-    opt.accumulate_grads_ = lambda: (calls.append(1), orig())[1]
-    res = step.run([batch(n=2, seed=10 + i) for i in range(4)])
-    assert len(calls) == 3 and opt._n_acc == 0 and res.grad_norm > 0

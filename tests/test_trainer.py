@@ -18,7 +18,8 @@ import torch
 
 from hpcmeg.launch.env import dist_env
 from hpcmeg.recipe import load_recipe
-from hpcmeg.train.entry import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, build_trainer, train
+from hpcmeg.train.build import build_trainer
+from hpcmeg.train.entry import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, train
 from hpcmeg.train.metrics import read_metrics
 
 TINY = "recipes/codeparrot_tiny.yaml"

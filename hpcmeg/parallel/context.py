@@ -1,18 +1,15 @@
 """The parallel context: where this rank sits in the tp-dp-pp grid, and its process groups.
 
 Contract
-- Megatron's default 'tp-dp-pp' order (megatron-interop.md §5.5), fastest-varying first:
-      global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
-  so TP groups are runs of consecutive ranks (keep TP within a node), DP groups are strided by tp,
-  PP groups by tp * dp. Example world 16, tp 2, pp 4 (dp 2): TP [0,1],[2,3],..; DP [0,2],[1,3],[4,6],..;
-  PP [0,4,8,12],[1,5,9,13],...
-- `rank_grid(world, tp, pp)` returns the grid as nested lists [pp][dp][tp] of global ranks;
-  `group_ranks(...)` slices it into the member lists of every TP / DP / PP group (pure, testable).
-- `init_distributed(env, ...)` starts torch.distributed (gloo on CPU, NCCL on CUDA) when the
-  world has more than one process, creates every group by slicing the grid (all ranks create all
-  groups in the same order, as torch requires), and returns a `ParallelContext`. Nothing is stored
-  in module globals: the context is passed to whoever needs a group. A group that spans the
-  whole world is the default group (None), so pure data parallelism creates no extra communicator.
+- The sizes, the rank grid and the group member lists are `ParallelDims`' (hpcmeg/parallel/dims.py,
+  torch-free: Megatron's 'tp-dp-pp' order, TP groups of consecutive ranks).
+- `init_distributed(dims, rank=, local_rank=, master_addr=, master_port=, ...)` (plain values: this
+  package does not read the launcher's environment) starts torch.distributed (gloo on CPU, NCCL on
+  CUDA) when the world has more than one process, creates every group of every kind in
+  `dims.groups()` order (all ranks create all groups in the same order, as torch requires), and
+  returns a `ParallelContext`. Nothing is stored in module globals: the context is passed to whoever
+  needs a group. A group that spans the whole world is the default group (None), so pure data
+  parallelism creates no extra communicator.
 - `ctx.all_reduce_max(int) -> int`: every rank gets the maximum; used for "did any rank get the
   exit signal / see a bad checkpoint" agreement. Single process: returns the value unchanged.
 """
@@ -25,34 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcmeg.launch.env import DistEnv
-
-
-def rank_grid(world_size: int, tp: int = 1, pp: int = 1) -> list[list[list[int]]]:
-    """Global ranks as grid[pp_rank][dp_rank][tp_rank] (Megatron tp-dp-pp order)."""
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        raise ValueError(f"world size {world_size} is not divisible by tp {tp} x pp {pp}")
-    dp = world_size // (tp * pp)
-    return [[[t + tp * (d + dp * p) for t in range(tp)] for d in range(dp)] for p in range(pp)]
-
-
-def grid_coords(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world size {world_size}")
-    dp = world_size // (tp * pp)
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-
-def group_ranks(world_size: int, tp: int = 1, pp: int = 1) -> dict[str, list[list[int]]]:
-    """Members of every group, by kind: {'tp': [...], 'dp': [...], 'pp': [...]} (sorted lists)."""
-    g = rank_grid(world_size, tp, pp)
-    dp = world_size // (tp * pp)
-    return {
-        "tp": [g[p][d] for p in range(pp) for d in range(dp)],
-        "dp": [[g[p][d][t] for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[g[p][d][t] for p in range(pp)] for d in range(dp) for t in range(tp)],
-    }
+from hpcmeg.parallel.dims import ParallelDims
 
 
 @dataclass
@@ -73,7 +43,11 @@ class ParallelContext:
     tp_group: Any = None
     dp_group: Any = None
     pp_group: Any = None
-    """torch ProcessGroups of this rank (None = the default group, or no group in one process)."""
+    embedding_group: Any = None
+    """torch ProcessGroups of this rank (None = the default group, or no group in one process;
+    embedding_group: first and last pipeline stage, only when pp > 1 and this rank holds one)."""
+    dims: ParallelDims | None = None
+    """The layout this context was built for."""
     members: dict[str, list[int]] = field(default_factory=dict)
     """Global ranks of this rank's tp / dp / pp groups (for logs and tests)."""
 
@@ -122,7 +96,7 @@ class DeviceUnavailableError(RuntimeError):
     """The requested device is not there (no CUDA, or fewer GPUs than local ranks); one-line message."""
 
 
-def pick_device(env: DistEnv, device: str = "auto") -> torch.device:
+def pick_device(local_rank: int, device: str = "auto") -> torch.device:
     """'auto' -> cuda:local_rank when CUDA is available, else cpu; 'cuda' fails loudly without it."""
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -131,38 +105,36 @@ def pick_device(env: DistEnv, device: str = "auto") -> torch.device:
         raise DeviceUnavailableError(f"train.device=cuda but torch sees no CUDA device ({why}); use "
                                      f"train.device=cpu (or auto), or run where GPUs are allocated")
     n = torch.cuda.device_count()
-    if env.local_rank >= n:
-        raise DeviceUnavailableError(f"local rank {env.local_rank} has no GPU: this node shows {n} device(s); "
+    if local_rank >= n:
+        raise DeviceUnavailableError(f"local rank {local_rank} has no GPU: this node shows {n} device(s); "
                                      f"start at most one task per GPU (cluster.gpus_per_node)")
-    return torch.device("cuda", env.local_rank)
+    return torch.device("cuda", local_rank)
 
 
-def init_distributed(env: DistEnv, *, tp: int = 1, pp: int = 1, backend: str = "auto",
-                     device: str = "auto", timeout_minutes: float = 30.0) -> ParallelContext:
-    """Start torch.distributed for `env` (if world > 1) and build this rank's ParallelContext."""
-    dev = pick_device(env, device)
+def init_distributed(dims: ParallelDims, *, rank: int = 0, local_rank: int = 0, master_addr: str = "127.0.0.1",
+                     master_port: int = 29500, backend: str = "auto", device: str = "auto",
+                     timeout_minutes: float = 30.0) -> ParallelContext:
+    """Start torch.distributed for this rank (if world > 1) and build its ParallelContext."""
+    dev = pick_device(local_rank, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    tp_rank, dp_rank, pp_rank = grid_coords(env.rank, env.world_size, tp, pp)
-    dp = env.world_size // (tp * pp)
-    groups = group_ranks(env.world_size, tp, pp)
-    mine = {k: next(m for m in v if env.rank in m) for k, v in groups.items()}
-    ctx = ParallelContext(world_size=env.world_size, rank=env.rank, local_rank=env.local_rank, tp_size=tp,
-                          pp_size=pp, dp_size=dp, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
-                          device=dev, members=mine)
-    if env.world_size == 1:
+    tp_rank, dp_rank, pp_rank = dims.coords(rank)
+    groups = dims.groups()
+    ctx = ParallelContext(world_size=dims.world, rank=rank, local_rank=local_rank, tp_size=dims.tp,
+                          pp_size=dims.pp, dp_size=dims.dp, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
+                          device=dev, members=dims.members(rank), dims=dims)
+    if dims.world == 1:
         return ctx
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                            rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=dims.world, timeout=datetime.timedelta(minutes=timeout_minutes))
     ctx.backend = backend
-    for kind in ("tp", "dp", "pp"):
+    for kind in ("tp", "dp", "pp", "embedding"):
         for members in groups[kind]:  # every rank creates every group, in the same order
-            if len(members) == env.world_size:
+            if len(members) == dims.world:
                 continue  # the default group already spans them
             pg = dist.new_group(ranks=members)
-            if env.rank in members:
+            if rank in members:
                 setattr(ctx, f"{kind}_group", pg)
     return ctx

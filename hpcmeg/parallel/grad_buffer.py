@@ -3,38 +3,40 @@
 Why: torch DDP keeps gradients in the parameters' dtype, so with bf16 parameters it would sum
 micro batches and all-reduce in bf16; Megatron's rule for bf16 is "accumulate and all-reduce in
 fp32". Here the parameters become views of ONE flat buffer, gradients land in a flat "main grad"
-buffer of `grad_dtype`, and the optimizer (hpcmeg/train/optim.py FlatAdamW) reads and writes
-flat shards of both. Design and sources: shared/docs/parallel-design.md B.4.
+buffer of `grad_dtype`, and the optimizer (hpcmeg/train/optim.py FlatAdamW) updates this rank's
+pieces of both in place. Design and sources: shared/docs/parallel-design.md B.4.
 
 Contract
-- ``ParamAndGradBuffer(classes, *, param_dtype, grad_dtype, dp_size=1, dp_group=None, shard=False,
-  bucket_numel=10M, align=64)``. ``classes`` is an ordered list of ``(name, [params])`` (e.g. the
-  optimizer's decay / no-decay groups). Every parameter's storage moves into ``param_data`` (dtype
-  ``param_dtype``, values copied; a Parameter object keeps its identity, so modules, the optimizer
-  and torch.compile keep working): do not move or re-cast the model afterwards.
+- ``ParamAndGradBuffer(classes, *, param_dtype, grad_dtype, dp_size=1, dp_rank=0, dp_group=None,
+  shard=False, bucket_numel=10M, align=64)``. ``classes`` is an ordered list of ``(name, [params])``
+  (the optimizer's decay / no-decay groups). Every parameter's storage moves into ``param_data``
+  (dtype ``param_dtype``, values copied; a Parameter keeps its identity, so modules, the optimizer and
+  torch.compile keep working): do not move or re-cast the model afterwards.
 - Layout: class by class; inside a class in REVERSE registration order (backward produces the last
   layers' gradients first, so buckets fill in order); every parameter starts at a multiple of
   ``align`` elements; a class is cut into buckets of about ``bucket_numel`` elements (a parameter is
-  never split; buckets never span classes); every bucket is padded to a multiple of
-  ``align * dp_size`` so each data-parallel rank's slice of each bucket has the same length.
-  Padding stays zero in both buffers.
-- Gradients: a post-accumulate-grad hook per parameter moves ``p.grad`` into its ``main_grad``
-  view (copy on the first micro batch of a step, add after: micro batches sum in ``grad_dtype``)
-  and frees it. ``start_step(n)`` arms the hooks for n micro batches; when every parameter of a
-  bucket has its n-th gradient the bucket's reduction over ``dp_group`` starts asynchronously
-  (buckets start strictly in index order, so every rank issues the same collectives in the same
-  order): an all-reduce SUM in place, or with ``shard=True`` (the distributed optimizer) a
-  reduce-scatter SUM into this rank's slice of ``shard_grad``. ``finish_grads()`` zeroes the
-  gradients of parameters that got none this step, starts what has not started and waits.
-  Reductions SUM: the caller scales each rank's loss by 1/dp (TrainStep does) to get the mean.
-- Shards: this rank owns slice ``dp_rank`` of every bucket. ``shard_param`` / ``shard_grad`` are
-  contiguous buffers of those slices in bucket order (without sharding: ``param_data`` and
-  ``grad_data`` themselves). ``class_shard_range(name)`` is a class's (start, end) in shard
-  coordinates (classes are contiguous there too). ``gather_params()`` all-gathers every bucket's
-  updated slices from ``shard_param`` into ``param_data`` (a no-op without sharding).
+  never split; buckets never span classes, so no rank's slice ever mixes decay and no-decay
+  parameters); every bucket is padded to a multiple of ``align * dp_size``, so each data-parallel
+  rank's slice of each bucket has the same length. Padding stays zero in both buffers.
+- Gradients: a post-accumulate-grad hook per parameter moves ``p.grad`` into its main-grad view
+  (copy on the first micro batch of a step, add after: micro batches sum in ``grad_dtype``) and
+  frees it. ``start_step(n)`` arms the hooks for n micro batches; when every parameter of a bucket
+  has its n-th gradient the bucket's reduction over ``dp_group`` starts asynchronously (buckets
+  start strictly in index order, so every rank issues the same collectives in the same order): an
+  all-reduce SUM, or with ``shard=True`` (the distributed optimizer) a reduce-scatter SUM whose
+  output is this rank's slice of the same bucket (in place: no second gradient buffer).
+  ``finish_grads()`` zeroes the gradients of parameters that got none this step, starts what has
+  not started and waits. Reductions SUM: the caller scales each rank's loss by 1/dp (TrainStep does).
+- Shards: with sharding this rank owns slice ``dp_rank`` of every bucket, without it everything.
+  ``shard_numel`` counts the owned elements; "shard coordinates" number them contiguously in bucket
+  order (the optimizer's fp32 state lives there). ``update_pieces(cls)`` lists a class's owned
+  pieces as ``(full_start, full_end, shard_start)``: without sharding one piece per class (shard
+  coordinates = full coordinates), with sharding one per bucket. ``gather_params()`` all-gathers
+  every bucket's updated slices into ``param_data`` in place (a no-op without sharding).
 - ``locate(p)`` -> (start, end) of a parameter in the full buffers; ``shard_overlap(start, end)`` ->
-  pieces ``(full_start, full_end, shard_start)`` of a full-buffer range this rank owns: the
-  optimizer uses them to gather and scatter its state per parameter for checkpoints.
+  the owned pieces of any full range: the optimizer gathers and scatters its state per parameter
+  with them for checkpoints. ``take_fp32_shard()`` -> the owned elements in fp32 as they were
+  before the cast (the optimizer's exact initial masters).
 """
 from __future__ import annotations
 
@@ -51,6 +53,11 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _collective(name_2_13: str, name_2_11: str):
+    """torch 2.13 renamed the flat collectives (the old names warn); 2.11 (the GPU image) has the old."""
+    return getattr(dist, name_2_13, None) or getattr(dist, name_2_11)
+
+
 @dataclass
 class Bucket:
     start: int
@@ -59,7 +66,7 @@ class Bucket:
     cls: str
     params: list
     shard_start: int
-    """Where this rank's slice of the bucket starts in the shard buffers."""
+    """Where this rank's slice of the bucket starts in shard coordinates."""
 
 
 class ParamAndGradBuffer:
@@ -74,52 +81,46 @@ class ParamAndGradBuffer:
         self.dp_size, self.dp_rank, self.dp_group = dp_size, dp_rank, dp_group
         self.sharded = shard and dp_size > 1
         self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
-        device = params[0].device
-        self.device = device
-        n_shards = dp_size if self.sharded else 1
+        self.device = params[0].device
+        self.params = params
+        self.classes = [name for name, _ in classes]
 
-        # ---- layout: offsets, buckets, class ranges (pure arithmetic first)
+        # ---- layout (pure arithmetic)
         self._offset: dict[int, tuple[int, int]] = {}
         self.buckets: list[Bucket] = []
-        self._class_shard: dict[str, tuple[int, int]] = {}
+        self._class_buckets: dict[str, list[Bucket]] = {}
+        self._class_range: dict[str, tuple[int, int]] = {}
         off, shard_off = 0, 0
         for name, ps in classes:
-            cls_shard_start = shard_off
+            cls_start, first = off, len(self.buckets)
             cur: list = []
             b_start = off
             for p in reversed(ps):
                 start = _round_up(off, align)
                 if cur and start + p.numel() - b_start > bucket_numel:
-                    off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size, n_shards)
+                    off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size)
                     cur, b_start, start = [], off, off
                 self._offset[id(p)] = (start, start + p.numel())
                 cur.append(p)
                 off = start + p.numel()
             if cur:
-                off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size, n_shards)
-            self._class_shard[name] = (cls_shard_start, shard_off)
+                off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size)
+            self._class_buckets[name] = self.buckets[first:]
+            self._class_range[name] = (cls_start, off)
         self.numel, self.shard_numel = off, shard_off
 
-        # ---- storage
-        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
-        self.params = params
+        # ---- storage: parameters become views of param_data
+        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=self.device)
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
         self._grad_views: dict[int, torch.Tensor] = {}
-        fp32_values = {id(p): p.detach().float() for p in params} if param_dtype != torch.float32 else None
+        fp32 = {id(p): p.detach().float() for p in params} if param_dtype != torch.float32 else None
         with torch.no_grad():
             for p in params:
                 a, b = self._offset[id(p)]
                 self.param_data[a:b].copy_(p.detach().reshape(-1))
                 p.data = self.param_data[a:b].view(p.shape)
                 self._grad_views[id(p)] = self.grad_data[a:b].view(p.shape)
-        if self.sharded:
-            self.shard_param = torch.zeros(self.shard_numel, dtype=param_dtype, device=device)
-            self.shard_grad = torch.zeros(self.shard_numel, dtype=grad_dtype, device=device)
-            self._copy_param_slices_to_shard()
-        else:
-            self.shard_param, self.shard_grad = self.param_data, self.grad_data
-        # the parameters' values before the cast, for the optimizer's fp32 masters (take_fp32_shard)
-        self._fp32_shard = self._shard_of(fp32_values) if param_dtype != torch.float32 else None
+        self._fp32_shard = self._shard_of(fp32) if fp32 is not None else None
 
         # ---- per-step hook state
         self._bucket_of = {id(p): i for i, bk in enumerate(self.buckets) for p in bk.params}
@@ -130,25 +131,10 @@ class ParamAndGradBuffer:
         self._handles: list = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _shard_of(self, values: dict[int, torch.Tensor]) -> torch.Tensor:
-        """fp32 shard-layout tensor of per-parameter values (padding zero)."""
-        out = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
-        for p in self.params:
-            a, b = self._offset[id(p)]
-            for fa, fb, s in self.shard_overlap(a, b):
-                out[s:s + fb - fa].copy_(values[id(p)].reshape(-1)[fa - a:fb - a])
-        return out
-
-    def take_fp32_shard(self) -> torch.Tensor:
-        """This rank's shard of the parameters in fp32 as they were before the cast to param_dtype
-        (once: the optimizer adopts it as its master weights), or an fp32 copy of shard_param."""
-        out, self._fp32_shard = self._fp32_shard, None
-        return out if out is not None else self.shard_param.detach().float().clone()
-
-    def _close(self, cls, params, start, end, shard_off, multiple, n_shards):
+    def _close(self, cls, params, start, end, shard_off, multiple):
         end = start + _round_up(end - start, multiple)
         self.buckets.append(Bucket(start, end, cls, list(params), shard_off))
-        return end, shard_off + (end - start) // n_shards
+        return end, shard_off + (end - start) // (self.dp_size if self.sharded else 1)
 
     def slice_numel(self, bucket: Bucket) -> int:
         return (bucket.end - bucket.start) // (self.dp_size if self.sharded else 1)
@@ -178,8 +164,7 @@ class ParamAndGradBuffer:
         p.grad = None
         self._count[key] += 1
         if self._count[key] == self._n_micro:
-            b = self._bucket_of[key]
-            self._left[b] -= 1
+            self._left[self._bucket_of[key]] -= 1
             while self._next_launch < len(self.buckets) and self._left[self._next_launch] == 0:
                 self._launch(self._next_launch)
 
@@ -190,10 +175,10 @@ class ParamAndGradBuffer:
         bk = self.buckets[b]
         full = self.grad_data[bk.start:bk.end]
         if self.sharded:
-            n = self.slice_numel(bk)
-            out = self.shard_grad[bk.shard_start:bk.shard_start + n]
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # 2.13 / 2.11
-            self._handles.append(scatter(out, full, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True))
+            lo, hi = self._my_slice(bk)
+            scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+            self._handles.append(scatter(self.grad_data[lo:hi], full, op=dist.ReduceOp.SUM, group=self.dp_group,
+                                         async_op=True))
         else:
             self._handles.append(dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True))
 
@@ -216,42 +201,39 @@ class ParamAndGradBuffer:
     # --------------------------------------------------------------------------- parameters
 
     @torch.no_grad()
-    def _copy_param_slices_to_shard(self) -> None:
-        for bk in self.buckets:
-            a, b = self._my_slice(bk)
-            self.shard_param[bk.shard_start:bk.shard_start + (b - a)].copy_(self.param_data[a:b])
-
-    @torch.no_grad()
     def gather_params(self) -> None:
-        """Distributed optimizer: every rank's updated slices -> every rank's full param_data."""
+        """Distributed optimizer: every rank's updated slices -> every rank's full param_data, in
+        place (each rank's input is its own slice of the output)."""
         if not self.sharded:
             return
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 / 2.11
+        gather = _collective("all_gather_single", "all_gather_into_tensor")
         handles = []
         for bk in self.buckets:
-            n = self.slice_numel(bk)
-            handles.append(gather(self.param_data[bk.start:bk.end], self.shard_param[bk.shard_start:bk.shard_start + n],
-                                  group=self.dp_group, async_op=True))
+            lo, hi = self._my_slice(bk)
+            handles.append(gather(self.param_data[bk.start:bk.end], self.param_data[lo:hi], group=self.dp_group,
+                                  async_op=True))
         for h in handles:
             h.wait()
 
-    @torch.no_grad()
-    def params_changed(self) -> None:
-        """The full param_data was written from outside (a checkpoint load): refresh the shard copy."""
-        if self.sharded:
-            self._copy_param_slices_to_shard()
-
     # --------------------------------------------------------------------------- geometry
 
-    def class_shard_range(self, name: str) -> tuple[int, int]:
-        return self._class_shard[name]
+    def update_pieces(self, cls: str) -> list[tuple[int, int, int]]:
+        """(full_start, full_end, shard_start) of what this rank updates in class `cls`."""
+        if not self.sharded:
+            a, b = self._class_range[cls]
+            return [(a, b, a)] if a < b else []
+        out = []
+        for bk in self._class_buckets[cls]:
+            lo, hi = self._my_slice(bk)
+            out.append((lo, hi, bk.shard_start))
+        return out
 
     def locate(self, p: torch.Tensor) -> tuple[int, int]:
         return self._offset[id(p)]
 
     def shard_overlap(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """Pieces (full_start, full_end, shard_start) of the full-buffer range [start, end) that this
-        rank's shard holds (without sharding: the whole range, at the same offset)."""
+        """Pieces (full_start, full_end, shard_start) of the full range [start, end) this rank owns
+        (without sharding: the whole range, at the same offset)."""
         if not self.sharded:
             return [(start, end, start)]
         out = []
@@ -264,11 +246,38 @@ class ParamAndGradBuffer:
                 out.append((lo, hi, bk.shard_start + lo - a))
         return out
 
-    def shard_bytes_per_param(self) -> float:
-        """Bytes this rank holds per model parameter in these buffers (for the memory table)."""
+    def owned(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `data` (param_data or grad_data) over every piece this rank owns."""
+        return [data[a:b] for cls in self.classes for a, b, _ in self.update_pieces(cls)]
+
+    def _shard_of(self, values: dict[int, torch.Tensor]) -> torch.Tensor:
+        """fp32 tensor in shard coordinates of per-parameter values (padding zero)."""
+        out = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        for p in self.params:
+            a, b = self._offset[id(p)]
+            for fa, fb, s in self.shard_overlap(a, b):
+                out[s:s + fb - fa].copy_(values[id(p)].reshape(-1)[fa - a:fb - a])
+        return out
+
+    def take_fp32_shard(self) -> torch.Tensor:
+        """The owned elements in fp32 as they were before the cast to param_dtype (once: the optimizer
+        adopts it as its master weights), or an fp32 copy of the owned parameters."""
+        out, self._fp32_shard = self._fp32_shard, None
+        return out if out is not None else self.owned_params_fp32()
+
+    def owned_params_fp32(self) -> torch.Tensor:
+        """The owned elements of param_data, in fp32, in shard coordinates."""
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
+        for cls in self.classes:
+            for a, b, s in self.update_pieces(cls):
+                out[s:s + b - a].copy_(self.param_data[a:b])
+        return out
+
+    def bytes_per_param(self) -> dict[str, float]:
+        """Bytes of these buffers per model parameter (padding included), for the memory table."""
         n_model = sum(p.numel() for p in self.params)
-        extra = self.shard_numel * (self.param_dtype.itemsize + self.grad_dtype.itemsize) if self.sharded else 0
-        return (self.numel * (self.param_dtype.itemsize + self.grad_dtype.itemsize) + extra) / n_model
+        return {"param": self.numel * self.param_dtype.itemsize / n_model,
+                "grad": self.numel * self.grad_dtype.itemsize / n_model}
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -284,5 +293,3 @@ def main_grad_dtype(param_dtype: torch.dtype, dp_size: int, grad_accum: int) -> 
     if param_dtype == torch.float16 or dp_size > 1 or grad_accum > 1:
         return torch.float32
     return param_dtype
-
-

@@ -18,6 +18,8 @@ Contract
   touched by data loading, which keeps interrupted-and-resumed runs bit-identical.
 - `eval_batches(...)`: the fixed evaluation set of this rank: eval_iters steps of micro batches
   (tokens, labels, loss_mask), built once and kept in (pinned) host memory.
+- `vocab_checked(recipe, derived, ds)`: the dataset with every sample's token ids checked against
+  the vocabulary on the host (TokenIdError naming model.vocab_size / the tokenizer and the data).
 """
 from __future__ import annotations
 
@@ -141,3 +143,45 @@ def eval_batches(dataset, eval_iters: int, micro_batch_size: int, grad_accum_ste
         t = [mb["tokens"], mb["labels"], mb["loss_mask"]]
         out.append(tuple(x.pin_memory() if pin else x for x in t))
     return out
+
+
+class TokenIdError(ValueError):
+    """A token id in the data is not below the vocabulary size the model is built with."""
+
+
+class _VocabChecked(torch.utils.data.Dataset):
+    """A GPT dataset whose samples are refused when a token id is >= the vocabulary size.
+
+    Without it such an id fails deep inside the embedding (a 45-line IndexError on CPU, a
+    device-side assert that kills the process on CUDA). The check runs on the host-side numpy
+    sample (L + L integer compares, microseconds) where it is read anyway, so it covers exactly
+    the tokens the run consumes, costs no device sync, and needs no scan of the whole .bin."""
+
+    def __init__(self, ds, vocab_size: int, fix: str):
+        self.ds, self.vocab_size, self.fix = ds, vocab_size, fix
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        item = self.ds[i]
+        top = int(max(item["tokens"].max(initial=0), item["labels"].max(initial=0)))
+        if top >= self.vocab_size:
+            raise TokenIdError(f"the data holds token id {top} but the vocabulary has {self.vocab_size} tokens "
+                               f"(ids 0..{self.vocab_size - 1}); {self.fix}")
+        return item
+
+
+def vocab_checked(r: Recipe, d: Derived, ds):
+    """`ds` wrapped so that a token id >= the vocabulary size is one clear error (None stays None)."""
+    if ds is None:
+        return None
+    data = ", ".join(p for _, p in dataset_prefixes(r, d))
+    if r.model.vocab_size is not None:
+        fix = (f"model.vocab_size={r.model.vocab_size} is too small for {data}: raise it, or set it to null to "
+               f"read it from the tokenizer files")
+    else:
+        tok = r.data.tokenizer_model or r.data.vocab_file or "the embedded GPT-2 vocabulary"
+        fix = (f"{data} was tokenized with a larger vocabulary than {tok}: point data.vocab_file / "
+               f"data.tokenizer_model at the tokenizer that wrote it, or set model.vocab_size")
+    return _VocabChecked(ds, d.orig_vocab_size, fix)

@@ -25,247 +25,21 @@ Contract
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import random
 import sys
 import time
 import traceback
 import warnings
 
-import numpy as np
-import torch
-
-from hpcmeg.fsutil import write_text_atomic
-from hpcmeg.launch.env import DistEnv, dist_env
 from hpcmeg.errors import one_line
-from hpcmeg.recipe import Recipe, RecipeError, dataset_prefixes, derive, load_recipe, to_dict, write_resolved
+from hpcmeg.fsutil import write_text_atomic
+from hpcmeg.launch.env import dist_env
+from hpcmeg.recipe import Recipe, RecipeError, derive, load_recipe
 
 EXIT_OK, EXIT_ERROR, EXIT_BAD_RECIPE, EXIT_REQUEUE = 0, 1, 2, 3
 STATUS_FILE = "train_status.json"
 WALLTIME_MARGIN_S = 60.0  # plus the measured longest save and step (WallTimeGuard)
-
-
-def runtime_derived(r: Recipe, world_size: int):
-    """derive(), with data-parallel size and accumulation from the processes actually running."""
-    d = derive(r)
-    tp, pp, t = r.parallel.tensor, r.parallel.pipeline, r.train
-    if tp > 1 or pp > 1 or r.parallel.virtual_pipeline or r.parallel.distributed_optimizer:
-        raise RecipeError(["parallel: tensor/pipeline parallelism and the distributed optimizer are not "
-                           "implemented in hpcmeg train yet; set parallel.tensor=1, parallel.pipeline=1, "
-                           "parallel.distributed_optimizer=false"])
-    dp = world_size // (tp * pp)
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise RecipeError([f"train.global_batch_size: {t.global_batch_size} is not divisible by train.micro_batch_size="
-                           f"{t.micro_batch_size} x data-parallel size {dp} (the {world_size} running processes); "
-                           f"change the batch sizes or the process count"])
-    return dataclasses.replace(d, world_size=world_size, data_parallel_size=dp,
-                               grad_accum_steps=t.global_batch_size // (t.micro_batch_size * dp))
-
-
-class TokenIdError(ValueError):
-    """A token id in the data is not below the vocabulary size the model is built with."""
-
-
-class _VocabChecked(torch.utils.data.Dataset):
-    """A GPT dataset whose samples are refused when a token id is >= the vocabulary size.
-
-    Without it such an id fails deep inside the embedding (a 45-line IndexError on CPU, a
-    device-side assert that kills the process on CUDA). The check runs on the host-side numpy
-    sample (L + L integer compares, microseconds) where it is read anyway, so it covers exactly
-    the tokens the run consumes, costs no device sync, and needs no scan of the whole .bin."""
-
-    def __init__(self, ds, vocab_size: int, fix: str):
-        self.ds, self.vocab_size, self.fix = ds, vocab_size, fix
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> dict:
-        item = self.ds[i]
-        top = int(max(item["tokens"].max(initial=0), item["labels"].max(initial=0)))
-        if top >= self.vocab_size:
-            raise TokenIdError(f"the data holds token id {top} but the vocabulary has {self.vocab_size} tokens "
-                               f"(ids 0..{self.vocab_size - 1}); {self.fix}")
-        return item
-
-
-def _vocab_checked(r: Recipe, d, ds):
-    if ds is None:
-        return None
-    data = ", ".join(p for _, p in dataset_prefixes(r, d))
-    if r.model.vocab_size is not None:
-        fix = (f"model.vocab_size={r.model.vocab_size} is too small for {data}: raise it, or set it to null to "
-               f"read it from the tokenizer files")
-    else:
-        tok = r.data.tokenizer_model or r.data.vocab_file or "the embedded GPT-2 vocabulary"
-        fix = (f"{data} was tokenized with a larger vocabulary than {tok}: point data.vocab_file / "
-               f"data.tokenizer_model at the tokenizer that wrote it, or set model.vocab_size")
-    return _VocabChecked(ds, d.orig_vocab_size, fix)
-
-
-def _auto(flag: str, device: torch.device) -> bool:
-    return flag == "on" or (flag == "auto" and device.type == "cuda")
-
-
-def megatron_args_fn(r: Recipe, d, ctx):
-    from hpcmeg.train.checkpoint import make_megatron_args
-
-    m, t = r.model, r.train
-
-    def build(state):
-        return make_megatron_args(
-            padded_vocab_size=d.padded_vocab_size, orig_vocab_size=d.orig_vocab_size, hidden_size=m.hidden_size,
-            num_layers=m.num_layers, num_attention_heads=m.num_attention_heads, ffn_hidden_size=d.ffn_hidden_size,
-            max_position_embeddings=m.max_position_embeddings, seq_length=r.data.seq_length,
-            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, layernorm_epsilon=m.layernorm_epsilon,
-            attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout, init_method_std=m.init_method_std,
-            tokenizer_type=r.data.tokenizer_type, vocab_file=r.data.vocab_file, merge_file=r.data.merge_file,
-            tokenizer_model=r.data.tokenizer_model, tensor_model_parallel_size=ctx.tp_size,
-            pipeline_model_parallel_size=ctx.pp_size, data_parallel_size=ctx.dp_size, world_size=ctx.world_size,
-            micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-            fp16=t.precision == "fp16", bf16=t.precision == "bf16", seed=t.seed, lr=t.lr, min_lr=t.min_lr,
-            lr_decay_style=t.lr_decay_style, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, train_iters=d.train_iters,
-            train_samples=d.train_samples, consumed_train_samples=state.consumed_train_samples,
-            consumed_valid_samples=state.consumed_valid_samples, iteration=state.iteration)
-    return build
-
-
-def _check_ckpt_args(args, d, r: Recipe, where: str) -> None:
-    """Megatron's check_checkpoint_args: the architecture must match the recipe's."""
-    if args is None:
-        return
-    want = {"num_layers": r.model.num_layers, "hidden_size": r.model.hidden_size,
-            "num_attention_heads": r.model.num_attention_heads, "ffn_hidden_size": d.ffn_hidden_size,
-            "max_position_embeddings": r.model.max_position_embeddings, "padded_vocab_size": d.padded_vocab_size}
-    bad = [f"{k}: checkpoint {getattr(args, k)} vs recipe {v}" for k, v in want.items()
-           if getattr(args, k, v) is not None and getattr(args, k, v) != v]
-    if bad:
-        raise RecipeError([f"{where}: the checkpoint's model differs from the recipe's ({'; '.join(bad)}); "
-                           f"fix the recipe's model section or use another checkpoint directory"])
-
-
-def build_trainer(r: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=None, on_step_time=lambda s: None,
-                  on_save_time=lambda s: None):
-    """Everything from the recipe: context, model, optimizer, schedule, data, metrics; resumes if it can.
-    Returns (trainer, ctx); the caller destroys ctx."""
-    from hpcmeg.model.config import GPTConfig
-    from hpcmeg.model.flops import flops_per_token
-    from hpcmeg.model.gpt import GPT
-    from hpcmeg.parallel.context import init_distributed
-    from hpcmeg.train import checkpoint as ckpt
-    from hpcmeg.train.data import build_datasets, eval_batches
-    from hpcmeg.train.metrics import MetricsLogger, Throughput, peak_flops_for
-    from hpcmeg.train.optim import DynamicLossScaler, build_optimizer
-    from hpcmeg.train.schedule import schedule_from_recipe
-    from hpcmeg.train.step import TrainStep
-    from hpcmeg.train.trainer import Trainer
-
-    d = runtime_derived(r, env.world_size)
-    m, t = r.model, r.train
-    ctx = init_distributed(env, tp=r.parallel.tensor, pp=r.parallel.pipeline, device=t.device)
-    try:
-        dev = ctx.device
-        if dev.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-            # share the cores among this node's ranks: oversubscribed OpenMP threads spin and can
-            # make a CPU step 10x slower (measured on a 2-core box with 2 ranks)
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            torch.set_num_threads(max(1, cores // max(1, env.local_world_size)))
-        if ctx.is_rank0:
-            write_resolved(r, os.path.join(d.run_dir, "train_recipe.yaml"))
-            if not os.path.exists(os.path.join(d.run_dir, "recipe.yaml")):
-                write_resolved(r, os.path.join(d.run_dir, "recipe.yaml"))
-        # same seed on every DP rank (Megatron's default): identical init, identical dropout streams
-        random.seed(t.seed)
-        np.random.seed(t.seed)
-        torch.manual_seed(t.seed)
-        cfg = GPTConfig(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                        ffn_hidden_size=d.ffn_hidden_size, max_position_embeddings=m.max_position_embeddings,
-                        padded_vocab_size=d.padded_vocab_size, hidden_dropout=m.hidden_dropout,
-                        attention_dropout=m.attention_dropout, layernorm_epsilon=m.layernorm_epsilon,
-                        init_method_std=m.init_method_std, fused=_auto(m.fused, dev))
-        model = GPT(cfg).to(dev)
-        # bf16 params + fp32 master weights (Megatron's Float16Optimizer semantics): measured 1.10x vs
-        # 1.04x compiled nanoGPT on an H200 (bench/results/train_throughput_h200_trainer.md). Only with
-        # one data-parallel rank for now: under DDP it would all-reduce bf16 grads (not yet measured).
-        master = t.precision == "bf16" and dev.type == "cuda" and ctx.dp_size == 1
-        optimizer, opt_impl = build_optimizer(model, lr=t.lr, weight_decay=t.weight_decay,
-                                              betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                              master_weights=master)
-        scaler = DynamicLossScaler(initial_scale=t.initial_loss_scale) if t.precision == "fp16" else None
-        ddp = None
-        if ctx.dp_size > 1:
-            ddp = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False,
-                gradient_as_bucket_view=True, process_group=ctx.dp_group)
-        step = TrainStep(model, optimizer, precision=t.precision, grad_clip=t.clip_grad, loss_scaler=scaler,
-                         compile=_auto(t.compile, dev), device=dev)
-        train_ds, valid_ds, _ = (_vocab_checked(r, d, ds) for ds in
-                                 build_datasets(r, d, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
-        evals = eval_batches(valid_ds, t.eval_iters if t.eval_interval else 0, t.micro_batch_size,
-                             d.grad_accum_steps, ctx.dp_rank, ctx.dp_size, dev)
-        n_params = model.num_params()
-        fpt = flops_per_token(n_params, m.num_layers, m.hidden_size, r.data.seq_length)
-        peak = peak_flops_for(dev)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)  # the peak probe's matrices are not training memory
-        try:
-            schedule = schedule_from_recipe(t, t.global_batch_size, d.train_samples)
-        except ValueError as e:
-            raise RecipeError([f"train.lr_warmup_iters / train.lr_decay_iters: {e}; shorten the warmup or "
-                               f"lengthen the decay"]) from None
-        metrics = MetricsLogger(d.run_dir, enabled=ctx.is_rank0, train_iters=d.train_iters,
-                                per="gpu" if dev.type == "cuda" else "rank")
-        trainer = Trainer(recipe=r, derived=d, ctx=ctx, model=model, ddp_model=ddp, optimizer=optimizer,
-                          schedule=schedule, loss_scaler=scaler,
-                          step=step, train_dataset=train_ds, eval_set=evals, metrics=metrics,
-                          throughput=Throughput(fpt, d.tokens_per_iteration, ctx.world_size, peak),
-                          megatron_args=megatron_args_fn(r, d, ctx), recipe_dict=to_dict(r), stop=stop,
-                          on_step_time=on_step_time, on_save_time=on_save_time, exit_interval=exit_interval)
-        reduce = ctx.all_reduce_max if ctx.distributed else None
-        kw = dict(tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank, tp_size=ctx.tp_size, pp_size=ctx.pp_size,
-                  all_reduce_max=reduce)
-        resumed = "fresh start"
-        loaded = ckpt.load_checkpoint(d.checkpoint_dir, **kw)
-        if loaded is not None:
-            _check_ckpt_args(loaded[1].get("args"), d, r, d.checkpoint_dir)
-            try:
-                trainer.load_state(loaded[1])
-            except ValueError as e:  # schedule / model / optimizer do not fit this recipe
-                raise RecipeError([f"{d.checkpoint_dir}: {e}"]) from None
-            resumed = f"resumed from {d.checkpoint_dir} at iteration {trainer.state.iteration}"
-        elif r.checkpoint.load:
-            loaded = ckpt.load_checkpoint(r.checkpoint.load, **kw)
-            if loaded is None:
-                raise RecipeError([f"checkpoint.load: no checkpoint in '{r.checkpoint.load}' "
-                                   f"(no {ckpt.TRACKER_FILENAME} and no iter_* directory)"])
-            _check_ckpt_args(loaded[1].get("args"), d, r, r.checkpoint.load)
-            try:
-                trainer.load_weights(loaded[1])
-            except ValueError as e:
-                raise RecipeError([f"checkpoint.load: {r.checkpoint.load}: {e}"]) from None
-            resumed = f"weights from {r.checkpoint.load} (iteration 0)"
-        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        metrics.write({"kind": "start", "iteration": trainer.state.iteration, "world_size": ctx.world_size,
-                       "data_parallel_size": ctx.dp_size, "grad_accum_steps": d.grad_accum_steps,
-                       "device": name, "precision": t.precision, "fused": cfg.fused, "compile": step.compile,
-                       "optimizer": opt_impl, "n_params": n_params, "flops_per_token": fpt,
-                       "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
-                       "recipe": r.source, "start": resumed})
-        metrics.print(f"hpcmeg train: {r.run.name} | {ctx.world_size} process(es) on {name} | DP {ctx.dp_size} x "
-                      f"micro {t.micro_batch_size} x accum {d.grad_accum_steps} = global {t.global_batch_size} | "
-                      f"{n_params / 1e6:.1f} M params | {t.precision} | fused {cfg.fused} | compile {step.compile} | "
-                      f"{opt_impl} | {resumed}")
-        planned = derive(r).world_size
-        if planned != ctx.world_size:
-            metrics.print(f"note: the recipe plans {planned} process(es) (cluster section), {ctx.world_size} are "
-                          f"running; gradient accumulation {d.grad_accum_steps} keeps the global batch")
-        return trainer, ctx
-    except BaseException:
-        ctx.destroy()
-        raise
 
 
 def _write_status(run_dir: str, status: str, iteration, code: int, reason: str = "") -> None:
@@ -316,8 +90,10 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
     on_built(trainer) runs after everything is built and before the first step (hooks for fault
     injection in tests, or extra instrumentation)."""
     from hpcmeg.parallel.context import DeviceUnavailableError
+    from hpcmeg.train.build import build_trainer
     from hpcmeg.train.checkpoint import (CheckpointLoadError, CheckpointWarning, UnreadableCheckpointError,
                                          UnsafeCheckpointError)
+    from hpcmeg.train.data import TokenIdError
     from hpcmeg.train.signals import ExitSignal, WallTimeGuard
     from hpcmeg.train.trainer import TrainingDiverged
 

@@ -120,9 +120,11 @@ def adamw_master_update_(p16, master, grad, m, v, hp):
 
 @functools.cache
 def _compiled_update():
-    # built on first CUDA use (importing Inductor costs seconds); dynamic=False: one kernel per
-    # group size, and the per-step scalars travel in the hp tensor so nothing recompiles
-    return torch.compile(adamw_master_update_, dynamic=False)
+    # built on first CUDA use (importing Inductor costs seconds). The per-step scalars travel in the
+    # hp tensor, so only a new length recompiles: the first length (the decay group, ~all the bytes)
+    # gets a static kernel, the second one a dynamic-length kernel that every later length reuses
+    # (the distributed optimizer updates one piece per bucket)
+    return torch.compile(adamw_master_update_)
 
 
 # ---- the optimizer ----------------------------------------------------------------------------
@@ -135,8 +137,9 @@ class FlatAdamW:
     sharding): 12 bytes per owned parameter. Per step: `clip_grad_norm_(max)` takes the global L2
     norm of the reduced gradients (sum of squares over the shard, all-reduced over the data-parallel
     group when sharded: exact, every element counted once) and folds the clip coefficient into the
-    next `step()`, which runs adamw_master_update_ once per group over the group's contiguous shard
-    range (compiled on CUDA) and then lets the buffer all-gather the updated parameters.
+    next `step()`, which runs adamw_master_update_ over each piece the buffer says this rank owns
+    (one per group without sharding, one per bucket with it; compiled on CUDA), writing the updated
+    parameters in place, and then lets the buffer all-gather them.
     `unscale_and_check_(inv_scale)` (fp16) unscales the shard's gradients in place and returns a
     device flag, 1 when any was inf/nan on any rank.
     `param_groups` are plain dicts (lr, betas, eps, weight_decay, params): the LR schedule writes them.
@@ -157,7 +160,6 @@ class FlatAdamW:
             self.param_groups.append({"lr": lr, "betas": tuple(betas), "eps": eps,
                                       "weight_decay": g.get("weight_decay", 0.0), "params": list(g["params"]),
                                       "class": name})
-        self._ranges = [buffer.class_shard_range(g["class"]) for g in self.param_groups]
         n = buffer.shard_numel
         self.master = buffer.take_fp32_shard()  # the fp32 values before the cast: exact masters
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=buffer.device)
@@ -171,13 +173,17 @@ class FlatAdamW:
         kind = "distributed " if self.buffer.sharded else ""
         return f"hpcmeg.FlatAdamW({kind}{'compiled' if self.compiled else 'plain'})"
 
+    def _owned_grads(self) -> list[torch.Tensor]:
+        buf = self.buffer
+        return buf.owned(buf.grad_data) if buf.sharded else [buf.grad_data]
+
     # -- per step
 
     @torch.no_grad()
     def unscale_and_check_(self, inv_scale: float) -> torch.Tensor:
         found = torch.zeros(1, device=self.buffer.device)
         inv = torch.full((1,), inv_scale, device=self.buffer.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([self.buffer.shard_grad], found, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_(self._owned_grads(), found, inv)
         if self.buffer.sharded:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.buffer.dp_group)
         return found
@@ -186,13 +192,14 @@ class FlatAdamW:
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Global L2 norm of the gradients (fp32 accumulation); with max_norm > 0 the next step
         scales them by min(1, max_norm / (norm + 1e-6)) (torch's clip_grad_norm_ rule)."""
-        g = self.buffer.shard_grad
-        if self.buffer.sharded:
-            sq = torch.linalg.vector_norm(g, dtype=torch.float32).square().reshape(1)
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.buffer.dp_group)
+        buf = self.buffer
+        if buf.sharded:  # squares of the owned pieces, summed over the data-parallel group
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._owned_grads()]
+            sq = torch.stack(norms).square().sum().reshape(1)
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=buf.dp_group)
             norm = sq.sqrt().reshape(())
-        else:
-            norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        else:  # one reduction over the whole flat buffer (padding is zero)
+            norm = torch.linalg.vector_norm(buf.grad_data, dtype=torch.float32)
         if max_norm and max_norm > 0:
             self._coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         else:
@@ -206,8 +213,9 @@ class FlatAdamW:
         self.step_count += 1
         fn = _compiled_update() if self.compiled else adamw_master_update_
         buf = self.buffer
-        for g, (a, b) in zip(self.param_groups, self._ranges):
-            if a == b:
+        for g in self.param_groups:
+            pieces = buf.update_pieces(g["class"])
+            if not pieces:
                 continue
             b1, b2 = g["betas"]
             hp = torch.tensor([g["lr"], b1, b2, g["eps"], g["weight_decay"], 1 - b1 ** self.step_count, 0.0,
@@ -215,17 +223,19 @@ class FlatAdamW:
             if buf.device.type == "cuda":  # async copy from pinned memory: no host sync per step
                 hp = hp.pin_memory().to(buf.device, non_blocking=True)
             hp[6:7].copy_(self._coef.reshape(1))
-            args = (buf.shard_param[a:b], self.master[a:b], buf.shard_grad[a:b], self.exp_avg[a:b],
-                    self.exp_avg_sq[a:b], hp)
-            try:
-                fn(*args)
-            except Exception as ex:  # a compiler failure must not stop training: run the plain twin
-                if fn is adamw_master_update_:
-                    raise
-                print(f"FlatAdamW: compiled update failed ({type(ex).__name__}: {ex}); using the plain one",
-                      flush=True)
-                self.compiled, fn = False, adamw_master_update_
-                fn(*args)
+            for a, b, s in pieces:
+                e = s + b - a
+                args = (buf.param_data[a:b], self.master[s:e], buf.grad_data[a:b], self.exp_avg[s:e],
+                        self.exp_avg_sq[s:e], hp)
+                try:
+                    fn(*args)
+                except Exception as ex:  # a compiler failure must not stop training: run the plain twin
+                    if fn is adamw_master_update_:
+                        raise
+                    print(f"FlatAdamW: compiled update failed ({type(ex).__name__}: {ex}); using the plain one",
+                          flush=True)
+                    self.compiled, fn = False, adamw_master_update_
+                    fn(*args)
         self._coef = None
         buf.gather_params()
 
@@ -311,11 +321,12 @@ class FlatAdamW:
         if masters is None:
             self.masters_from_params()
         else:  # the model's parameters are the masters rounded to their dtype, on every rank
-            buf.shard_param.copy_(self.master)
+            for cls in buf.classes:
+                for a, b, s in buf.update_pieces(cls):
+                    buf.param_data[a:b].copy_(self.master[s:s + b - a])
             buf.gather_params()
 
     @torch.no_grad()
     def masters_from_params(self) -> None:
         """The model's parameters were loaded from outside (weights-only start): masters follow them."""
-        self.buffer.params_changed()
-        self.master.copy_(self.buffer.shard_param)
+        self.master.copy_(self.buffer.owned_params_fp32())

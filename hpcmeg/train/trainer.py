@@ -1,10 +1,11 @@
 """The training loop: steps, logging, evaluation, checkpoints, and the agreed stop.
 
 Contract
-- `Trainer(...)` receives every part already built (entry.py builds them): model (+ DDP wrapper),
-  optimizer, LR schedule, TrainStep, datasets, metrics logger, parallel context, and a `stop`
-  callable returning a reason string when this rank wants to stop (exit signal, wall time).
-  `run() -> Outcome` trains from `state.iteration` to derived.train_iters.
+- `Trainer(...)` receives every part already built (hpcmeg/train/build.py builds them): a narrow
+  `LoopConfig` (the numbers the loop needs, nothing else of the recipe), model, optimizer, LR
+  schedule, TrainStep, datasets, metrics logger, parallel context, and a `stop` callable returning
+  a reason string when this rank wants to stop (exit signal, wall time).
+  `run() -> Outcome` trains from `state.iteration` to config.train_iters.
 - One iteration: schedule.apply -> TrainStep.launch(grad_accum_steps micro batches), queued
   without a host sync -> prefetch the next batches -> counters (iteration, consumed samples; the
   schedule advances only when the step was applied, as Megatron's) -> queue, on the device behind
@@ -22,8 +23,10 @@ Contract
   naming the iteration; nothing is saved after it. fp16 overflow is TrainStep's: the step is skipped
   and the scale lowered; the loop only counts it.
 - Checkpoints: Megatron legacy layout via hpcmeg/train/checkpoint.py (args namespace, nested model,
-  optimizer {optimizer, grad_scaler}, opt_param_scheduler, rng_state [one entry: all DP ranks share
-  the seed, so rank 0's RNG state is everyone's], the resolved recipe, consumed samples).
+  optimizer {optimizer, grad_scaler} (gathered from every data-parallel shard: the same layout with
+  or without the distributed optimizer, so a run resumes at any DP size), opt_param_scheduler,
+  rng_state [one entry: all DP ranks share the seed, so rank 0's RNG state is everyone's], the
+  resolved recipe, consumed samples).
   `load_state(ckpt)` restores all of it; `load_weights(ckpt)` only the model (a 'release' start).
 - Exactness on CPU: data order is a function of consumed samples, dropout draws come from the
   global torch RNG which is saved and restored, evaluation and data loading draw nothing from it.
@@ -46,6 +49,25 @@ class TrainingDiverged(RuntimeError):
     """Loss or gradient norm became NaN/inf on an applied step."""
 
 
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the loop reads (built from the recipe by build.py; the loop never sees the recipe)."""
+    train_iters: int
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    log_interval: int
+    eval_interval: int
+    eval_iters: int
+    save_interval: int
+    keep_last: int | None
+    async_save: bool
+    checkpoint_dir: str
+    precision: str
+    seed: int
+    num_workers: int = 0
+
+
 @dataclass
 class TrainState:
     iteration: int = 0
@@ -62,13 +84,13 @@ class Outcome:
 
 
 class Trainer:
-    def __init__(self, *, recipe, derived, ctx, model, ddp_model, optimizer, schedule, loss_scaler, step,
+    def __init__(self, *, config: LoopConfig, ctx, model, optimizer, schedule, loss_scaler, step,
                  train_dataset, eval_set, metrics, throughput, megatron_args: Callable[[TrainState], object],
                  recipe_dict: dict, stop: Callable[[], str | None] = lambda: None,
                  on_step_time: Callable[[float], None] = lambda s: None,
                  on_save_time: Callable[[float], None] = lambda s: None, exit_interval: int | None = None):
-        self.r, self.d, self.ctx = recipe, derived, ctx
-        self.model, self.ddp_model, self.optimizer = model, ddp_model, optimizer
+        self.config, self.ctx = config, ctx
+        self.model, self.optimizer = model, optimizer
         self.schedule, self.loss_scaler, self.step = schedule, loss_scaler, step
         self.train_dataset, self.eval_set = train_dataset, eval_set
         self.metrics, self.throughput = metrics, throughput
@@ -88,14 +110,14 @@ class Trainer:
             gc.unfreeze()  # give the frozen objects back to the collector (many runs in one process)
 
     def _run(self) -> Outcome:
-        r, t, st = self.r, self.r.train, self.state
-        n_iters, gbs = self.d.train_iters, t.global_batch_size
+        cfg, st = self.config, self.state
+        n_iters, gbs = cfg.train_iters, cfg.global_batch_size
         if st.iteration >= n_iters:
             self.metrics.print(f"already at iteration {st.iteration} of {n_iters}: nothing to train")
             return Outcome("finished", st.iteration)
-        batches = TrainBatches(self.train_dataset, st.consumed_train_samples, t.micro_batch_size,
-                               self.d.grad_accum_steps, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device,
-                               num_workers=r.data.num_workers, seed=t.seed)
+        batches = TrainBatches(self.train_dataset, st.consumed_train_samples, cfg.micro_batch_size,
+                               cfg.grad_accum_steps, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device,
+                               num_workers=cfg.num_workers, seed=cfg.seed)
         win = _Window()
         self.model.train()
         pending = None  # (PendingStep, iteration, lr): queued on the device, numbers not checked yet
@@ -109,7 +131,7 @@ class Trainer:
             except StopIteration:
                 raise RuntimeError(f"the training dataset ran out at iteration {st.iteration} "
                                    f"({st.consumed_train_samples} samples consumed)") from None
-            handle = self.step.launch(micro, self.ddp_model)
+            handle = self.step.launch(micro)
             batches.prefetch()  # the next step's loads/copies overlap this step's GPU work
             st.iteration += 1
             st.consumed_train_samples += gbs
@@ -131,9 +153,9 @@ class Trainer:
                 if code >= 2:
                     self._diverged(prev)
                 stopping = code == 1  # a rank asked at it-1: everyone stops after `it`, already queued
-            do_log = it % t.log_interval == 0 or it == n_iters
-            do_eval = bool(t.eval_interval and it % t.eval_interval == 0 and self.eval_set)
-            do_save = bool(r.checkpoint.save_interval and it % r.checkpoint.save_interval == 0)
+            do_log = it % cfg.log_interval == 0 or it == n_iters
+            do_eval = bool(cfg.eval_interval and it % cfg.eval_interval == 0 and self.eval_set)
+            do_save = bool(cfg.save_interval and it % cfg.save_interval == 0)
             if stopping or do_log or do_eval or do_save or at_exit_interval:
                 # log, eval, save or stop next: this iteration must be checked first
                 code = self._settle(pending, win)
@@ -201,7 +223,7 @@ class Trainer:
         mine = not res.skipped and not (math.isfinite(res.loss) and math.isfinite(res.grad_norm))
         what = f"loss {res.loss}, grad norm {res.grad_norm}" if mine else "on another rank"
         raise TrainingDiverged(f"non-finite loss or gradient at iteration {iteration} ({what}, "
-                               f"{self.r.train.precision}); stopping without saving. Lower train.lr, raise "
+                               f"{self.config.precision}); stopping without saving. Lower train.lr, raise "
                                f"train.lr_warmup_iters or try train.precision=fp32 to debug")
 
     def _log(self, win: "_Window", now: float) -> None:
@@ -230,7 +252,7 @@ class Trainer:
         for tokens, labels, mask in self.eval_set:
             tokens, labels = tokens.to(dev, non_blocking=True), labels.to(dev, non_blocking=True)
             mask = mask.to(dev, non_blocking=True)
-            with self.step._autocast():
+            with self.step.autocast():
                 per_tok = self.model(tokens, labels)
             total[0] += (per_tok.float() * mask).sum().double()
             total[1] += mask.sum().double()
@@ -238,7 +260,7 @@ class Trainer:
         if self.ctx.distributed and self.ctx.dp_size > 1:
             torch.distributed.all_reduce(total, group=self.ctx.dp_group)
         val = float(total[0] / total[1])
-        self.state.consumed_valid_samples += self.r.train.eval_iters * self.r.train.global_batch_size
+        self.state.consumed_valid_samples += self.config.eval_iters * self.config.global_batch_size
         self.metrics.eval({"iteration": self.state.iteration, "consumed_samples": self.state.consumed_train_samples,
                            "val_loss": val, "val_ppl": math.exp(val) if val < 50 else None,
                            "eval_time_s": time.perf_counter() - t0})
@@ -246,9 +268,14 @@ class Trainer:
 
     # --------------------------------------------------------------------------------- checkpoints
 
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self) -> dict | None:
+        """This rank's checkpoint dict; None on ranks that do not write a shard (dp_rank != 0). Every
+        rank must call it: with the distributed optimizer the optimizer state is gathered here."""
         st = self.state
-        opt = {"optimizer": self.optimizer.state_dict(),
+        opt_state = self.optimizer.state_dict()  # collective when sharded; None off dp rank 0
+        if self.ctx.dp_rank != 0:
+            return None
+        opt = {"optimizer": opt_state,
                "grad_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
         return ckpt.make_checkpoint_dict(
             args=self.megatron_args(st), iteration=st.iteration,
@@ -261,19 +288,19 @@ class Trainer:
     def save(self) -> None:
         self.wait_for_save()
         t0 = time.perf_counter()
-        c, it = self.ctx, self.state.iteration
-        writer = c.dp_rank == 0
+        c, it, cfg = self.ctx, self.state.iteration, self.config
+        state = self.checkpoint_state()
         self._pending = ckpt.save_checkpoint(
-            self.d.checkpoint_dir, it, self.checkpoint_state() if writer else {}, tp_rank=c.tp_rank,
-            pp_rank=c.pp_rank, tp_size=c.tp_size, pp_size=c.pp_size, is_shard_writer=writer, barrier=c.barrier,
-            is_global_rank0=c.is_rank0, keep_last=self.r.checkpoint.keep_last, async_save=self.r.checkpoint.async_save)
+            cfg.checkpoint_dir, it, state or {}, tp_rank=c.tp_rank,
+            pp_rank=c.pp_rank, tp_size=c.tp_size, pp_size=c.pp_size, is_shard_writer=state is not None,
+            barrier=c.barrier, is_global_rank0=c.is_rank0, keep_last=cfg.keep_last, async_save=cfg.async_save)
         self._last_saved = it
         dt = time.perf_counter() - t0
         self.on_save_time(dt)
         self.metrics.write({"kind": "event", "what": "save", "iteration": it, "seconds": round(dt, 3),
-                            "dir": self.d.checkpoint_dir})
-        self.metrics.print(f"saved checkpoint iteration {it} to {self.d.checkpoint_dir} ({dt:.1f} s"
-                           f"{', writing in background' if self.r.checkpoint.async_save else ''})")
+                            "dir": cfg.checkpoint_dir})
+        self.metrics.print(f"saved checkpoint iteration {it} to {cfg.checkpoint_dir} ({dt:.1f} s"
+                           f"{', writing in background' if cfg.async_save else ''})")
 
     def wait_for_save(self) -> None:
         if self._pending is not None:
@@ -287,6 +314,7 @@ class Trainer:
         if missing or unexpected:
             raise ValueError(f"checkpoint model does not match the recipe's model: missing {missing[:4]}, "
                              f"unexpected {unexpected[:4]}")
+        self.optimizer.masters_from_params()  # the fp32 masters follow the loaded weights
 
     def load_state(self, state: dict) -> None:
         """Full resume: model, optimizer, loss scaler, schedule, RNG, counters."""
