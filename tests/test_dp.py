@@ -7,6 +7,7 @@ average differs (DDP all-reduce vs accumulation), so the curves agree to float32
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -167,3 +168,83 @@ def test_two_ranks_stop_together_on_a_nan_on_rank1(tmp_path):
     status = json.loads((rd / "train_status.json").read_text())
     assert status["status"] == "failed" and "non-finite loss or gradient at iteration 7" in status["reason"]
     assert not (rd / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+
+
+def _final(rd: str):
+    return load_checkpoint(os.path.join(rd, "checkpoints"), tp_rank=0, pp_rank=0, tp_size=1, pp_size=1)
+
+
+def _assert_same_state(a: dict, b: dict, optimizer: bool = True) -> None:
+    wa, wb = a["model"]["language_model"]["encoder"], b["model"]["language_model"]["encoder"]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ea, eb = a["model"]["language_model"]["embedding"], b["model"]["language_model"]["embedding"]
+    assert all(torch.equal(ea[t]["weight"], eb[t]["weight"]) for t in ea)
+    if optimizer:
+        sa, sb = a["optimizer"]["optimizer"]["state"], b["optimizer"]["optimizer"]["state"]
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in ("exp_avg", "exp_avg_sq"))
+
+
+def _interrupted(nproc: int, out, prefix, name: str, extra: list[str]) -> str:
+    """`hpcmeg train` under torchrun, SIGTERM once rank 0 logged a step, then the same command again."""
+    import signal
+    import time
+
+    sets = [f"run.output_root={out}", f"run.name={name}", f"data.data_path=[{prefix}]", *extra]
+    args = ["train", TINY] + [x for s in sets for x in ("--set", s)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(_free_port()), "-m", "hpcmeg.cli", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    metrics = os.path.join(str(out), name, "metrics.jsonl")
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if os.path.exists(metrics) and read_metrics(metrics)["train"]:
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks: they agree, save, exit 3
+    _, err = p.communicate(timeout=300)
+    status = json.load(open(os.path.join(str(out), name, "train_status.json")))
+    assert status["status"] == "preempted", (p.returncode, err[-3000:])
+    cmd[cmd.index("--master-port") + 1] = str(_free_port())
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return os.path.join(str(out), name)
+
+
+def test_distributed_optimizer_resume_is_exact_and_resumes_at_dp1(tmp_path):
+    """DP2 with the distributed optimizer (dropout on, so the RNG restore matters): stopped by SIGTERM
+    and resumed, it equals the uninterrupted run bit for bit (curves, weights, Adam moments). Its
+    iteration-4 checkpoint (optimizer gathered from the shards) then resumes at DP1 without the
+    distributed optimizer and at DP2 with it: the same weights bit for bit (fp32, dropout 0: the two
+    micro batches' gradients are summed once either way)."""
+    import shutil
+
+    prefix = stdlib_dataset(tmp_path / "data")
+    base = [e for e in SMALL if not e.startswith("cluster.")] + [
+        "train.train_iters=8", "train.eval_interval=4", "train.eval_iters=1", "checkpoint.save_interval=4",
+        "checkpoint.keep_last=null"]
+    zero = ["parallel.distributed_optimizer=true"]
+    dropout = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+    rd_ref, _ = _run(2, tmp_path, prefix, "ref", base + zero + dropout)
+    rd_int = _interrupted(2, tmp_path, prefix, "int", base + zero + dropout)
+    m_ref, m_int = (read_metrics(os.path.join(rd, "metrics.jsonl")) for rd in (rd_ref, rd_int))
+    assert m_int["start"][-1]["start"].startswith("resumed") and m_ref["start"][0]["distributed_optimizer"]
+    key = [(x["iteration"], x["loss"], x["grad_norm"]) for x in m_ref["train"]]
+    assert [(x["iteration"], x["loss"], x["grad_norm"]) for x in m_int["train"]] == key
+    (i_ref, s_ref), (i_int, s_int) = _final(rd_ref), _final(rd_int)
+    assert i_ref == i_int == 8 and s_ref["args"].use_distributed_optimizer
+    _assert_same_state(s_ref, s_int)
+    # the iteration-4 checkpoint, resumed at DP1 (no distributed optimizer) and at DP2 (with it)
+    for name in ("dp1", "dp2"):
+        ck = tmp_path / name / "checkpoints"
+        shutil.copytree(os.path.join(rd_ref, "checkpoints", "iter_0000004"), ck / "iter_0000004")
+        (ck / "latest_checkpointed_iteration.txt").write_text("4\n")
+    rd1, _ = _run(1, tmp_path, prefix, "dp1", base)
+    rd2, _ = _run(2, tmp_path, prefix, "dp2", base + zero)
+    m1, m2 = (read_metrics(os.path.join(rd, "metrics.jsonl")) for rd in (rd1, rd2))
+    assert [x["iteration"] for x in m1["train"]] == [5, 6, 7, 8]
+    assert [x["loss"] for x in m2["train"]] == pytest.approx([x["loss"] for x in m1["train"]], rel=1e-6)
+    assert [x["grad_norm"] for x in m2["train"]] == pytest.approx([x["grad_norm"] for x in m1["train"]], rel=1e-6)
+    _assert_same_state(_final(rd1)[1], _final(rd2)[1])
+    assert json.loads(open(os.path.join(rd1, "train_status.json")).read())["status"] == "finished"

@@ -135,8 +135,9 @@ class FlatAdamW:
 
     State: fp32 `master`, `exp_avg`, `exp_avg_sq` of this rank's shard only (the whole model without
     sharding): 12 bytes per owned parameter. Per step: `clip_grad_norm_(max)` takes the global L2
-    norm of the reduced gradients (sum of squares over the shard, all-reduced over the data-parallel
-    group when sharded: exact, every element counted once) and folds the clip coefficient into the
+    norm of the reduced gradients (squares summed in fp64 over the owned pieces, all-reduced over the
+    data-parallel group when sharded: every element counted once, the result independent of the
+    layout to the last fp32 bit in practice) and folds the clip coefficient into the
     next `step()`, which runs adamw_master_update_ over each piece the buffer says this rank owns
     (one per group without sharding, one per bucket with it; compiled on CUDA), writing the updated
     parameters in place, and then lets the buffer all-gather them.
@@ -190,16 +191,21 @@ class FlatAdamW:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """Global L2 norm of the gradients (fp32 accumulation); with max_norm > 0 the next step
-        scales them by min(1, max_norm / (norm + 1e-6)) (torch's clip_grad_norm_ rule)."""
+        """Global L2 norm of the gradients; with max_norm > 0 the next step scales them by
+        min(1, max_norm / (norm + 1e-6)) (torch's clip_grad_norm_ rule).
+
+        The squares are summed in fp64 and the norm rounded to fp32 once: an fp32 sum over millions
+        of elements is off by ~1e-5 relative in an order-dependent way (measured on CPU), which would
+        make the clip coefficient, and so the weights, depend on the layout (DP size, sharding).
+        In fp64 the order-dependent part is ~1e-16, far below one fp32 ulp. The reduction stays
+        memory-bound (one read of the gradients)."""
         buf = self.buffer
-        if buf.sharded:  # squares of the owned pieces, summed over the data-parallel group
-            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._owned_grads()]
-            sq = torch.stack(norms).square().sum().reshape(1)
+        pieces = self._owned_grads()
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in pieces]).square().sum()
+        if buf.sharded:  # each rank holds disjoint pieces: their squares add up over the group
+            sq = sq.reshape(1)
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=buf.dp_group)
-            norm = sq.sqrt().reshape(())
-        else:  # one reduction over the whole flat buffer (padding is zero)
-            norm = torch.linalg.vector_norm(buf.grad_data, dtype=torch.float32)
+        norm = sq.sqrt().float().reshape(())
         if max_norm and max_norm > 0:
             self._coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         else:
