@@ -1,0 +1,60 @@
+"""Parallel layouts through the real local Slurm cluster: `hpcmeg submit --stages train` on 2
+emulated nodes, compared with one process training the same recipe in this test.
+
+- DP2 over 2 nodes x 1 task with the distributed optimizer (gloo between the two slurmd "nodes"):
+  the losses equal the single process's (accumulation 2) to fp32 round-off of the logged DP mean,
+  and the final weights bit for bit (the two micro batches' gradients are summed once either way;
+  the norm is layout-independent, see hpcmeg/train/optim.py).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import REPO
+from hpcmeg.train.checkpoint import load_checkpoint
+from hpcmeg.train.entry import EXIT_OK, train
+from hpcmeg.train.metrics import read_metrics
+from test_submit_slurm import TINY, hpcmeg, sets, status, tiny_dataset  # noqa: E402,F401  (Slurm test helpers)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.dist]
+
+
+def _weights(rd: str) -> dict[str, torch.Tensor]:
+    it, st = load_checkpoint(os.path.join(rd, "checkpoints"), tp_rank=0, pp_rank=0, tp_size=1, pp_size=1)
+    lm = st["model"]["language_model"]
+    out = {f"encoder.{k}": v for k, v in lm["encoder"].items()}
+    out.update({f"embedding.{t}.weight": v["weight"] for t, v in lm["embedding"].items()})
+    return out
+
+
+def test_dp2_on_two_nodes_with_distributed_optimizer_matches_one_process(slurm_cluster, tmp_path, tiny_dataset):
+    over = TINY + [f"data.data_path=[{tiny_dataset}]", "train.train_iters=6", "train.log_interval=1",
+                   "checkpoint.save_interval=0", "parallel.distributed_optimizer=true"]
+    on_slurm = over + ["run.output_root=" + str(tmp_path / "slurm"), "cluster.nodes=2", "cluster.cpu_tasks_per_node=1"]
+    hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm", *sets(on_slurm),
+           "--stages", "train", "--wait", cwd=tmp_path, timeout=400)
+    rd = tmp_path / "slurm" / "codeparrot-tiny"
+    assert status(rd)["stages"]["train"]["state"] == "COMPLETED"
+    m = read_metrics(str(rd / "metrics.jsonl"))
+    start = m["start"][0]
+    assert (start["world_size"], start["data_parallel_size"], start["grad_accum_steps"]) == (2, 2, 1)
+    assert start["distributed_optimizer"] is True
+    assert "--nodes=2" in (rd / "scripts" / "train.sbatch").read_text()
+    assert sorted(p.name.split(".")[-2] for p in (rd / "logs" / "train").glob("train.*.r0.*.log")) == ["0", "1"]
+
+    from hpcmeg.recipe import load_recipe
+
+    r = load_recipe(str(REPO / "recipes" / "codeparrot_tiny.yaml"),
+                    over + ["run.output_root=" + str(tmp_path / "one"), "cluster.cpu_tasks_per_node=1",
+                            "parallel.distributed_optimizer=false"])
+    torch.set_num_threads(1)
+    assert train(r) == EXIT_OK
+    one = read_metrics(str(tmp_path / "one" / "codeparrot-tiny" / "metrics.jsonl"))
+    assert one["start"][0]["grad_accum_steps"] == 2
+    assert [x["loss"] for x in m["train"]] == pytest.approx([x["loss"] for x in one["train"]], rel=1e-6)
+    assert [x["grad_norm"] for x in m["train"]] == pytest.approx([x["grad_norm"] for x in one["train"]], rel=1e-6)
+    a, b = _weights(str(rd)), _weights(str(tmp_path / "one" / "codeparrot-tiny"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
