@@ -114,8 +114,8 @@ def model_checks(rows):
     for name, comp, mode in (("eager", False, None), ("compile", True, None), ("compile_cg", True, "reduce-overhead")):
         torch.manual_seed(0)
         m = GPT(dataclasses.replace(cfg, fused=True)).cuda()
-        opt, _ = build_optimizer(m, 1e-3)
-        st = TrainStep(m, opt, "bf16", 1.0, compile=comp, device="cuda", compile_mode=mode)
+        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16)  # the trainer's bf16 path
+        st = TrainStep(m, buf, opt, "bf16", 1.0, compile=comp, device="cuda", compile_mode=mode)
         g = torch.Generator(device="cuda").manual_seed(3)
         d = torch.randint(0, 1024, (4, 257), device="cuda", generator=g)
         mbs = [(d[:2, :-1], d[:2, 1:]), (d[2:, :-1], d[2:, 1:])]

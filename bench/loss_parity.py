@@ -6,7 +6,7 @@ Owns bench/results/loss_parity_<tag>.{json,png}. One process, one device:
     (default 124M = 12/768/12), seq 1024, micro batch = global batch `--mb`, `--steps` steps,
     cosine LR with warmup, AdamW (0.9, 0.95), wd 0.1, clip 1.0, bf16, dropout 0; validation loss
     every `--eval-interval` steps on the trainer's fixed validation batches. `--hpcmeg-variants`
-    runs the trainer default and/or `master` (bf16 params + MasterWeightAdamW).
+    runs the trainer's default (on CUDA: bf16 parameters with fp32 masters in the ParamAndGradBuffer).
   * HF: GPT2LMHeadModel(GPT2Config with the same shape, vocab 50257, dropout 0, SDPA attention),
     HF's own init, torch AdamW(fused on CUDA) over hpcmeg's param_groups rule, the SAME LR
     schedule object type (hpcmeg.train.schedule), clip 1.0, bf16 autocast; the SAME training batches
@@ -38,8 +38,8 @@ from hpcmeg.train.metrics import read_metrics  # noqa: E402
 from hpcmeg.train.optim import param_groups  # noqa: E402
 
 
-def run_hpcmeg(r, master: bool) -> dict:
-    times, trainer = tt.run_trainer(r, master=master)
+def run_hpcmeg(r) -> dict:
+    times, trainer = tt.run_trainer(r)
     m = read_metrics(os.path.join(derive(r).run_dir, "metrics.jsonl"))
     return dict(val=[[e["iteration"], e["val_loss"]] for e in m["eval"]],
                 train=[[e["iteration"], e["loss"]] for e in m["train"]],
@@ -65,9 +65,9 @@ def run_hf(r, trainer, device: torch.device, log_interval: int) -> dict:
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_eps, **kw)
-    d = trainer.d
+    d = derive(r)
     sched = schedule_from_recipe(t, t.global_batch_size, d.train_samples)
-    batches = TrainBatches(trainer.train_dataset, 0, t.micro_batch_size, d.grad_accum_steps, 0, 1, device,
+    batches = TrainBatches(trainer.train_dataset, 0, t.micro_batch_size, trainer.config.grad_accum_steps, 0, 1, device,
                            num_workers=r.data.num_workers, seed=t.seed)
     amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
 
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-iters", type=int, default=4)
     ap.add_argument("--log-interval", type=int, default=10)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--hpcmeg-variants", default="default", help="comma list of default, master")
+    ap.add_argument("--hpcmeg-variants", default="default", help="comma list of hpcmeg runs (default)")
     ap.add_argument("--n-files", type=int, default=None, help="stdlib files to tokenize (default all)")
     ap.add_argument("--data", default=os.path.join(ROOT, "runs", "bench-data"))
     ap.add_argument("--tok", default=None)
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                             eval_interval=a.eval_interval, eval_iters=a.eval_iters, device=str(dev.type),
                             precision="bf16", extra=[f"train.log_interval={a.log_interval}"])
         try:
-            runs[name], trainer_v = run_hpcmeg(r, master=variant == "master")
+            runs[name], trainer_v = run_hpcmeg(r)
             if state["trainer"] is None:
                 state.update(trainer=trainer_v, recipe=r)
         except Exception as ex:  # keep what the other runs give

@@ -8,12 +8,12 @@ exports the Chrome trace to a temporary file and reduces it to
   * ms per step by category (gemm, attention, triton pointwise / reduction / persistent
     reduction, aten elementwise, embedding, memcpy, memset, other) and the top kernels by time.
 Targets:
-  trainer_master  hpcmeg.train.entry.build_trainer + Trainer.run (bf16 params + MasterWeightAdamW),
-                  the profiler stepped from the trainer's own per-iteration callback;
-  trainer         the same with entry.py's own choice of optimizer/precision;
+  trainer         hpcmeg.train.build.build_trainer + Trainer.run (its own choices: on CUDA bf16
+                  parameters in the ParamAndGradBuffer with fp32 masters), the profiler stepped from
+                  the trainer's own per-iteration callback;
   nano            the compiled nanoGPT-style anchor's step (bench/anchors_gpt2.py's Nano and loop
                   body, replicated here because the anchor's run() has no per-step hook).
-Usage: python bench/profile_step.py --targets trainer_master,nano [--size 124M] [--tok DIR]
+Usage: python bench/profile_step.py --targets trainer,nano [--size 124M] [--tok DIR]
 Writes <out>/profile_<tag>.{json,md}.
 """
 from __future__ import annotations
@@ -98,11 +98,11 @@ def _profiler(active: int, warm: int):
     return profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=warm, active=active, repeat=1))
 
 
-def profile_trainer(size: str, master: bool, data: dict, warm: int, active: int) -> dict:
+def profile_trainer(size: str, data: dict, warm: int, active: int, extra: list[str] | None = None) -> dict:
     L, D, H = tt.SIZES[size]
     iters = warm + active + 12  # compile + CUDA-graph recording happen in the first few iterations
-    r = tt.bench_recipe(data["out"], f"prof_{size}_{'master' if master else 'default'}", data["prefix"],
-                        data["vocab"], data["merge"], size=(L, D, H), iters=iters, warmup=2)
+    r = tt.bench_recipe(data["out"], f"prof_{size}_{int(time.time())}", data["prefix"],
+                        data["vocab"], data["merge"], size=(L, D, H), iters=iters, warmup=2, extra=extra)
     prof = _profiler(active, 2)
     seen = []
 
@@ -117,19 +117,17 @@ def profile_trainer(size: str, master: bool, data: dict, warm: int, active: int)
             prof.stop()
 
     from hpcmeg.launch.env import dist_env
-    from hpcmeg.train.entry import build_trainer
+    from hpcmeg.train.build import build_trainer
     trainer, ctx = build_trainer(r, dist_env(None), on_step_time=on_step)
     try:
-        if master:
-            tt.use_master_weights(trainer)
-        trainer._last_saved = trainer.d.train_iters
+        trainer._last_saved = trainer.config.train_iters
         trainer.run()
         trainer.metrics.close()
     finally:
         ctx.destroy()
     out = _export(prof, active)
     out["loop_ms_per_step"] = round(1e3 * sum(seen[warm + 2:warm + 2 + active]) / active, 3)
-    out["optimizer"] = type(trainer.optimizer).__name__
+    out["optimizer"] = trainer.optimizer.name
     return out
 
 
@@ -190,7 +188,7 @@ def to_md(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--targets", default="trainer_master,nano")
+    ap.add_argument("--targets", default="trainer,nano")
     ap.add_argument("--size", default="124M")
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--active", type=int, default=5)
@@ -210,7 +208,7 @@ def main() -> None:
             if t == "nano":
                 results[t] = profile_nano(a.size, a.warm, a.active)
             else:
-                results[t] = profile_trainer(a.size, t == "trainer_master", data, a.warm, a.active)
+                results[t] = profile_trainer(a.size, data, a.warm, a.active)
         except Exception as ex:  # keep the other targets
             results[t] = {"error": repr(ex)[:400]}
         results[t]["seconds"] = round(time.time() - t0, 1)

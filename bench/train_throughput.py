@@ -3,19 +3,22 @@
 Owns the benchmark table of issue 4 point 5, and the helpers the other train benches share
 (gpt2_files, stdlib_dataset, bench_recipe, run_trainer). For each size (124M = 12/768/12,
 355M = 24/1024/16; seq 1024, micro batch 12, bf16, vocab 50257 padded to 50304 for hpcmeg) it runs
-  * hpcmeg through the trainer's real code path (variants `trainer`, `trainer_master`):
-    hpcmeg.train.entry.build_trainer on a recipe built in code, the real data loader over a
+  * hpcmeg through the trainer's real code path (variant `trainer`; `trainer_zero` adds
+    parallel.distributed_optimizer, a no-op at one rank but the sharded code path):
+    hpcmeg.train.build.build_trainer on a recipe built in code, the real data loader over a
     .bin/.idx tokenized from the Python stdlib sources, Trainer.run (schedule, step, per-iteration
-    all-reduce/NaN check, logging); tokens/s from the trainer's own per-iteration step times.
-    `trainer_master` = the same with bf16 params + MasterWeightAdamW (build_optimizer(
-    master_weights=True)), swapped in after build_trainer until entry.py passes that option;
-  * TrainStep-only variants (`step:<name>`, synthetic tokens) that isolate one knob;
+    all-reduce/NaN check, logging); tokens/s from the trainer's own per-iteration step times. On
+    CUDA the trainer runs bf16 parameters in a ParamAndGradBuffer with fp32 masters (FlatAdamW);
+  * TrainStep-only variants (`step:<name>`, synthetic tokens) that isolate one knob, and
+    `legacy:<name>`: the same TrainStep-only variant on the code before the buffer (commit cdff461's
+    TrainStep + MasterWeightAdamW, which gathered the grads after backward), for the same-run
+    comparison of the two storage designs (bench/legacy.py extracts that code from git);
   * the anchors of bench/anchors_gpt2.py (a verbatim copy of ../shared/bench/anchors_gpt2.py),
     imported with LDH/MB/STEPS set, so their numbers come from the same GPU and process.
 Prints one table: tokens/s, MFU (6N + 12*L*d*T FLOPs/token against the bf16 matmul peak measured
 here), peak memory, ratio to each anchor. Writes <out>/train_throughput_<tag>.{json,md}.
 
-Usage: python bench/train_throughput.py --sizes 124M --variants trainer,trainer_master --anchors nano_compile
+Usage: python bench/train_throughput.py --sizes 124M --variants trainer,step:compile_cg_master,legacy:compile_cg_master --anchors nano_compile
   [--data DIR (dataset cache)] [--tok DIR with encoder.json + vocab.bpe] [--budget-s S]
 Dropout is 0 in hpcmeg's runs to match the nanoGPT anchor (HF anchors keep their default 0.1).
 """
@@ -55,8 +58,8 @@ VARIANTS = {
     "compile_fp32res": dict(fp32_res=True),
     "compile_flash": dict(attn="flash"),
     "compile_cg_chunkce": dict(options=CG, ce="chunked"),
-    "compile_cg_bf16params": dict(options=CG, bf16_params=True),  # speed bound only: bf16 Adam states
-    "compile_cg_master": dict(options=CG, master=True),  # bf16 params + fp32 masters (MasterWeightAdamW)
+    "compile_cg_master": dict(options=CG, master=True),  # bf16 params + fp32 masters (the trainer's default)
+    "compile_cg_master_fp32grad": dict(options=CG, master=True, fp32_grad=True),  # main grads fp32 at accum 1
     "compile_cg_master_flash": dict(options=CG, master=True, attn="flash"),
     "compile_cg_master_cudnn": dict(options=CG, master=True, attn="cudnn"),
     "compile_cg_master_combo": dict(options={**CG, "combo_kernels": True}, master=True),
@@ -123,31 +126,15 @@ def bench_recipe(out: str, name: str, prefix: str, vocab: str, merge: str, size=
         *(extra or [])])
 
 
-def use_master_weights(trainer) -> None:
-    """Swap the trainer's fp32 AdamW + TrainStep for bf16 params + MasterWeightAdamW (what
-    build_trainer would build with build_optimizer(master_weights=True); single process only)."""
-    from hpcmeg.train.step import TrainStep
-    if trainer.ddp_model is not None:
-        raise ValueError("use_master_weights: cast before DDP is built (entry.py), not after")
-    t, old = trainer.r.train, trainer.step
-    opt, _ = build_optimizer(trainer.model, t.lr, weight_decay=t.weight_decay,
-                             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, master_weights=True)
-    trainer.optimizer = opt
-    trainer.step = TrainStep(trainer.model, opt, precision=t.precision, grad_clip=t.clip_grad,
-                             compile=old.compile, device=old.device)
-
-
-def run_trainer(r, master: bool = False, environ=None, skip_final_save: bool = True) -> tuple[list[float], object]:
+def run_trainer(r, environ=None, skip_final_save: bool = True) -> tuple[list[float], object]:
     """build_trainer + Trainer.run in this process; returns (per-iteration step seconds, trainer)."""
     from hpcmeg.launch.env import dist_env
-    from hpcmeg.train.entry import build_trainer
+    from hpcmeg.train.build import build_trainer
     times: list[float] = []
     trainer, ctx = build_trainer(r, dist_env(environ), on_step_time=times.append)
     try:
-        if master:
-            use_master_weights(trainer)
         if skip_final_save:  # a benchmark needs no checkpoint: mark the last iteration saved
-            trainer._last_saved = trainer.d.train_iters
+            trainer._last_saved = trainer.config.train_iters
         trainer.run()
         trainer.wait_for_save()
         trainer.metrics.close()
@@ -194,47 +181,60 @@ def retable(path: str, warmup: int) -> None:
 
 def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, data: dict) -> dict:
     L, D, H = SIZES[size]
+    extra = ["parallel.distributed_optimizer=true"] if variant == "trainer_zero" else []
     r = bench_recipe(data["out"], f"tp_{size}_{variant}", data["prefix"], data["vocab"], data["merge"],
-                     size=(L, D, H), mb=mb, iters=warmup + steps, warmup=max(1, (warmup + steps) // 4))
+                     size=(L, D, H), mb=mb, iters=warmup + steps, warmup=max(1, (warmup + steps) // 4), extra=extra)
     torch.cuda.reset_peak_memory_stats()
-    times, trainer = run_trainer(r, master=variant == "trainer_master")
+    times, trainer = run_trainer(r)
     n = trainer.model.num_params()
     out = dict(variant=f"hpcmeg_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1), n_params=n,
                peak_mem_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2),
-               optimizer=type(trainer.optimizer).__name__, warmup_s=round(sum(times[:warmup]), 1),
+               optimizer=trainer.optimizer.name, warmup_s=round(sum(times[:warmup]), 1),
                times_ms=[round(t * 1e3, 2) for t in times])  # every iteration, warm-up included
     out.update(trainer_timing(out["times_ms"], warmup, mb, n, (L, D, H)))
     del trainer
     return out
 
 
-def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
+def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int, legacy: bool = False) -> dict:
     v = VARIANTS[variant]
     if v.get("mlp") != "bias_outside":
-        return _step_variant_run(size, variant, mb, steps, warmup)
+        return _step_variant_run(size, variant, mb, steps, warmup, legacy)
     from hpcmeg.model import fused
     keep = fused.linear_bias_gelu  # the pre-session-3 MLP: matmul, then Inductor's bias+GELU
     fused.linear_bias_gelu = lambda x, w, b: fused.bias_gelu(torch.nn.functional.linear(x, w), b)
     try:
-        return _step_variant_run(size, variant, mb, steps, warmup)
+        return _step_variant_run(size, variant, mb, steps, warmup, legacy)
     finally:
         fused.linear_bias_gelu = keep
 
 
-def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
+def _build_step(model, v: dict, legacy: bool):
+    """(TrainStep, optimizer name): the buffer path, or cdff461's gather-after-backward path."""
+    master = v.get("master", False)
+    if legacy:
+        import legacy
+        opt, impl = legacy.optim().build_optimizer(model, 3e-4, weight_decay=0.1, master_weights=master)
+        step = legacy.step().TrainStep(model, opt, "bf16", grad_clip=1.0, compile=v.get("compile", True),
+                                       device="cuda", compile_options=v.get("options"))
+        return step, "cdff461 " + impl
+    pdt = torch.bfloat16 if master else torch.float32
+    gdt = torch.float32 if v.get("fp32_grad") or not master else torch.bfloat16
+    buf, opt = build_optimizer(model, 3e-4, weight_decay=0.1, param_dtype=pdt, grad_dtype=gdt)
+    step = TrainStep(model, buf, opt, "bf16", grad_clip=1.0, compile=v.get("compile", True), device="cuda",
+                     compile_options=v.get("options"))
+    return step, f"{opt.name} grads {str(gdt).split('.')[-1]}"
+
+
+def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int, legacy: bool = False) -> dict:
     L, D, H = SIZES[size]
     v = VARIANTS[variant]
-    bf16p, master = v.get("bf16_params", False), v.get("master", False)
     cfg = GPTConfig(L, D, H, 4 * D, SEQ, pad_vocab_size(VOCAB), hidden_dropout=0.0,
                     attention_dropout=0.0, fused=True, attention_backend=v.get("attn", "auto"),
                     fused_ce=v.get("ce", "fused"), fp32_residual_connection=v.get("fp32_res", False))
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
-    if bf16p:
-        model = model.to(torch.bfloat16)
-    opt, impl = build_optimizer(model, 3e-4, weight_decay=0.1, master_weights=master)
-    step = TrainStep(model, opt, "fp32" if bf16p else "bf16", grad_clip=1.0, compile=v.get("compile", True),
-                     device="cuda", compile_options=v.get("options"))
+    step, impl = _build_step(model, v, legacy)
     gen = torch.Generator(device="cuda").manual_seed(1)
     data = [torch.randint(0, VOCAB, (mb, SEQ + 1), device="cuda", generator=gen) for _ in range(4)]
     data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
@@ -256,7 +256,7 @@ def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int)
     dt = (time.perf_counter() - t0) / steps
     n = model.num_params()
     toks = mb * SEQ / dt
-    return dict(variant=f"hpcmeg_step_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1),
+    return dict(variant=f"hpcmeg_{'legacy' if legacy else 'step'}_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1),
                 step_ms=round(dt * 1e3, 2), tokens_per_s=round(toks),
                 tflops=round(toks * flops_per_token(n, L, D, SEQ) / 1e12, 1),
                 peak_mem_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2), loss=round(r.loss, 3),
@@ -294,8 +294,9 @@ def table(rows: list[dict], peak: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="124M,355M")
-    ap.add_argument("--variants", default="trainer,trainer_master",
-                    help="trainer, trainer_master, step:<TrainStep variant> and a:ANCHOR entries, in run order")
+    ap.add_argument("--variants", default="trainer",
+                    help="trainer, trainer_zero, step:<TrainStep variant>, legacy:<variant> and a:ANCHOR entries, "
+                         "in run order")
     ap.add_argument("--anchors", default="hf_eager,hf_sdpa,hf_compile,nano_compile")
     ap.add_argument("--mb", type=int, default=12)
     ap.add_argument("--steps", type=int, default=30)
@@ -343,6 +344,8 @@ def main() -> None:
                     rows.append(anchors.run(item[2:]))
                 elif item.startswith("step:"):
                     rows.append(_step_variant(size, item[5:], a.mb, a.steps, a.warmup))
+                elif item.startswith("legacy:"):
+                    rows.append(_step_variant(size, item[7:], a.mb, a.steps, a.warmup, legacy=True))
                 else:
                     rows.append(_trainer_variant(size, item, a.mb, a.steps, a.warmup, data))
             except Exception as ex:  # keep the other variants' numbers
