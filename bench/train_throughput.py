@@ -3,8 +3,7 @@
 Owns the benchmark table of issue 4 point 5, and the helpers the other train benches share
 (gpt2_files, stdlib_dataset, bench_recipe, run_trainer). For each size (124M = 12/768/12,
 355M = 24/1024/16; seq 1024, micro batch 12, bf16, vocab 50257 padded to 50304 for hpcmeg) it runs
-  * hpcmeg through the trainer's real code path (variant `trainer`; `trainer_zero` adds
-    parallel.distributed_optimizer, a no-op at one rank but the sharded code path):
+  * hpcmeg through the trainer's real code path (variant `trainer`):
     hpcmeg.train.build.build_trainer on a recipe built in code, the real data loader over a
     .bin/.idx tokenized from the Python stdlib sources, Trainer.run (schedule, step, per-iteration
     all-reduce/NaN check, logging); tokens/s from the trainer's own per-iteration step times. On
@@ -181,9 +180,8 @@ def retable(path: str, warmup: int) -> None:
 
 def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, data: dict) -> dict:
     L, D, H = SIZES[size]
-    extra = ["parallel.distributed_optimizer=true"] if variant == "trainer_zero" else []
-    r = bench_recipe(data["out"], f"tp_{size}_{variant}", data["prefix"], data["vocab"], data["merge"],
-                     size=(L, D, H), mb=mb, iters=warmup + steps, warmup=max(1, (warmup + steps) // 4), extra=extra)
+    r = bench_recipe(data["out"], f"tp_{size}_{variant}_{int(time.time())}", data["prefix"], data["vocab"],
+                     data["merge"], size=(L, D, H), mb=mb, iters=warmup + steps, warmup=max(1, (warmup + steps) // 4))
     torch.cuda.reset_peak_memory_stats()
     times, trainer = run_trainer(r)
     n = trainer.model.num_params()
@@ -295,8 +293,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="124M,355M")
     ap.add_argument("--variants", default="trainer",
-                    help="trainer, trainer_zero, step:<TrainStep variant>, legacy:<variant> and a:ANCHOR entries, "
-                         "in run order")
+                    help="trainer, step:<TrainStep variant>, legacy:<variant> and a:ANCHOR entries, in run order "
+                         "(an item may repeat: the spread between repeats is the run-to-run noise)")
     ap.add_argument("--anchors", default="hf_eager,hf_sdpa,hf_compile,nano_compile")
     ap.add_argument("--mb", type=int, default=12)
     ap.add_argument("--steps", type=int, default=30)
