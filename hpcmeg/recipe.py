@@ -239,30 +239,31 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
         refuse("data.json_keys", "give at least one JSON key holding the text, e.g. [text]")
     if ok("model.hidden_size", "model.num_attention_heads") and m.hidden_size % m.num_attention_heads:
         refuse("model.hidden_size", f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
-    if ok("model.num_attention_heads", "parallel.tensor") and m.num_attention_heads % par.tensor:
-        refuse("model.num_attention_heads", f"{m.num_attention_heads} heads are not divisible by parallel.tensor={par.tensor}")
-    if ok("model.num_layers", "parallel.pipeline", "parallel.virtual_pipeline"):
-        stages = par.pipeline * (par.virtual_pipeline or 1)
-        if m.num_layers % stages:
-            what = f"parallel.pipeline={par.pipeline}" + (f" x parallel.virtual_pipeline={par.virtual_pipeline}" if par.virtual_pipeline else "")
-            refuse("model.num_layers", f"{m.num_layers} layers are not divisible by {what}")
     if ok("data.seq_length", "model.max_position_embeddings") and r.data.seq_length > m.max_position_embeddings:
         refuse("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
-    if ok("parallel.sequence_parallel", "parallel.tensor") and par.sequence_parallel and par.tensor == 1:
-        refuse("parallel.sequence_parallel", f"needs parallel.tensor > 1")
-    if ok("parallel.virtual_pipeline", "parallel.pipeline") and par.virtual_pipeline and par.pipeline < 2:
-        refuse("parallel.virtual_pipeline", f"needs parallel.pipeline > 1")
-    layout = ("cluster.nodes", "cluster.gpus_per_node", "cluster.cpu_tasks_per_node", "parallel.tensor", "parallel.pipeline")
-    world = c.world_size()
-    if ok(*layout) and world % (par.tensor * par.pipeline):
-        refuse("cluster.nodes", f"{c.nodes} node(s) x {c.tasks_per_node()} task(s) per node = {world} ranks is not divisible by "
-                 f"parallel.tensor x parallel.pipeline = {par.tensor * par.pipeline}")
-    elif ok(*layout, "train.global_batch_size", "train.micro_batch_size"):
-        dp = world // (par.tensor * par.pipeline)
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            refuse("train.global_batch_size", f"{t.global_batch_size} is not divisible by train.micro_batch_size={t.micro_batch_size} "
-                     f"x data-parallel size {dp} (= {c.nodes} node(s) x {c.tasks_per_node()} {'GPUs' if c.gpus_per_node > 0 else 'CPU ranks'} / (TP {par.tensor} x PP {par.pipeline})); "
-                     f"use a multiple of {t.micro_batch_size * dp}, e.g. {max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}")
+    # the parallel layout: sizes, then its fit to the batch and the model (hpcmeg/parallel/dims.py, the one
+    # place these rules live; the train job checks the running processes with the same object)
+    layout = ("cluster.nodes", "cluster.gpus_per_node", "cluster.cpu_tasks_per_node", "parallel.tensor",
+              "parallel.pipeline", "parallel.virtual_pipeline", "parallel.sequence_parallel")
+    if ok(*layout):
+        dims = recipe_dims(r)
+        sizes = dims.problems(check_implemented=False)
+        for key, text in sizes:
+            refuse(key, text)
+        if not sizes:
+            fit = dims.model_problems(num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                                      ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+                                      seq_length=r.data.seq_length)
+            fit += dims.batch_problems(t.global_batch_size, t.micro_batch_size)
+            for key, text in fit:
+                deps = {"model.num_attention_heads": ("model.num_attention_heads",),
+                        "model.ffn_hidden_size": ("model.ffn_hidden_size", "model.hidden_size"),
+                        "model.num_layers": ("model.num_layers",), "data.seq_length": ("data.seq_length",),
+                        "train.global_batch_size": ("train.global_batch_size", "train.micro_batch_size")}[key]
+                if ok(*deps):
+                    refuse(key, text)
+            for key, text in dims.problems():  # layouts the train job cannot run yet: said here, before
+                refuse(key, text)              # anything is submitted (sizes are fine at this point)
     if ok("train.train_iters", "train.train_samples") and (t.train_iters is None) == (t.train_samples is None):
         refuse("train.train_iters", f"set exactly one of train.train_iters and train.train_samples")
     if ok("train.min_lr", "train.lr") and t.min_lr > t.lr:
@@ -393,11 +394,22 @@ def pad_vocab(orig: int, multiple: int, tp: int) -> int:
     return ((orig + step - 1) // step) * step
 
 
+def recipe_dims(r: Recipe, world_size: int | None = None):
+    """The recipe's parallel layout as a ParallelDims (torch-free), for the planned cluster or for
+    `world_size` processes actually running."""
+    from hpcmeg.parallel.dims import ParallelDims  # pure arithmetic, no torch
+
+    par = r.parallel
+    return ParallelDims(world=r.cluster.world_size() if world_size is None else world_size, tp=par.tensor,
+                        pp=par.pipeline, vpp=par.virtual_pipeline or 1, sequence_parallel=par.sequence_parallel,
+                        distributed_optimizer=par.distributed_optimizer)
+
+
 def derive(r: Recipe, orig_vocab_size: int | None = None) -> Derived:
-    world = r.cluster.world_size()
-    dp = world // (r.parallel.tensor * r.parallel.pipeline)
+    dims = recipe_dims(r)
+    world, dp = dims.world, dims.dp
     t = r.train
-    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    accum = t.global_batch_size // (t.micro_batch_size * dp)  # validate() made sure it divides
     orig = orig_vocab_size if orig_vocab_size is not None else (r.model.vocab_size or vocab_size_from_files(r.data))
     samples = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
     iters = t.train_iters if t.train_iters is not None else -(-samples // t.global_batch_size)

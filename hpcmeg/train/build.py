@@ -27,13 +27,7 @@ import torch
 
 from hpcmeg.launch.env import DistEnv
 from hpcmeg.parallel.dims import ParallelDims
-from hpcmeg.recipe import Derived, Recipe, RecipeError, derive, to_dict, write_resolved
-
-
-def recipe_dims(r: Recipe, world_size: int) -> ParallelDims:
-    par = r.parallel
-    return ParallelDims(world=world_size, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline or 1,
-                        sequence_parallel=par.sequence_parallel, distributed_optimizer=par.distributed_optimizer)
+from hpcmeg.recipe import Derived, Recipe, RecipeError, derive, recipe_dims, to_dict, write_resolved
 
 
 def runtime_layout(r: Recipe, world_size: int) -> tuple[ParallelDims, Derived]:

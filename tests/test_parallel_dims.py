@@ -1,0 +1,87 @@
+"""ParallelDims (hpcmeg/parallel/dims.py): sizes, batch and model fit, accumulation, and the same rules
+seen through `hpcmeg validate` (one line per problem, naming the recipe key) and the train job's
+check of the processes actually running. No torch, no processes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from hpcmeg.parallel.dims import NOT_IMPLEMENTED, ParallelDims
+from hpcmeg.recipe import RecipeError, derive, load_recipe
+
+TINY = str(REPO / "recipes" / "codeparrot_tiny.yaml")
+
+
+def keys(problems):
+    return [k for k, _ in problems]
+
+
+def test_sizes_batch_and_model_fit():
+    assert ParallelDims(8, tp=2, pp=2).dp == 2
+    assert keys(ParallelDims(6, tp=4).problems(check_implemented=False)) == ["cluster.nodes"]
+    assert keys(ParallelDims(4, tp=0).problems()) == ["parallel.tensor"]
+    assert keys(ParallelDims(2, sequence_parallel=True).problems()) == ["parallel.sequence_parallel"]
+    assert keys(ParallelDims(4, pp=1, vpp=2).problems()) == ["parallel.virtual_pipeline"]
+    assert ParallelDims(8).problems() == [] and ParallelDims(8, distributed_optimizer=True).problems() == []
+    (k, text), = ParallelDims(8).batch_problems(190, 12)
+    assert k == "train.global_batch_size" and "96" in text and "192" in text  # a multiple and a nearby value
+    assert ParallelDims(8).grad_accum(192, 12) == 2
+    with pytest.raises(ValueError):
+        ParallelDims(8).grad_accum(190, 12)
+    fit = ParallelDims(4, tp=4, pp=1, sequence_parallel=True).model_problems(
+        num_layers=5, num_attention_heads=6, ffn_hidden_size=10, seq_length=30)
+    assert keys(fit) == ["model.num_attention_heads", "model.ffn_hidden_size", "data.seq_length"]
+    assert keys(ParallelDims(4, pp=2, vpp=2).model_problems(num_layers=6, num_attention_heads=4, ffn_hidden_size=8,
+                                                           seq_length=8)) == ["model.num_layers"]
+
+
+def test_not_implemented_layouts_are_refused_until_they_land():
+    assert keys(ParallelDims(4, tp=2).problems()) == ["parallel.tensor"]
+    assert keys(ParallelDims(4, pp=2).problems()) == ["parallel.pipeline"]
+    assert ParallelDims(4, tp=2).problems(check_implemented=False) == []
+    assert set(NOT_IMPLEMENTED) <= {"parallel.tensor", "parallel.pipeline", "parallel.virtual_pipeline",
+                                    "parallel.sequence_parallel"}
+
+
+@pytest.mark.parametrize("sets,key", [
+    (["parallel.tensor=2", "cluster.cpu_tasks_per_node=2"], "parallel.tensor"),
+    (["parallel.pipeline=2", "cluster.cpu_tasks_per_node=2"], "parallel.pipeline"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+    (["cluster.cpu_tasks_per_node=3"], "train.global_batch_size"),
+    (["parallel.tensor=4", "cluster.cpu_tasks_per_node=2"], "cluster.nodes"),
+])
+def test_validate_gives_one_line_naming_the_key(sets, key):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(TINY, sets)
+    (line,) = e.value.problems
+    assert line.startswith(f"--set") or key in line
+    assert key in line
+
+
+def test_validate_cli_refuses_tensor_parallel_before_anything_runs():
+    r = subprocess.run([sys.executable, "-m", "hpcmeg.cli", "validate", TINY, "--set", "parallel.tensor=2",
+                        "--set", "cluster.cpu_tasks_per_node=2"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "parallel.tensor" in r.stderr
+    assert "not implemented" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_derive_uses_the_same_dp_and_accumulation():
+    r = load_recipe(TINY, ["cluster.cpu_tasks_per_node=2", "train.global_batch_size=16", "train.micro_batch_size=4",
+                           "parallel.distributed_optimizer=true"])
+    d = derive(r)
+    assert (d.world_size, d.data_parallel_size, d.grad_accum_steps) == (2, 2, 2)
+
+
+def test_the_running_processes_are_checked_by_the_same_rules():
+    from hpcmeg.train.build import runtime_layout
+
+    r = load_recipe(TINY, ["train.global_batch_size=8", "train.micro_batch_size=4"])
+    dims, d = runtime_layout(r, 1)
+    assert (dims.dp, d.grad_accum_steps, d.world_size) == (1, 2, 1)
+    with pytest.raises(RecipeError) as e:
+        runtime_layout(r, 3)
+    (line,) = e.value.problems
+    assert line.startswith("train.global_batch_size") and "3 processes are running" in line
