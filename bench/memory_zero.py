@@ -25,7 +25,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from hpcmeg.model.config import GPTConfig, pad_vocab_size  # noqa: E402
+from hpcmeg.megatron.layout import pad_vocab_size
+from hpcmeg.model.config import GPTConfig  # noqa: E402
 from hpcmeg.model.gpt import GPT  # noqa: E402
 from hpcmeg.train.optim import build_optimizer  # noqa: E402
 from hpcmeg.train.step import TrainStep  # noqa: E402

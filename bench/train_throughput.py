@@ -36,7 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from hpcmeg.model.config import GPTConfig, pad_vocab_size  # noqa: E402
+from hpcmeg.megatron.layout import pad_vocab_size
+from hpcmeg.model.config import GPTConfig  # noqa: E402
 from hpcmeg.model.flops import flops_per_token, measure_bf16_peak  # noqa: E402
 from hpcmeg.model.gpt import GPT  # noqa: E402
 from hpcmeg.train.optim import build_optimizer  # noqa: E402

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import yaml
 
 from hpcmeg.fsutil import write_text_atomic
+from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.recipe_schema import (  # noqa: F401  (re-exported: the schema lives there)
     CHOICES,
     CheckpointConfig,
@@ -389,11 +390,6 @@ def vocab_size_from_files(data: DataConfig) -> int:
     return GPT2_VOCAB_SIZE
 
 
-def pad_vocab(orig: int, multiple: int, tp: int) -> int:
-    step = multiple * tp
-    return ((orig + step - 1) // step) * step
-
-
 def recipe_dims(r: Recipe, world_size: int | None = None):
     """The recipe's parallel layout as a ParallelDims (torch-free), for the planned cluster or for
     `world_size` processes actually running."""
@@ -417,7 +413,7 @@ def derive(r: Recipe, orig_vocab_size: int | None = None) -> Derived:
     prefix = r.data.output_prefix or str(Path(run_dir) / "data" / r.run.name)
     return Derived(
         world_size=world, data_parallel_size=dp, grad_accum_steps=accum, orig_vocab_size=orig,
-        padded_vocab_size=pad_vocab(orig, r.model.make_vocab_size_divisible_by, r.parallel.tensor),
+        padded_vocab_size=pad_vocab_size(orig, r.model.make_vocab_size_divisible_by, r.parallel.tensor),
         ffn_hidden_size=r.model.ffn_hidden_size or 4 * r.model.hidden_size,
         train_samples=samples, train_iters=iters,
         tokens_per_iteration=t.global_batch_size * r.data.seq_length,
@@ -465,5 +461,5 @@ __all__ = [
     "Recipe", "RunConfig", "DataConfig", "ModelConfig", "TrainConfig", "ParallelConfig",
     "CheckpointConfig", "ClusterConfig", "ContainerConfig", "ConvertConfig", "RecipeError",
     "Derived", "load_recipe", "validate", "derive", "dataset_prefixes", "parse_split", "parse_blend",
-    "apply_overrides", "to_dict", "from_dict", "dump_yaml", "write_resolved", "pad_vocab", "field",
+    "apply_overrides", "to_dict", "from_dict", "dump_yaml", "write_resolved", "field",
 ]

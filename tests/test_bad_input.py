@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from conftest import hpcmeg_cmd
-from hpcmeg.train import checkpoint as C
+from hpcmeg.checkpoint.store import CheckpointWarning, file_crc32, save_checkpoint
+from hpcmeg.megatron.names import MANIFEST_FILENAME, SHARD_FILENAME, TRACKER_FILENAME, iter_dirname
 from test_trainer import SMALL, TINY, stdlib_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,9 +45,9 @@ def tree(path: Path) -> list[str]:
 
 
 def save(ckpt_dir: Path, it: int, state=None) -> Path:
-    C.save_checkpoint(str(ckpt_dir), it, state or {"iteration": it, "model": {}}, tp_rank=0, pp_rank=0, tp_size=1,
+    save_checkpoint(str(ckpt_dir), it, state or {"iteration": it, "model": {}}, tp_rank=0, pp_rank=0, tp_size=1,
                       pp_size=1, is_shard_writer=True, barrier=lambda: None, is_global_rank0=True)
-    return ckpt_dir / C.iter_dirname(it) / "mp_rank_00" / C.SHARD_FILENAME
+    return ckpt_dir / iter_dirname(it) / "mp_rank_00" / SHARD_FILENAME
 
 
 # ----------------------------------------------------------------------------- hpcmeg train
@@ -78,9 +79,9 @@ def test_train_refuses_a_malicious_pickle_in_one_line(tmp_path, data):
     # torch.save writes the reduce call into the pickle (nothing runs at save time); an attacker
     # who also rewrites the manifest to match leaves only weights_only between it and os.system
     torch.save({"iteration": 2, "model": _Evil(str(marker))}, str(shard))
-    manifest = json.loads((ck / C.iter_dirname(2) / C.MANIFEST_FILENAME).read_text())
-    manifest["files"]["mp_rank_00/model_optim_rng.pt"] = {"size": shard.stat().st_size, "crc32": C.file_crc32(str(shard))}
-    (ck / C.iter_dirname(2) / C.MANIFEST_FILENAME).write_text(json.dumps(manifest))
+    manifest = json.loads((ck / iter_dirname(2) / MANIFEST_FILENAME).read_text())
+    manifest["files"]["mp_rank_00/model_optim_rng.pt"] = {"size": shard.stat().st_size, "crc32": file_crc32(str(shard))}
+    (ck / iter_dirname(2) / MANIFEST_FILENAME).write_text(json.dumps(manifest))
     before = tree(ck)
     rc, lines = cli(*train_args(tmp_path, data))
     assert rc == 1 and len(lines) == 1, lines
@@ -129,7 +130,7 @@ def test_skipped_checkpoint_warning_is_one_line(capsys):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        warnings.warn("skipping checkpoint: /x/iter_0000004/mp_rank_00/model_optim_rng.pt is corrupt", C.CheckpointWarning)
+        warnings.warn("skipping checkpoint: /x/iter_0000004/mp_rank_00/model_optim_rng.pt is corrupt", CheckpointWarning)
     _show_warnings(caught, "hpcmeg train")
     assert capsys.readouterr().err.splitlines() == [
         "hpcmeg train: warning: skipping checkpoint: /x/iter_0000004/mp_rank_00/model_optim_rng.pt is corrupt"]
@@ -204,10 +205,10 @@ def test_output_that_cannot_be_written_is_one_line_and_nothing_is_left(shared, c
 def test_garbage_tracker_is_one_line(tmp_path, command):
     ck = tmp_path / "ckpt"
     save(ck, 2)
-    (ck / C.TRACKER_FILENAME).write_text("\x00garbage\n")
+    (ck / TRACKER_FILENAME).write_text("\x00garbage\n")
     rc, lines = cli(*COMMANDS[command](ck, tmp_path / "out"))
     assert rc == 1 and len(lines) == 1, lines
-    assert str(ck / C.TRACKER_FILENAME) in lines[0] and "fix or delete the file" in lines[0], lines
+    assert str(ck / TRACKER_FILENAME) in lines[0] and "fix or delete the file" in lines[0], lines
     assert not (tmp_path / "out").exists()
 
 
@@ -215,7 +216,7 @@ def test_unreadable_shard_is_named_and_nothing_written(tmp_path):
     ck = tmp_path / "ckpt"
     shard = save(ck, 2)
     shard.write_bytes(os.urandom(4096))
-    man = ck / C.iter_dirname(2) / C.MANIFEST_FILENAME
+    man = ck / iter_dirname(2) / MANIFEST_FILENAME
     man.unlink()  # a foreign checkpoint: no manifest, so the bytes themselves must be judged
     rc, lines = cli("convert", ck, tmp_path / "out")
     assert rc == 1 and len(lines) == 1 and str(shard) in lines[0] and "not a readable torch checkpoint" in lines[0], lines

@@ -19,9 +19,12 @@ import pytest
 import torch
 
 from hpcmeg.cli import main as hpcmeg_main
-from hpcmeg.model.config import GPTConfig, pad_vocab_size
+from hpcmeg.megatron.layout import pad_vocab_size
+from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
-from hpcmeg.train.checkpoint import make_checkpoint_dict, make_megatron_args, save_checkpoint, to_megatron_model
+from hpcmeg.checkpoint.store import save_checkpoint
+from hpcmeg.megatron.args import make_checkpoint_dict, make_megatron_args
+from hpcmeg.megatron.layout import to_megatron_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50257  # the embedded GPT-2 tokenizer

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from hpcmeg.train.checkpoint import load_checkpoint
+from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.train.metrics import read_metrics
 from test_trainer import SMALL, TINY, stdlib_dataset  # noqa: E402  (shared helpers)
 
@@ -145,7 +145,7 @@ def test_two_ranks_stop_together_when_only_rank1_gets_sigterm(tmp_path):
     rank 0 never sees a signal, yet both ranks save the same iteration and ask for a requeue."""
     import json
 
-    from hpcmeg.train.entry import EXIT_REQUEUE
+    from hpcmeg.megatron.names import EXIT_REQUEUE
 
     res, rd = _two_ranks(tmp_path, "signal", signal_rank1_after_s=0.5)
     assert [x["code"] for x in res] == [EXIT_REQUEUE, EXIT_REQUEUE]
@@ -161,7 +161,7 @@ def test_two_ranks_stop_together_on_a_nan_on_rank1(tmp_path):
     both ranks stop with the error naming iteration 7, and nothing was saved."""
     import json
 
-    from hpcmeg.train.entry import EXIT_ERROR
+    from hpcmeg.megatron.names import EXIT_ERROR
 
     res, rd = _two_ranks(tmp_path, "nan")
     assert [x["code"] for x in res] == [EXIT_ERROR, EXIT_ERROR]

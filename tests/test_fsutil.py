@@ -155,16 +155,17 @@ def test_sigkilled_writer_leaves_old_file_and_a_recognisable_temp(tmp_path):
 
 def test_checkpoint_save_removes_a_killed_tracker_temp(tmp_path):
     # the checkpoint protocol's crash cleanup must recognise the temporaries fsutil names
-    from hpcmeg.train import checkpoint as C
+    from hpcmeg.checkpoint.store import save_checkpoint
+    from hpcmeg.megatron.names import TRACKER_FILENAME
 
-    leftover = tmp_path / (fsutil.temp_prefix(C.TRACKER_FILENAME) + "123-deadbeef")
-    old_style = tmp_path / (C.TRACKER_FILENAME + ".tmp-123")
+    leftover = tmp_path / (fsutil.temp_prefix(TRACKER_FILENAME) + "123-deadbeef")
+    old_style = tmp_path / (TRACKER_FILENAME + ".tmp-123")
     leftover.write_text("7")
     old_style.write_text("7")
-    C.save_checkpoint(str(tmp_path), 3, {"iteration": 3, "model": {}}, tp_rank=0, pp_rank=0, tp_size=1,
+    save_checkpoint(str(tmp_path), 3, {"iteration": 3, "model": {}}, tp_rank=0, pp_rank=0, tp_size=1,
                       pp_size=1, is_shard_writer=True, barrier=lambda: None, is_global_rank0=True)
-    assert sorted(os.listdir(tmp_path)) == sorted([C.TRACKER_FILENAME, "iter_0000003"])
-    assert (tmp_path / C.TRACKER_FILENAME).read_text() == "3\n"
+    assert sorted(os.listdir(tmp_path)) == sorted([TRACKER_FILENAME, "iter_0000003"])
+    assert (tmp_path / TRACKER_FILENAME).read_text() == "3\n"
 
 
 # -- callers that moved onto fsutil: what they write must not depend on the temporary's name --------

@@ -14,7 +14,8 @@ from hpcmeg.convert.hf_tokenizer import TokenizerSource, write_tokenizer_files
 from hpcmeg.convert.merge import load_full_checkpoint
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
-from hpcmeg.train.checkpoint import load_checkpoint, read_tracker
+from hpcmeg.checkpoint.store import load_checkpoint
+from hpcmeg.megatron.names import read_tracker
 from test_convert import VOCAB, real_tokens, rel_err
 
 LAYERS, H, HEADS, POS = 4, 48, 4, 64

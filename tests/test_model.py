@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpcmeg.model.config import GPTConfig, pad_vocab_size
+from hpcmeg.megatron.layout import pad_vocab_size
+from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 
 

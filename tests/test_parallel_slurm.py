@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from hpcmeg.train.checkpoint import load_checkpoint
-from hpcmeg.train.entry import EXIT_OK, train
+from hpcmeg.checkpoint.store import load_checkpoint
+from hpcmeg.megatron.names import EXIT_OK
+from hpcmeg.train.entry import train
 from hpcmeg.train.metrics import read_metrics
 from test_submit_slurm import TINY, hpcmeg, sets, status, tiny_dataset  # noqa: E402,F401  (Slurm test helpers)
 

@@ -43,7 +43,7 @@ def _wait(pred, what, timeout=180):
 def _weights(run):
     import torch
 
-    from hpcmeg.train.checkpoint import safe_torch_load
+    from hpcmeg.checkpoint.safe import safe_torch_load
 
     sd = safe_torch_load(str(run / "checkpoints" / f"iter_{ITERS:07d}" / "mp_rank_00" / "model_optim_rng.pt"))
     flat = {}

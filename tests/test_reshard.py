@@ -13,7 +13,9 @@ import torch
 from hpcmeg.cli import main as hpcmeg_main
 from hpcmeg.convert.merge import load_full_checkpoint
 from hpcmeg.model import ops
-from hpcmeg.train.checkpoint import from_megatron_model, load_checkpoint, read_tracker
+from hpcmeg.checkpoint.store import load_checkpoint
+from hpcmeg.megatron.layout import from_megatron_model
+from hpcmeg.megatron.names import read_tracker
 from test_convert import FFN, H, HEADS, LAYERS, VOCAB, make_run, real_tokens, rel_err
 
 WE = "embedding.word_embeddings.weight"
@@ -169,9 +171,10 @@ def test_trainer_optimizer_state_resharded_resume_is_exact(tmp_path):
     """AdamW state saved the trainer's way survives 1 -> 2x2 -> 1 bit for bit, its 2x2 shards hold
     the right slices, and one more step from the round-tripped state equals one more step from the
     original."""
-    from hpcmeg.train.checkpoint import (
-        capture_rng_state, make_checkpoint_dict, make_megatron_args, save_checkpoint, to_megatron_model,
-    )
+    from hpcmeg.checkpoint.safe import capture_rng_state
+    from hpcmeg.checkpoint.store import save_checkpoint
+    from hpcmeg.megatron.args import make_checkpoint_dict, make_megatron_args
+    from hpcmeg.megatron.layout import to_megatron_model
     from hpcmeg.train.optim import param_groups
     from test_convert import POS, tiny_model
 

@@ -18,8 +18,9 @@ import time
 import pytest
 import torch
 
-from hpcmeg.train.checkpoint import load_checkpoint
-from hpcmeg.train.entry import EXIT_BAD_RECIPE, EXIT_OK, EXIT_REQUEUE, train
+from hpcmeg.checkpoint.store import load_checkpoint
+from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_OK, EXIT_REQUEUE
+from hpcmeg.train.entry import train
 from hpcmeg.train.metrics import read_metrics
 from test_trainer import TINY, run_dir, small_recipe, stdlib_dataset  # noqa: E402  (shared helpers)
 

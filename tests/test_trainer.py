@@ -19,7 +19,8 @@ import torch
 from hpcmeg.launch.env import dist_env
 from hpcmeg.recipe import load_recipe
 from hpcmeg.train.build import build_trainer
-from hpcmeg.train.entry import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, train
+from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK
+from hpcmeg.train.entry import train
 from hpcmeg.train.metrics import read_metrics
 
 TINY = "recipes/codeparrot_tiny.yaml"
@@ -120,7 +121,7 @@ def test_metrics_checkpoint_and_plot(dataset, tmp_path):
     assert os.listdir(os.path.join(rd, "tensorboard"))
     assert json.load(open(os.path.join(rd, "train_status.json")))["status"] == "finished"
     assert open(os.path.join(rd, "checkpoints", "latest_checkpointed_iteration.txt")).read().strip() == "8"
-    from hpcmeg.train.checkpoint import load_checkpoint
+    from hpcmeg.checkpoint.store import load_checkpoint
 
     it, state = load_checkpoint(os.path.join(rd, "checkpoints"), tp_rank=0, pp_rank=0, tp_size=1, pp_size=1)
     assert it == 8 and state["args"].consumed_train_samples == 32 and state["args"].padded_vocab_size == 50304

@@ -33,13 +33,12 @@ from typing import Any
 import torch
 
 from hpcmeg.convert.hf_tokenizer import TokenizerError, TokenizerSource, source_from_dir, write_tokenizer_files
-from hpcmeg.convert.merge import (
-    WORD_EMB, CheckpointReadError, OutputDirError, atomic_output_dir, check_output_dir, committed_iterations,
-    load_full_checkpoint,
-)
+from hpcmeg.convert.merge import (CheckpointReadError, OutputDirError, atomic_output_dir, check_output_dir,
+                                  committed_iterations, load_full_checkpoint)
+from hpcmeg.megatron.layout import WORD_EMB
 from hpcmeg.errors import one_line
 from hpcmeg.fsutil import atomic_path
-from hpcmeg.train.checkpoint import iter_dirname
+from hpcmeg.megatron.names import iter_dirname
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 SOURCE_FILE = "hpcmeg_source.json"

@@ -29,11 +29,13 @@ import torch
 
 from hpcmeg.convert.hf import _TANH_GELUS, ConvertError, hf_to_megatron_state
 from hpcmeg.convert.hf_tokenizer import HF_TOKENIZER_FILES
-from hpcmeg.convert.merge import (WORD_EMB, OutputDirError, atomic_output_dir, check_output_dir, pad_vocab_size,
-                                  repad_vocab, split_full)
+from hpcmeg.convert.merge import OutputDirError, atomic_output_dir, check_output_dir, repad_vocab, split_full
+from hpcmeg.megatron.layout import WORD_EMB, pad_vocab_size
 from hpcmeg.errors import one_line
 from hpcmeg.convert.reshard import write_checkpoint_layout
-from hpcmeg.train.checkpoint import RELEASE_DIRNAME, make_checkpoint_dict, make_megatron_args, safe_torch_load
+from hpcmeg.checkpoint.safe import safe_torch_load
+from hpcmeg.megatron.args import make_checkpoint_dict, make_megatron_args
+from hpcmeg.megatron.names import RELEASE_DIRNAME
 
 TOKENIZER_SUBDIR = "tokenizer"
 

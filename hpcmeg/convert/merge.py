@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -38,26 +37,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hpcmeg.train.checkpoint import (
-    HEAD_KEY, MANIFEST_FILENAME, RELEASE_DIRNAME, TRACKER_FILENAME, CheckpointWarning, checkpoint_path,
-    from_megatron_model, full_state_from_stages, iter_dirname, load_checkpoint, parse_iter_dirname, read_tracker,
-    stage_state_from_full, to_megatron_model,
-)
-
-WORD_EMB = "embedding.word_embeddings.weight"
-_ROW_SUFFIXES = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
-                 "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
-_COL_SUFFIXES = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
-
-
-def tp_split_dim(key: str) -> int | None:
-    """Dimension along which `key` is sharded across tensor-parallel ranks; None = replicated."""
-    if key in (WORD_EMB, HEAD_KEY) or key.endswith(_ROW_SUFFIXES):
-        return 0
-    if key.endswith(_COL_SUFFIXES):
-        return 1
-    return None
-
+from hpcmeg.checkpoint.store import CheckpointWarning, load_checkpoint
+from hpcmeg.megatron.layout import (HEAD_KEY, WORD_EMB, from_megatron_model, full_state_from_stages,
+                                    stage_state_from_full, to_megatron_model, tp_split_dim)
+from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, TRACKER_FILENAME, checkpoint_path, iter_dirname,
+                                   parse_iter_dirname, parse_shard_dirname, read_tracker)
 
 def merge_tp(shards: list[dict[str, torch.Tensor]], where: str = "checkpoint") -> dict[str, torch.Tensor]:
     """TP shards of one stage (in tp-rank order) -> that stage's unsharded flat dict."""
@@ -94,12 +78,6 @@ def split_tp(stage: dict[str, torch.Tensor], tp: int, num_attention_heads: int) 
         for s, chunk in zip(shards, torch.chunk(v, tp, dim=dim)):
             s[k] = chunk.clone()
     return shards
-
-
-def pad_vocab_size(orig: int, multiple: int, tp: int) -> int:
-    """Megatron's padded vocabulary size: orig rounded up to a multiple of (multiple * tp)."""
-    step = multiple * tp
-    return -(-orig // step) * step
 
 
 def repad_vocab(full: dict[str, torch.Tensor], orig_vocab_size: int, padded_vocab_size: int) -> dict[str, torch.Tensor]:
@@ -167,9 +145,6 @@ def split_full(full: dict[str, torch.Tensor], tp: int, pp: int, num_layers: int,
 
 class CheckpointReadError(RuntimeError):
     """A checkpoint cannot be merged: missing/corrupt shard, unknown iteration (message names the file)."""
-
-
-_SHARD_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
 @dataclass
@@ -244,10 +219,10 @@ def _layout_of(iter_dir: str) -> tuple[int, int]:
             raise CheckpointReadError(f"{mpath}: unreadable manifest ({e})") from None
     tps, pps = set(), set()
     for e in os.listdir(iter_dir):
-        m = _SHARD_DIR_RE.match(e)
+        m = parse_shard_dirname(e)
         if m:
-            tps.add(int(m.group(1)))
-            pps.add(int(m.group(2)) if m.group(2) else 0)
+            tps.add(m[0])
+            pps.add(m[1] or 0)
     if not tps:
         raise CheckpointReadError(f"{iter_dir}: no mp_rank_* shard directories (not a Megatron torch-format "
                                   f"checkpoint; torch_dist checkpoints need Megatron's converter first)")

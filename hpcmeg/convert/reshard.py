@@ -8,7 +8,7 @@ Contract
     (merge.py header: QKV / MLP-in by rows = whole head groups, attention-out / MLP-out by columns,
     row-parallel biases and LayerNorms replicated, vocabulary rows split; stage-local layer numbers;
     the tied head copy on the last stage when pp > 1) and writes a new checkpoint dir through
-    hpcmeg.train.checkpoint.save_checkpoint (manifest, tracker) under the same iteration name.
+    hpcmeg.checkpoint.store.save_checkpoint (manifest, tracker) under the same iteration name.
     Kept: args (tp/pp/padded vocab/world size updated), iteration, consumed samples, LR scheduler,
     RNG state (shard (0,0)'s, which hpcmeg's trainer shares across ranks), the hpcmeg recipe (its
     parallel section updated), data state, and the optimizer when it is hpcmeg's trainer layout
@@ -31,15 +31,13 @@ from typing import Any, Callable
 
 from hpcmeg.convert.hf_tokenizer import TokenizerError, vocab_size_of
 from hpcmeg.errors import one_line
-from hpcmeg.convert.merge import (
-    WORD_EMB, CheckpointReadError, FullCheckpoint, OutputDirError, atomic_output_dir, check_output_dir,
-    load_full_checkpoint, merge_tp,
-    pad_vocab_size, repad_vocab, split_full, split_tp,
-)
-from hpcmeg.train.checkpoint import (
-    HEAD_KEY, RELEASE_DIRNAME, TRACKER_FILENAME, from_megatron_model, full_state_from_stages, iter_dirname,
-    make_checkpoint_dict, save_checkpoint, stage_state_from_full, write_text_atomic,
-)
+from hpcmeg.convert.merge import (CheckpointReadError, FullCheckpoint, OutputDirError, atomic_output_dir,
+                                  check_output_dir, load_full_checkpoint, merge_tp, repad_vocab, split_full, split_tp)
+from hpcmeg.megatron.layout import WORD_EMB, pad_vocab_size
+from hpcmeg.checkpoint.store import save_checkpoint, write_text_atomic
+from hpcmeg.megatron.args import make_checkpoint_dict
+from hpcmeg.megatron.layout import HEAD_KEY, from_megatron_model, full_state_from_stages, stage_state_from_full
+from hpcmeg.megatron.names import RELEASE_DIRNAME, TRACKER_FILENAME, iter_dirname
 
 
 class ReshardError(ValueError):

@@ -1,7 +1,7 @@
 """GPT model configuration: the one dataclass the model is built from, plus vocabulary padding.
 
 Owns: `GPTConfig` (architecture hyper-parameters, dropout, init, and which op implementation
-to use) and `pad_vocab_size`. No torch import: the recipe layer and the launcher can read
+to use); the vocabulary padding rule is hpcmeg.megatron.layout.pad_vocab_size. No torch import: the recipe layer and the launcher can read
 this file on a host without a GPU build of torch.
 
 Names follow Megatron-LM's flags (`--num-layers`, `--hidden-size`, `--ffn-hidden-size`,
@@ -13,18 +13,6 @@ from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "flash_attn", "efficient", "math")
 CE_IMPLS = ("fused", "fused_inductor", "compiled", "chunked")
-
-
-def pad_vocab_size(orig: int, multiple: int = 128, tp: int = 1) -> int:
-    """Megatron's `_vocab_size_with_padding`: round `orig` up to a multiple of `multiple * tp`.
-
-    Padding makes the LM-head matmul dimensions tensor-core friendly and lets the vocabulary
-    split evenly across `tp` tensor-parallel ranks. GPT-2: 50257 -> 50304 (tp=1).
-    """
-    if orig < 1 or multiple < 1 or tp < 1:
-        raise ValueError(f"pad_vocab_size: orig={orig}, multiple={multiple}, tp={tp} must all be >= 1")
-    m = multiple * tp
-    return ((orig + m - 1) // m) * m
 
 
 @dataclass
@@ -42,7 +30,7 @@ class GPTConfig:
     max_position_embeddings: int
     """Rows of the learned position table = longest sequence the model accepts (GPT-2: 1024)."""
     padded_vocab_size: int
-    """Rows of the word-embedding / tied output matrix, already padded (see pad_vocab_size)."""
+    """Rows of the word-embedding / tied output matrix, already padded (hpcmeg.megatron.layout.pad_vocab_size)."""
     hidden_dropout: float = 0.1
     """Dropout on the embedding output and on each residual branch before the add (Megatron default)."""
     attention_dropout: float = 0.1

@@ -99,7 +99,7 @@ def build_optimizer_for(r: Recipe, d: Derived, dims: ParallelDims, ctx, model):
 
 
 def megatron_args_fn(r: Recipe, d: Derived, dims: ParallelDims):
-    from hpcmeg.train.checkpoint import make_megatron_args
+    from hpcmeg.megatron.args import make_megatron_args
 
     m, t = r.model, r.train
 
@@ -139,11 +139,12 @@ def check_checkpoint_args(args, d: Derived, r: Recipe, where: str) -> None:
 
 def resume(trainer, r: Recipe, d: Derived, ctx) -> str:
     """Load the latest valid checkpoint (full resume), else checkpoint.load's weights; says which."""
-    from hpcmeg.train import checkpoint as ckpt
+    from hpcmeg.checkpoint.store import load_checkpoint
+    from hpcmeg.megatron.names import TRACKER_FILENAME
 
     kw = dict(tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank, tp_size=ctx.tp_size, pp_size=ctx.pp_size,
               all_reduce_max=ctx.all_reduce_max if ctx.distributed else None)
-    loaded = ckpt.load_checkpoint(d.checkpoint_dir, **kw)
+    loaded = load_checkpoint(d.checkpoint_dir, **kw)
     if loaded is not None:
         check_checkpoint_args(loaded[1].get("args"), d, r, d.checkpoint_dir)
         try:
@@ -152,10 +153,10 @@ def resume(trainer, r: Recipe, d: Derived, ctx) -> str:
             raise RecipeError([f"{d.checkpoint_dir}: {e}"]) from None
         return f"resumed from {d.checkpoint_dir} at iteration {trainer.state.iteration}"
     if r.checkpoint.load:
-        loaded = ckpt.load_checkpoint(r.checkpoint.load, **kw)
+        loaded = load_checkpoint(r.checkpoint.load, **kw)
         if loaded is None:
             raise RecipeError([f"checkpoint.load: no checkpoint in '{r.checkpoint.load}' "
-                               f"(no {ckpt.TRACKER_FILENAME} and no iter_* directory)"])
+                               f"(no {TRACKER_FILENAME} and no iter_* directory)"])
         check_checkpoint_args(loaded[1].get("args"), d, r, r.checkpoint.load)
         try:
             trainer.load_weights(loaded[1])

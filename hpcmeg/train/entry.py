@@ -35,9 +35,9 @@ import warnings
 from hpcmeg.errors import one_line
 from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.launch.env import dist_env
+from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, EXIT_REQUEUE
 from hpcmeg.recipe import Recipe, RecipeError, derive, load_recipe
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_RECIPE, EXIT_REQUEUE = 0, 1, 2, 3
 STATUS_FILE = "train_status.json"
 WALLTIME_MARGIN_S = 60.0  # plus the measured longest save and step (WallTimeGuard)
 
@@ -52,7 +52,7 @@ def _write_status(run_dir: str, status: str, iteration, code: int, reason: str =
 def _show_warnings(caught: list, tag: str) -> None:
     """A skipped checkpoint is one line on stderr (not Python's two-line warning with a source
     line); any other warning recorded meanwhile is shown as Python would have shown it."""
-    from hpcmeg.train.checkpoint import CheckpointWarning
+    from hpcmeg.checkpoint.store import CheckpointWarning
 
     for w in caught:
         if issubclass(w.category, CheckpointWarning):
@@ -91,8 +91,8 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
     injection in tests, or extra instrumentation)."""
     from hpcmeg.parallel.context import DeviceUnavailableError
     from hpcmeg.train.build import build_trainer
-    from hpcmeg.train.checkpoint import (CheckpointLoadError, CheckpointWarning, UnreadableCheckpointError,
-                                         UnsafeCheckpointError)
+    from hpcmeg.checkpoint.safe import UnreadableCheckpointError, UnsafeCheckpointError
+    from hpcmeg.checkpoint.store import CheckpointLoadError, CheckpointWarning
     from hpcmeg.train.data import TokenIdError
     from hpcmeg.train.signals import ExitSignal, WallTimeGuard
     from hpcmeg.train.trainer import TrainingDiverged

@@ -22,7 +22,7 @@ Contract
 - Non-finite loss (bf16 / fp32, or fp16 on a step that was not skipped) raises TrainingDiverged
   naming the iteration; nothing is saved after it. fp16 overflow is TrainStep's: the step is skipped
   and the scale lowered; the loop only counts it.
-- Checkpoints: Megatron legacy layout via hpcmeg/train/checkpoint.py (args namespace, nested model,
+- Checkpoints: Megatron legacy layout via hpcmeg/checkpoint/store.py (args namespace, nested model,
   optimizer {optimizer, grad_scaler} (gathered from every data-parallel shard: the same layout with
   or without the distributed optimizer, so a run resumes at any DP size), opt_param_scheduler,
   rng_state [one entry: all DP ranks share the seed, so rank 0's RNG state is everyone's], the
@@ -41,7 +41,10 @@ from typing import Callable
 
 import torch
 
-from hpcmeg.train import checkpoint as ckpt
+from hpcmeg.checkpoint.safe import capture_rng_state, restore_rng_state
+from hpcmeg.checkpoint.store import save_checkpoint
+from hpcmeg.megatron.args import make_checkpoint_dict
+from hpcmeg.megatron.layout import HEAD_KEY, from_megatron_model, to_megatron_model
 from hpcmeg.train.data import TrainBatches
 
 
@@ -277,10 +280,10 @@ class Trainer:
             return None
         opt = {"optimizer": opt_state,
                "grad_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
-        return ckpt.make_checkpoint_dict(
+        return make_checkpoint_dict(
             args=self.megatron_args(st), iteration=st.iteration,
-            model=ckpt.to_megatron_model(self.model.state_dict(), is_last_stage=True, pp_size=1),
-            optimizer=opt, opt_param_scheduler=self.schedule.state_dict(), rng_state=[ckpt.capture_rng_state()],
+            model=to_megatron_model(self.model.state_dict(), is_last_stage=True, pp_size=1),
+            optimizer=opt, opt_param_scheduler=self.schedule.state_dict(), rng_state=[capture_rng_state()],
             recipe=self.recipe_dict,
             data_state={"consumed_train_samples": st.consumed_train_samples,
                         "consumed_valid_samples": st.consumed_valid_samples})
@@ -290,7 +293,7 @@ class Trainer:
         t0 = time.perf_counter()
         c, it, cfg = self.ctx, self.state.iteration, self.config
         state = self.checkpoint_state()
-        self._pending = ckpt.save_checkpoint(
+        self._pending = save_checkpoint(
             cfg.checkpoint_dir, it, state or {}, tp_rank=c.tp_rank,
             pp_rank=c.pp_rank, tp_size=c.tp_size, pp_size=c.pp_size, is_shard_writer=state is not None,
             barrier=c.barrier, is_global_rank0=c.is_rank0, keep_last=cfg.keep_last, async_save=cfg.async_save)
@@ -308,8 +311,8 @@ class Trainer:
             self._pending = None
 
     def load_weights(self, state: dict) -> None:
-        flat = ckpt.from_megatron_model(state["model"])
-        flat.pop(ckpt.HEAD_KEY, None)  # tied: equals the word embeddings
+        flat = from_megatron_model(state["model"])
+        flat.pop(HEAD_KEY, None)  # tied: equals the word embeddings
         missing, unexpected = self.model.load_state_dict(flat, strict=False)
         if missing or unexpected:
             raise ValueError(f"checkpoint model does not match the recipe's model: missing {missing[:4]}, "
@@ -329,7 +332,7 @@ class Trainer:
         self.schedule.load_state_dict(state["opt_param_scheduler"])
         rng = state.get("rng_state")
         if rng:
-            ckpt.restore_rng_state(rng[0])
+            restore_rng_state(rng[0])
         data = (state.get("hpcmeg") or {}).get("data_state") or {}
         args = state.get("args")
         self.state = TrainState(

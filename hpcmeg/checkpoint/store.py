@@ -1,7 +1,7 @@
 """Atomic, verifiable save/load of Megatron-layout checkpoints (spec: megatron-interop.md §6-7).
 
-The format (names, dict contents, safe unpickling, RNG) lives in `ckpt_layout.py` and is re-exported
-here; this file owns the protocol. Distributed-aware through explicit arguments only: the caller passes
+The format (names, dict contents) lives in hpcmeg/megatron/, safe unpickling in safe.py beside this
+file; this file owns the protocol. Distributed-aware through explicit arguments only: the caller passes
 its (tp, pp) coordinates, whether it writes a shard (dp_rank == 0), whether it is global rank 0, and a
 `barrier` callable (a world barrier; `lambda: None` in a single process). No process group is read.
 
@@ -46,17 +46,12 @@ from typing import Any, Callable
 import torch
 
 from hpcmeg import fsutil
-from hpcmeg.fsutil import fsync_dir  # noqa: F401  (re-exported: was defined here)
-from hpcmeg.train.ckpt_layout import (  # noqa: F401  (re-exported: the one import for format users)
-    CHECKPOINT_VERSION, HEAD_KEY, RELEASE_DIRNAME, SHARD_FILENAME, TRACKER_FILENAME, UnreadableCheckpointError,
-    UnsafeCheckpointError,
-    all_shard_relpaths, capture_rng_state, checkpoint_path, from_megatron_model, full_state_from_stages,
-    global_to_local_layer, iter_dirname, layers_per_stage, local_to_global_layer, make_checkpoint_dict,
-    make_megatron_args, make_scheduler_state, parse_iter_dirname, read_tracker, restore_rng_state,
-    safe_torch_load, shard_dirname, shard_relpath, shift_layers, stage_state_from_full, to_megatron_model,
-)
+from hpcmeg.checkpoint.safe import UnreadableCheckpointError, UnsafeCheckpointError, safe_torch_load
+from hpcmeg.fsutil import fsync_dir
+from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, SHARD_FILENAME, TRACKER_FILENAME,
+                                   all_shard_relpaths, iter_dirname, parse_iter_dirname, read_tracker, shard_dirname,
+                                   shard_relpath)
 
-MANIFEST_FILENAME = "hpcmeg_manifest.json"
 _TMP_SUFFIX = ".tmp"
 _TRASH_SUFFIX = ".trash"
 _SIDECAR_RE = re.compile(r"^hpcmeg_shard\.(mp_rank_[0-9_]+)\.json$")
