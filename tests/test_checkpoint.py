@@ -322,9 +322,13 @@ def _dist_worker(rank, world, init_file, save_dir, out_dir):
         for it in (100, 200):
             save_checkpoint(save_dir, it, ckpt(it, flat, tp=world), tp_rank=rank, pp_rank=0, tp_size=world, pp_size=1,
                               is_shard_writer=True, barrier=dist.barrier, is_global_rank0=rank == 0, keep_last=1)
-        from hpcmeg.train.signals import torch_all_reduce_max
+        def all_reduce_max(x: int) -> int:
+            t = torch.tensor([int(x)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return int(t.item())
+
         it, st = load_checkpoint(save_dir, tp_rank=rank, pp_rank=0, tp_size=world, pp_size=1,
-                                   all_reduce_max=torch_all_reduce_max())
+                                 all_reduce_max=all_reduce_max)
         torch.save({"it": it, "qkv": from_megatron_model(st["model"])["encoder.layers.0.self_attention.query_key_value.weight"]},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hpcmeg.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
-from hpcmeg.data.sampler import PretrainingSampler, build_dataloader, collate, global_batch_indices
+from hpcmeg.data.sampler import PretrainingSampler, collate, global_batch_indices
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "data", "megatron_golden"))
 from make_dataset import make_dataset  # noqa: E402
@@ -65,12 +65,13 @@ def test_collate_and_dataloader_over_real_dataset(tmp_path):
     assert batch["tokens"].dtype == torch.int64 and batch["tokens"].shape == (2, 32)
     assert batch["labels"].dtype == torch.int64 and batch["loss_mask"].dtype == torch.float32
     assert torch.equal(batch["tokens"][0, 1:], batch["labels"][0, :-1])  # labels are inputs shifted by one
-    # rank 1 of dp=2, resumed after 16 samples: micro batches are exactly the expected dataset items
-    loader = build_dataloader(train, consumed_samples=16, micro_batch_size=4, data_parallel_rank=1,
-                              data_parallel_size=2, num_workers=0)
-    got = list(loader)
-    assert len(got) == len(loader) == (len(train) - 16) // 8
-    for k, b in enumerate(got[:3]):
+    # rank 1 of dp=2, resumed after 16 samples, through the trainer's loader: micro batches are exactly
+    # the expected dataset items
+    from hpcmeg.train.data import TrainBatches
+
+    got = list(TrainBatches(train, 16, 4, 1, 1, 2, torch.device("cpu")))
+    assert len(got) == (len(train) - 16) // 8
+    for k, ((tokens, _),) in enumerate(got[:3]):
         start = 16 + k * 8 + 4
         want = np.stack([train[i]["tokens"] for i in range(start, start + 4)])
-        assert np.array_equal(b["tokens"].numpy(), want)
+        assert np.array_equal(tokens.numpy(), want)

@@ -9,7 +9,7 @@ Resume is pure arithmetic: restore consumed_samples from the checkpoint and the 
 exactly (the dataset's shuffle index already fixes which sample each global index is).
 
 `collate` stacks dataset items into torch tensors (tokens/labels int64 [mbs, L], loss_mask float32
-[mbs, L]); `build_dataloader` wraps both in a torch DataLoader. torch is imported lazily so index
+[mbs, L]); hpcmeg/train/data.py wraps both in a torch DataLoader. torch is imported lazily so index
 building and `prepare-cache` stay torch-free.
 """
 
@@ -85,16 +85,3 @@ def collate(items: Sequence[dict]) -> dict:
         else:
             out[key] = torch.tensor(values)
     return out
-
-
-def build_dataloader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int = 0,
-                     data_parallel_size: int = 1, num_workers: int = 2, pin_memory: bool = False,
-                     drop_last: bool = True):
-    """torch DataLoader over `dataset` in the resumable order above (one item = one micro batch)."""
-    import torch
-
-    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
-                                 data_parallel_rank, data_parallel_size, drop_last)
-    return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
-        pin_memory=pin_memory, persistent_workers=num_workers > 0)

@@ -181,10 +181,3 @@ def _checked(e: DistEnv) -> DistEnv:
         raise ValueError(f"inconsistent {e.source} environment: local rank {e.local_rank} of "
                          f"{e.local_world_size} on this node")
     return e
-
-
-def torch_env_vars(e: DistEnv) -> dict[str, str]:
-    """The env:// variables torch.distributed reads, for callers that start it that way."""
-    return {"RANK": str(e.rank), "WORLD_SIZE": str(e.world_size), "LOCAL_RANK": str(e.local_rank),
-            "LOCAL_WORLD_SIZE": str(e.local_world_size), "MASTER_ADDR": e.master_addr,
-            "MASTER_PORT": str(e.master_port)}

@@ -164,7 +164,7 @@ def _simple(fw, run: RunDir, stage: str, task: Optional[int], argv: list[str], e
 
 
 def _train(fw, prep, env: dict, tick: Ticker) -> None:
-    from hpcmeg.train.signals import RequeueGuard
+    from hpcmeg.launch.requeue import RequeueGuard
 
     r, d, run = prep.recipe, prep.derived, prep.run
     world = r.cluster.world_size()

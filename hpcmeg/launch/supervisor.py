@@ -171,7 +171,7 @@ def _requeue_self() -> None:
 
 def _requeue_guard(run: RunDir, max_requeues: int):
     # the trainer helper's file-backed policy (restart cap + no-progress loop guard); torch-free module
-    from hpcmeg.train.signals import RequeueGuard
+    from hpcmeg.launch.requeue import RequeueGuard
 
     return RequeueGuard(str(run.markers / "train.requeue-state.json"), max_restarts=max_requeues, max_no_progress=1)
 

@@ -74,7 +74,7 @@ def _record_failure(run_dir: str, iteration, code: int, reason: str) -> None:
 
 def _wall_clock_end(r: Recipe, ctx) -> float | None:
     """Earliest of the Slurm job's end time (asked once, by rank 0) and train.exit_duration_minutes."""
-    from hpcmeg.train.signals import slurm_job_end_time
+    from hpcmeg.launch.slurm import slurm_job_end_time
 
     end = slurm_job_end_time() if ctx.is_rank0 and os.environ.get("SLURM_JOB_ID") else None
     end = ctx.all_reduce_max(int(end) if end else -1)  # rank 0's answer reaches everyone
