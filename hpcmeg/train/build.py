@@ -30,16 +30,16 @@ from hpcmeg.parallel.dims import ParallelDims
 from hpcmeg.recipe import Derived, Recipe, RecipeError, derive, recipe_dims, to_dict, write_resolved
 
 
-def runtime_layout(r: Recipe, world_size: int) -> tuple[ParallelDims, Derived]:
+def runtime_layout(recipe: Recipe, world_size: int) -> tuple[ParallelDims, Derived]:
     """ParallelDims and derive() for the processes actually running (not the recipe's cluster plan)."""
-    dims = recipe_dims(r, world_size)
-    problems = dims.problems() + dims.batch_problems(r.train.global_batch_size, r.train.micro_batch_size)
+    dims = recipe_dims(recipe, world_size)
+    problems = dims.problems() + dims.batch_problems(recipe.train.global_batch_size, recipe.train.micro_batch_size)
     if problems:
         raise RecipeError([f"{key}: {msg} ({world_size} processes are running)" for key, msg in problems])
-    d = derive(r)
-    return dims, dataclasses.replace(d, world_size=world_size, data_parallel_size=dims.dp,
-                                     grad_accum_steps=dims.grad_accum(r.train.global_batch_size,
-                                                                      r.train.micro_batch_size))
+    derived = derive(recipe)
+    return dims, dataclasses.replace(derived, world_size=world_size, data_parallel_size=dims.dp,
+                                     grad_accum_steps=dims.grad_accum(recipe.train.global_batch_size,
+                                                                      recipe.train.micro_batch_size))
 
 
 def _auto(flag: str, device: torch.device) -> bool:
@@ -61,17 +61,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(r: Recipe, d: Derived, device: torch.device):
+def build_model(recipe: Recipe, derived: Derived, device: torch.device):
     from hpcmeg.model.config import GPTConfig
     from hpcmeg.model.gpt import GPT
 
-    m = r.model
-    cfg = GPTConfig(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-                    ffn_hidden_size=d.ffn_hidden_size, max_position_embeddings=m.max_position_embeddings,
-                    padded_vocab_size=d.padded_vocab_size, hidden_dropout=m.hidden_dropout,
-                    attention_dropout=m.attention_dropout, layernorm_epsilon=m.layernorm_epsilon,
-                    init_method_std=m.init_method_std, fused=_auto(m.fused, device))
-    return GPT(cfg).to(device)
+    model_cfg = recipe.model
+    config = GPTConfig(num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+                       num_attention_heads=model_cfg.num_attention_heads, ffn_hidden_size=derived.ffn_hidden_size,
+                       max_position_embeddings=model_cfg.max_position_embeddings,
+                       padded_vocab_size=derived.padded_vocab_size, hidden_dropout=model_cfg.hidden_dropout,
+                       attention_dropout=model_cfg.attention_dropout, layernorm_epsilon=model_cfg.layernorm_epsilon,
+                       init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device))
+    return GPT(config).to(device)
 
 
 def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
@@ -83,53 +84,53 @@ def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def build_optimizer_for(r: Recipe, d: Derived, dims: ParallelDims, ctx, model):
+def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ctx, model):
     """(buffer, optimizer, loss scaler or None) for this rank."""
     from hpcmeg.parallel.grad_buffer import main_grad_dtype
     from hpcmeg.train.optim import DynamicLossScaler, build_optimizer
 
-    t = r.train
-    pdt = param_dtype_for(t.precision, ctx.device)
+    train = recipe.train
+    pdt = param_dtype_for(train.precision, ctx.device)
     buffer, optimizer = build_optimizer(
-        model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-        param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, d.grad_accum_steps), dp_size=dims.dp,
+        model, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+        param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, derived.grad_accum_steps), dp_size=dims.dp,
         dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=dims.distributed_optimizer)
-    scaler = DynamicLossScaler(initial_scale=t.initial_loss_scale) if t.precision == "fp16" else None
+    scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale) if train.precision == "fp16" else None
     return buffer, optimizer, scaler
 
 
-def megatron_args_fn(r: Recipe, d: Derived, dims: ParallelDims):
+def megatron_args_fn(recipe: Recipe, derived: Derived, dims: ParallelDims):
     from hpcmeg.megatron.args import make_megatron_args
 
-    m, t = r.model, r.train
+    model_cfg, train = recipe.model, recipe.train
 
     def build(state):
         return make_megatron_args(
-            padded_vocab_size=d.padded_vocab_size, orig_vocab_size=d.orig_vocab_size, hidden_size=m.hidden_size,
-            num_layers=m.num_layers, num_attention_heads=m.num_attention_heads, ffn_hidden_size=d.ffn_hidden_size,
-            max_position_embeddings=m.max_position_embeddings, seq_length=r.data.seq_length,
-            make_vocab_size_divisible_by=m.make_vocab_size_divisible_by, layernorm_epsilon=m.layernorm_epsilon,
-            attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout, init_method_std=m.init_method_std,
-            tokenizer_type=r.data.tokenizer_type, vocab_file=r.data.vocab_file, merge_file=r.data.merge_file,
-            tokenizer_model=r.data.tokenizer_model, tensor_model_parallel_size=dims.tp,
+            padded_vocab_size=derived.padded_vocab_size, orig_vocab_size=derived.orig_vocab_size, hidden_size=model_cfg.hidden_size,
+            num_layers=model_cfg.num_layers, num_attention_heads=model_cfg.num_attention_heads, ffn_hidden_size=derived.ffn_hidden_size,
+            max_position_embeddings=model_cfg.max_position_embeddings, seq_length=recipe.data.seq_length,
+            make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by, layernorm_epsilon=model_cfg.layernorm_epsilon,
+            attention_dropout=model_cfg.attention_dropout, hidden_dropout=model_cfg.hidden_dropout, init_method_std=model_cfg.init_method_std,
+            tokenizer_type=recipe.data.tokenizer_type, vocab_file=recipe.data.vocab_file, merge_file=recipe.data.merge_file,
+            tokenizer_model=recipe.data.tokenizer_model, tensor_model_parallel_size=dims.tp,
             pipeline_model_parallel_size=dims.pp, data_parallel_size=dims.dp, world_size=dims.world,
             use_distributed_optimizer=dims.distributed_optimizer, sequence_parallel=dims.sequence_parallel,
-            micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-            fp16=t.precision == "fp16", bf16=t.precision == "bf16", seed=t.seed, lr=t.lr, min_lr=t.min_lr,
-            lr_decay_style=t.lr_decay_style, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, train_iters=d.train_iters,
-            train_samples=d.train_samples, consumed_train_samples=state.consumed_train_samples,
+            micro_batch_size=train.micro_batch_size, global_batch_size=train.global_batch_size,
+            fp16=train.precision == "fp16", bf16=train.precision == "bf16", seed=train.seed, lr=train.lr, min_lr=train.min_lr,
+            lr_decay_style=train.lr_decay_style, weight_decay=train.weight_decay, clip_grad=train.clip_grad,
+            adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps, train_iters=derived.train_iters,
+            train_samples=derived.train_samples, consumed_train_samples=state.consumed_train_samples,
             consumed_valid_samples=state.consumed_valid_samples, iteration=state.iteration)
     return build
 
 
-def check_checkpoint_args(args, d: Derived, r: Recipe, where: str) -> None:
+def check_checkpoint_args(args, derived: Derived, recipe: Recipe, where: str) -> None:
     """Megatron's check_checkpoint_args: the architecture must match the recipe's."""
     if args is None:
         return
-    want = {"num_layers": r.model.num_layers, "hidden_size": r.model.hidden_size,
-            "num_attention_heads": r.model.num_attention_heads, "ffn_hidden_size": d.ffn_hidden_size,
-            "max_position_embeddings": r.model.max_position_embeddings, "padded_vocab_size": d.padded_vocab_size}
+    want = {"num_layers": recipe.model.num_layers, "hidden_size": recipe.model.hidden_size,
+            "num_attention_heads": recipe.model.num_attention_heads, "ffn_hidden_size": derived.ffn_hidden_size,
+            "max_position_embeddings": recipe.model.max_position_embeddings, "padded_vocab_size": derived.padded_vocab_size}
     bad = [f"{k}: checkpoint {getattr(args, k)} vs recipe {v}" for k, v in want.items()
            if getattr(args, k, v) is not None and getattr(args, k, v) != v]
     if bad:
@@ -137,48 +138,48 @@ def check_checkpoint_args(args, d: Derived, r: Recipe, where: str) -> None:
                            f"fix the recipe's model section or use another checkpoint directory"])
 
 
-def resume(trainer, r: Recipe, d: Derived, ctx) -> str:
+def resume(trainer, recipe: Recipe, derived: Derived, ctx) -> str:
     """Load the latest valid checkpoint (full resume), else checkpoint.load's weights; says which."""
     from hpcmeg.checkpoint.store import load_checkpoint
     from hpcmeg.megatron.names import TRACKER_FILENAME
 
     kw = dict(tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank, tp_size=ctx.tp_size, pp_size=ctx.pp_size,
               all_reduce_max=ctx.all_reduce_max if ctx.distributed else None)
-    loaded = load_checkpoint(d.checkpoint_dir, **kw)
+    loaded = load_checkpoint(derived.checkpoint_dir, **kw)
     if loaded is not None:
-        check_checkpoint_args(loaded[1].get("args"), d, r, d.checkpoint_dir)
+        check_checkpoint_args(loaded[1].get("args"), derived, recipe, derived.checkpoint_dir)
         try:
             trainer.load_state(loaded[1])
         except ValueError as e:  # schedule / model / optimizer do not fit this recipe
-            raise RecipeError([f"{d.checkpoint_dir}: {e}"]) from None
-        return f"resumed from {d.checkpoint_dir} at iteration {trainer.state.iteration}"
-    if r.checkpoint.load:
-        loaded = load_checkpoint(r.checkpoint.load, **kw)
+            raise RecipeError([f"{derived.checkpoint_dir}: {e}"]) from None
+        return f"resumed from {derived.checkpoint_dir} at iteration {trainer.state.iteration}"
+    if recipe.checkpoint.load:
+        loaded = load_checkpoint(recipe.checkpoint.load, **kw)
         if loaded is None:
-            raise RecipeError([f"checkpoint.load: no checkpoint in '{r.checkpoint.load}' "
+            raise RecipeError([f"checkpoint.load: no checkpoint in '{recipe.checkpoint.load}' "
                                f"(no {TRACKER_FILENAME} and no iter_* directory)"])
-        check_checkpoint_args(loaded[1].get("args"), d, r, r.checkpoint.load)
+        check_checkpoint_args(loaded[1].get("args"), derived, recipe, recipe.checkpoint.load)
         try:
             trainer.load_weights(loaded[1])
         except ValueError as e:
-            raise RecipeError([f"checkpoint.load: {r.checkpoint.load}: {e}"]) from None
-        return f"weights from {r.checkpoint.load} (iteration 0)"
+            raise RecipeError([f"checkpoint.load: {recipe.checkpoint.load}: {e}"]) from None
+        return f"weights from {recipe.checkpoint.load} (iteration 0)"
     return "fresh start"
 
 
-def loop_config(r: Recipe, d: Derived):
+def loop_config(recipe: Recipe, derived: Derived):
     from hpcmeg.train.trainer import LoopConfig
 
-    t, c = r.train, r.checkpoint
-    return LoopConfig(train_iters=d.train_iters, global_batch_size=t.global_batch_size,
-                      micro_batch_size=t.micro_batch_size, grad_accum_steps=d.grad_accum_steps,
-                      log_interval=t.log_interval, eval_interval=t.eval_interval, eval_iters=t.eval_iters,
-                      save_interval=c.save_interval, keep_last=c.keep_last, async_save=c.async_save,
-                      checkpoint_dir=d.checkpoint_dir, precision=t.precision, seed=t.seed,
-                      num_workers=r.data.num_workers)
+    train, ckpt = recipe.train, recipe.checkpoint
+    return LoopConfig(train_iters=derived.train_iters, global_batch_size=train.global_batch_size,
+                      micro_batch_size=train.micro_batch_size, grad_accum_steps=derived.grad_accum_steps,
+                      log_interval=train.log_interval, eval_interval=train.eval_interval, eval_iters=train.eval_iters,
+                      save_interval=ckpt.save_interval, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
+                      checkpoint_dir=derived.checkpoint_dir, precision=train.precision, seed=train.seed,
+                      num_workers=recipe.data.num_workers)
 
 
-def build_trainer(r: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=None, on_step_time=lambda s: None,
+def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=None, on_step_time=lambda s: None,
                   on_save_time=lambda s: None):
     """Everything from the recipe (module docstring); resumes if it can. Returns (trainer, ctx)."""
     from hpcmeg.model.flops import flops_per_token
@@ -189,61 +190,62 @@ def build_trainer(r: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=N
     from hpcmeg.train.step import TrainStep
     from hpcmeg.train.trainer import Trainer
 
-    dims, d = runtime_layout(r, env.world_size)
-    t = r.train
+    dims, derived = runtime_layout(recipe, env.world_size)
+    train = recipe.train
     ctx = init_distributed(dims, rank=env.rank, local_rank=env.local_rank, master_addr=env.master_addr,
-                           master_port=env.master_port, device=t.device)
+                           master_port=env.master_port, device=train.device)
     try:
         dev = ctx.device
         share_cpu_threads(env, dev)
         if ctx.is_rank0:
-            write_resolved(r, os.path.join(d.run_dir, "train_recipe.yaml"))
-            if not os.path.exists(os.path.join(d.run_dir, "recipe.yaml")):
-                write_resolved(r, os.path.join(d.run_dir, "recipe.yaml"))
-        seed_everything(t.seed)
-        model = build_model(r, d, dev)
-        buffer, optimizer, scaler = build_optimizer_for(r, d, dims, ctx, model)
-        step = TrainStep(model, buffer, optimizer, precision=t.precision, grad_clip=t.clip_grad, loss_scaler=scaler,
-                         compile=_auto(t.compile, dev), device=dev, dp_size=dims.dp)
-        train_ds, valid_ds, _ = (vocab_checked(r, d, ds) for ds in
-                                 build_datasets(r, d, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
-        evals = eval_batches(valid_ds, t.eval_iters if t.eval_interval else 0, t.micro_batch_size,
-                             d.grad_accum_steps, ctx.dp_rank, ctx.dp_size, dev)
+            write_resolved(recipe, os.path.join(derived.run_dir, "train_recipe.yaml"))
+            if not os.path.exists(os.path.join(derived.run_dir, "recipe.yaml")):
+                write_resolved(recipe, os.path.join(derived.run_dir, "recipe.yaml"))
+        seed_everything(train.seed)
+        model = build_model(recipe, derived, dev)
+        buffer, optimizer, scaler = build_optimizer_for(recipe, derived, dims, ctx, model)
+        step = TrainStep(model, buffer, optimizer, precision=train.precision, grad_clip=train.clip_grad, loss_scaler=scaler,
+                         compile=_auto(train.compile, dev), device=dev, dp_size=dims.dp)
+        train_ds, valid_ds, _ = (vocab_checked(recipe, derived, ds) for ds in
+                                 build_datasets(recipe, derived, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
+        evals = eval_batches(valid_ds, train.eval_iters if train.eval_interval else 0, train.micro_batch_size,
+                             derived.grad_accum_steps, ctx.dp_rank, ctx.dp_size, dev)
         n_params = model.num_params()
-        fpt = flops_per_token(n_params, r.model.num_layers, r.model.hidden_size, r.data.seq_length)
+        fpt = flops_per_token(n_params, recipe.model.num_layers, recipe.model.hidden_size, recipe.data.seq_length)
         peak = peak_flops_for(dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)  # the peak probe's matrices are not training memory
         try:
-            schedule = schedule_from_recipe(t, t.global_batch_size, d.train_samples)
+            schedule = schedule_from_recipe(train, train.global_batch_size, derived.train_samples)
         except ValueError as e:
             raise RecipeError([f"train.lr_warmup_iters / train.lr_decay_iters: {e}; shorten the warmup or "
                                f"lengthen the decay"]) from None
-        metrics = MetricsLogger(d.run_dir, enabled=ctx.is_rank0, train_iters=d.train_iters,
+        metrics = MetricsLogger(derived.run_dir, enabled=ctx.is_rank0, train_iters=derived.train_iters,
                                 per="gpu" if dev.type == "cuda" else "rank")
-        trainer = Trainer(config=loop_config(r, d), ctx=ctx, model=model, optimizer=optimizer, schedule=schedule,
+        trainer = Trainer(config=loop_config(recipe, derived), ctx=ctx, model=model, optimizer=optimizer,
+                          schedule=schedule,
                           loss_scaler=scaler, step=step, train_dataset=train_ds, eval_set=evals, metrics=metrics,
-                          throughput=Throughput(fpt, d.tokens_per_iteration, ctx.world_size, peak),
-                          megatron_args=megatron_args_fn(r, d, dims), recipe_dict=to_dict(r), stop=stop,
+                          throughput=Throughput(fpt, derived.tokens_per_iteration, ctx.world_size, peak),
+                          megatron_args=megatron_args_fn(recipe, derived, dims), recipe_dict=to_dict(recipe), stop=stop,
                           on_step_time=on_step_time, on_save_time=on_save_time, exit_interval=exit_interval)
-        resumed = resume(trainer, r, d, ctx)
+        resumed = resume(trainer, recipe, derived, ctx)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         metrics.write({"kind": "start", "iteration": trainer.state.iteration, "world_size": ctx.world_size,
-                       "data_parallel_size": ctx.dp_size, "grad_accum_steps": d.grad_accum_steps,
-                       "device": name, "precision": t.precision, "param_dtype": str(buffer.param_dtype),
+                       "data_parallel_size": ctx.dp_size, "grad_accum_steps": derived.grad_accum_steps,
+                       "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
                        "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
                        "fused": model.cfg.fused, "compile": step.compile, "optimizer": optimizer.name,
                        "n_params": n_params, "flops_per_token": fpt,
                        "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
-                       "recipe": r.source, "start": resumed})
-        metrics.print(f"hpcmeg train: {r.run.name} | {ctx.world_size} process(es) on {name} | DP {ctx.dp_size} x "
-                      f"micro {t.micro_batch_size} x accum {d.grad_accum_steps} = global {t.global_batch_size} | "
-                      f"{n_params / 1e6:.1f} M params | {t.precision} | fused {model.cfg.fused} | "
+                       "recipe": recipe.source, "start": resumed})
+        metrics.print(f"hpcmeg train: {recipe.run.name} | {ctx.world_size} process(es) on {name} | DP {ctx.dp_size} x "
+                      f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
+                      f"{n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused} | "
                       f"compile {step.compile} | {optimizer.name} | {resumed}")
-        planned = derive(r).world_size
+        planned = derive(recipe).world_size
         if planned != ctx.world_size:
             metrics.print(f"note: the recipe plans {planned} process(es) (cluster section), {ctx.world_size} are "
-                          f"running; gradient accumulation {d.grad_accum_steps} keeps the global batch")
+                          f"running; gradient accumulation {derived.grad_accum_steps} keeps the global batch")
         return trainer, ctx
     except BaseException:
         ctx.destroy()

@@ -113,34 +113,34 @@ class Trainer:
             gc.unfreeze()  # give the frozen objects back to the collector (many runs in one process)
 
     def _run(self) -> Outcome:
-        cfg, st = self.config, self.state
-        n_iters, gbs = cfg.train_iters, cfg.global_batch_size
-        if st.iteration >= n_iters:
-            self.metrics.print(f"already at iteration {st.iteration} of {n_iters}: nothing to train")
-            return Outcome("finished", st.iteration)
-        batches = TrainBatches(self.train_dataset, st.consumed_train_samples, cfg.micro_batch_size,
-                               cfg.grad_accum_steps, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device,
-                               num_workers=cfg.num_workers, seed=cfg.seed)
+        config, state = self.config, self.state
+        n_iters, gbs = config.train_iters, config.global_batch_size
+        if state.iteration >= n_iters:
+            self.metrics.print(f"already at iteration {state.iteration} of {n_iters}: nothing to train")
+            return Outcome("finished", state.iteration)
+        batches = TrainBatches(self.train_dataset, state.consumed_train_samples, config.micro_batch_size,
+                               config.grad_accum_steps, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device,
+                               num_workers=config.num_workers, seed=config.seed)
         win = _Window()
         self.model.train()
         pending = None  # (PendingStep, iteration, lr): queued on the device, numbers not checked yet
         last_reason = None
-        first = st.iteration
+        first = state.iteration
         t_iter = time.perf_counter()
-        while st.iteration < n_iters:
+        while state.iteration < n_iters:
             lr = self.schedule.apply(self.optimizer)
             try:
                 micro = next(batches)
             except StopIteration:
-                raise RuntimeError(f"the training dataset ran out at iteration {st.iteration} "
-                                   f"({st.consumed_train_samples} samples consumed)") from None
+                raise RuntimeError(f"the training dataset ran out at iteration {state.iteration} "
+                                   f"({state.consumed_train_samples} samples consumed)") from None
             handle = self.step.launch(micro)
             batches.prefetch()  # the next step's loads/copies overlap this step's GPU work
-            st.iteration += 1
-            st.consumed_train_samples += gbs
+            state.iteration += 1
+            state.consumed_train_samples += gbs
             if not handle.skipped:  # known at launch: fp16 decides its skip inside launch()
                 self.schedule.step(gbs)
-            it = st.iteration
+            it = state.iteration
             at_exit_interval = bool(self.exit_interval and it % self.exit_interval == 0)
             reason = self.stop()
             if reason is None and at_exit_interval:
@@ -156,9 +156,9 @@ class Trainer:
                 if code >= 2:
                     self._diverged(prev)
                 stopping = code == 1  # a rank asked at it-1: everyone stops after `it`, already queued
-            do_log = it % cfg.log_interval == 0 or it == n_iters
-            do_eval = bool(cfg.eval_interval and it % cfg.eval_interval == 0 and self.eval_set)
-            do_save = bool(cfg.save_interval and it % cfg.save_interval == 0)
+            do_log = it % config.log_interval == 0 or it == n_iters
+            do_eval = bool(config.eval_interval and it % config.eval_interval == 0 and self.eval_set)
+            do_save = bool(config.save_interval and it % config.save_interval == 0)
             if stopping or do_log or do_eval or do_save or at_exit_interval:
                 # log, eval, save or stop next: this iteration must be checked first
                 code = self._settle(pending, win)
@@ -182,21 +182,21 @@ class Trainer:
                 self.evaluate()
                 now = time.perf_counter()  # eval and save time stay out of the step timing
                 win.t0 = now
-            if stopping and st.iteration < n_iters:  # a stop on the last step is just the end
+            if stopping and state.iteration < n_iters:  # a stop on the last step is just the end
                 reason = last_reason or "stop requested on another rank"
                 self.save()
-                self.metrics.write({"kind": "event", "what": "preempted", "iteration": st.iteration, "reason": reason})
-                self.metrics.print(f"saved iteration {st.iteration} and stopping ({reason}): resume me")
-                return Outcome("preempted", st.iteration, reason)
+                self.metrics.write({"kind": "event", "what": "preempted", "iteration": state.iteration, "reason": reason})
+                self.metrics.print(f"saved iteration {state.iteration} and stopping ({reason}): resume me")
+                return Outcome("preempted", state.iteration, reason)
             if do_save:
                 self.save()
                 now = time.perf_counter()
                 win.t0 = now
             t_iter = now
-        if self._last_saved != st.iteration:
+        if self._last_saved != state.iteration:
             self.save()
         self.wait_for_save()
-        return Outcome("finished", st.iteration)
+        return Outcome("finished", state.iteration)
 
     def _queue_check(self, handle, reason: str | None) -> None:
         """Queue, behind the step just launched, this iteration's agreement code: 2 when this rank's
@@ -274,36 +274,36 @@ class Trainer:
     def checkpoint_state(self) -> dict | None:
         """This rank's checkpoint dict; None on ranks that do not write a shard (dp_rank != 0). Every
         rank must call it: with the distributed optimizer the optimizer state is gathered here."""
-        st = self.state
+        state = self.state
         opt_state = self.optimizer.state_dict()  # collective when sharded; None off dp rank 0
         if self.ctx.dp_rank != 0:
             return None
         opt = {"optimizer": opt_state,
                "grad_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
         return make_checkpoint_dict(
-            args=self.megatron_args(st), iteration=st.iteration,
+            args=self.megatron_args(state), iteration=state.iteration,
             model=to_megatron_model(self.model.state_dict(), is_last_stage=True, pp_size=1),
             optimizer=opt, opt_param_scheduler=self.schedule.state_dict(), rng_state=[capture_rng_state()],
             recipe=self.recipe_dict,
-            data_state={"consumed_train_samples": st.consumed_train_samples,
-                        "consumed_valid_samples": st.consumed_valid_samples})
+            data_state={"consumed_train_samples": state.consumed_train_samples,
+                        "consumed_valid_samples": state.consumed_valid_samples})
 
     def save(self) -> None:
         self.wait_for_save()
         t0 = time.perf_counter()
-        c, it, cfg = self.ctx, self.state.iteration, self.config
+        ctx, it, config = self.ctx, self.state.iteration, self.config
         state = self.checkpoint_state()
         self._pending = save_checkpoint(
-            cfg.checkpoint_dir, it, state or {}, tp_rank=c.tp_rank,
-            pp_rank=c.pp_rank, tp_size=c.tp_size, pp_size=c.pp_size, is_shard_writer=state is not None,
-            barrier=c.barrier, is_global_rank0=c.is_rank0, keep_last=cfg.keep_last, async_save=cfg.async_save)
+            config.checkpoint_dir, it, state or {}, tp_rank=ctx.tp_rank,
+            pp_rank=ctx.pp_rank, tp_size=ctx.tp_size, pp_size=ctx.pp_size, is_shard_writer=state is not None,
+            barrier=ctx.barrier, is_global_rank0=ctx.is_rank0, keep_last=config.keep_last, async_save=config.async_save)
         self._last_saved = it
         dt = time.perf_counter() - t0
         self.on_save_time(dt)
         self.metrics.write({"kind": "event", "what": "save", "iteration": it, "seconds": round(dt, 3),
-                            "dir": cfg.checkpoint_dir})
-        self.metrics.print(f"saved checkpoint iteration {it} to {cfg.checkpoint_dir} ({dt:.1f} s"
-                           f"{', writing in background' if cfg.async_save else ''})")
+                            "dir": config.checkpoint_dir})
+        self.metrics.print(f"saved checkpoint iteration {it} to {config.checkpoint_dir} ({dt:.1f} s"
+                           f"{', writing in background' if config.async_save else ''})")
 
     def wait_for_save(self) -> None:
         if self._pending is not None:
