@@ -142,7 +142,8 @@ def finished_run(prep) -> str | None:
     converted model and summary.md exist."""
     import yaml
 
-    from hpcmeg.launch.rundir import latest_iteration, marker_state, read_markers
+    from hpcmeg.launch.rundir import marker_state, read_markers
+    from hpcmeg.megatron.names import latest_iteration
     from hpcmeg.launch.submit import active_jobs
     from hpcmeg.recipe import to_dict
 

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from conftest import REPO, hpcmeg_cmd
-from hpcmeg.launch.rundir import latest_iteration, read_markers
+from hpcmeg.launch.rundir import read_markers
+from hpcmeg.megatron.names import latest_iteration
 from test_submit_slurm import (TINY, corpus_shards, hpcmeg, longest_silence, sets, status, timed,  # noqa: F401
                                tiny_dataset)
 

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from conftest import REPO
-from hpcmeg.launch.rundir import latest_iteration, read_markers
+from hpcmeg.launch.rundir import read_markers
+from hpcmeg.megatron.names import latest_iteration
 from test_submit_slurm import TINY, hpcmeg, sets, status, tiny_dataset, wait_states  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slurm

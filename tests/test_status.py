@@ -16,16 +16,9 @@ from pathlib import Path
 import pytest
 
 from hpcmeg.launch import status as ST
-from hpcmeg.launch.rundir import (RunDir, committed_iterations, dataset_is_current, input_manifest, latest_iteration,
-                                  manifest_path, marker_state, read_json, read_markers, write_jobs, write_manifest,
-                                  write_marker)
-from hpcmeg.launch.supervisor import REQUEUE_EXIT_CODES, convert_iteration, effective_train_rc, train_outcome
-
-
-def test_requeue_exit_code_is_the_trainers():
-    from hpcmeg.train.entry import EXIT_REQUEUE
-
-    assert REQUEUE_EXIT_CODES == (EXIT_REQUEUE,)
+from hpcmeg.launch.rundir import (RunDir, dataset_is_current, input_manifest, manifest_path, marker_state, read_json, read_markers, write_jobs, write_manifest, write_marker)
+from hpcmeg.megatron.names import committed_iterations, latest_iteration
+from hpcmeg.launch.supervisor import convert_iteration, effective_train_rc, train_outcome
 
 
 @pytest.mark.parametrize("rc,end,verdict,action", [

@@ -290,7 +290,7 @@ def test_plain_sbatch_scripts_train_requeue_and_convert(slurm_cluster, tmp_path,
                            f"--output={tmp_path}/convert-%A_%a.out",
                            f"--export=ALL,CKPT_DIR={run / 'checkpoints'},OUT_DIR={run / 'hf'},ITERATIONS=all",
                            str(REPO / "slurm" / "convert.sh")], env=env, capture_output=True, text=True, check=True)
-    from hpcmeg.launch.rundir import latest_iteration
+    from hpcmeg.megatron.names import latest_iteration
 
     end = time.time() + 180
     while (latest_iteration(run / "checkpoints") or 0) < 4:

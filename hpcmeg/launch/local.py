@@ -26,8 +26,9 @@ from typing import Optional
 from hpcmeg.launch import scripts as S
 from hpcmeg.launch.causes import failure_cause
 from hpcmeg.launch.container import ContainerError, ContainerSpec, local_wrap
-from hpcmeg.launch.rundir import RunDir, input_manifest, latest_iteration, write_jobs, write_manifest, write_marker
-from hpcmeg.launch.supervisor import REQUEUE_EXIT_CODES, convert_iteration, effective_train_rc, train_outcome
+from hpcmeg.launch.rundir import RunDir, input_manifest, write_jobs, write_manifest, write_marker
+from hpcmeg.launch.supervisor import convert_iteration, effective_train_rc, train_outcome
+from hpcmeg.megatron.names import REQUEUE_EXIT_CODES, latest_iteration
 from hpcmeg.launch.watch import LogFollower, Ticker, clock, shown
 from hpcmeg.recipe import RecipeError, write_resolved
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass
@@ -31,8 +30,6 @@ from hpcmeg.fsutil import write_text_atomic
 
 STAGES = ("preprocess", "merge", "train", "convert")
 EVENTS = ("started", "done", "failed", "requeued", "interrupted")
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # same name as hpcmeg.train.ckpt_layout (no torch here)
-_ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
 @dataclass(frozen=True)
@@ -156,42 +153,6 @@ def marker_state(events: dict[str, dict]) -> str:
     newest = max(events, key=lambda e: (events[e].get("time", 0), EVENTS.index(e)))
     return {"started": "RUNNING?", "done": "COMPLETED", "failed": "FAILED", "requeued": "REQUEUED",
             "interrupted": "INTERRUPTED"}[newest]
-
-
-# ----------------------------------------------------------------------------- checkpoints (no torch)
-
-
-def latest_iteration(ckpt_dir: str | os.PathLike) -> Optional[int]:
-    """The iteration named by latest_checkpointed_iteration.txt (None if absent; 'release' counts as 0)."""
-    try:
-        text = (Path(ckpt_dir) / TRACKER_FILENAME).read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def committed_iterations(ckpt_dir: str | os.PathLike) -> list[int]:
-    """Sorted iterations with a committed ``iter_XXXXXXX`` directory not newer than the tracker.
-
-    Directories newer than the tracker are uncommitted leftovers of an interrupted save (ignored)."""
-    latest = latest_iteration(ckpt_dir)
-    if latest is None:
-        return []
-    its = []
-    try:
-        names = os.listdir(ckpt_dir)
-    except FileNotFoundError:
-        return []
-    for n in names:
-        m = _ITER_RE.match(n)
-        if m and int(m.group(1)) <= latest and os.path.isdir(os.path.join(ckpt_dir, n)):
-            its.append(int(m.group(1)))
-    return sorted(its)
 
 
 # ----------------------------------------------------------------------------- dataset manifest

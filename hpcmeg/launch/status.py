@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from hpcmeg.launch.rundir import (STAGES, RunDir, latest_iteration, marker_state, read_jobs, read_markers,
-                                  write_atomic)
+from hpcmeg.launch.rundir import (STAGES, RunDir, marker_state, read_jobs, read_markers, write_atomic)
+from hpcmeg.megatron.names import latest_iteration
 
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
          "SPECIAL_EXIT", "REVOKED"}

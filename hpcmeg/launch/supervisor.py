@@ -35,14 +35,10 @@ from pathlib import Path
 from typing import Optional
 
 from hpcmeg.launch.causes import failure_cause
-from hpcmeg.launch.rundir import (RunDir, committed_iterations, input_manifest, latest_iteration, read_json,
-                                  write_manifest, write_marker)
+from hpcmeg.launch.rundir import (RunDir, input_manifest, read_json, write_manifest, write_marker)
+from hpcmeg.megatron.names import REQUEUE_EXIT_CODES, committed_iterations, latest_iteration
 from hpcmeg.launch.scripts import parse_iteration_list
 
-# `hpcmeg train` exit code meaning "every rank saved the same iteration because of a signal / the
-# wall-time guard; requeue me" (hpcmeg.train.entry.EXIT_REQUEUE; copied, as entry imports torch and this
-# module must not; tests/test_status.py checks they agree).
-REQUEUE_EXIT_CODES = (3,)
 
 
 @dataclass(frozen=True)
