@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hpcmeg.parallel.context import grid_coords
+from hpcmeg.parallel.dims import ParallelDims
 from hpcmeg.parallel.pipeline.p2p import PipelineP2P
 from hpcmeg.parallel.pipeline.runner import StepTimer, run_schedule
 from hpcmeg.parallel.pipeline.schedule import chunk_layers, make_schedule, no_pipeline
@@ -62,10 +62,9 @@ def _pipeline_case(rank: int, world: int, pp: int, vpp: int, M: int, seed: int) 
     """One step on every rank; PP groups from the rank grid (world // pp of them, same data)."""
     import torch.distributed as dist
 
-    from hpcmeg.parallel.context import group_ranks
-
-    _, _, pp_rank = grid_coords(rank, world, 1, pp)
-    groups = group_ranks(world, 1, pp)["pp"]
+    dims = ParallelDims(world, pp=pp)
+    pp_rank = dims.coords(rank).pp
+    groups = dims.groups()["pp"]
     mine, group = next(m for m in groups if rank in m), None
     if pp < world:
         for members in groups:  # every rank creates every group, in the same order
@@ -101,7 +100,7 @@ def test_pipeline_step_equals_one_process(dist_pool, world, pp, vpp, M):
     ref_loss, ref_grads = reference(M, seed)
     got: dict[str, torch.Tensor] = {}
     for rank, res in enumerate(results):
-        _, dp_rank, pp_rank = grid_coords(rank, world, 1, pp)
+        _, dp_rank, pp_rank = ParallelDims(world, pp=pp).coords(rank)
         if pp_rank == pp - 1:
             assert torch.equal(res["loss"], ref_loss), f"rank {rank}: loss {res['loss']} vs {ref_loss}"
         else:
