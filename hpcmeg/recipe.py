@@ -255,7 +255,8 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
             fit = dims.model_problems(num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                                       ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
                                       seq_length=r.data.seq_length)
-            fit += dims.batch_problems(t.global_batch_size, t.micro_batch_size)
+            fit += dims.batch_problems(t.global_batch_size, t.micro_batch_size,
+                                       "GPUs" if c.gpus_per_node > 0 else "CPU ranks")
             for key, text in fit:
                 deps = {"model.num_attention_heads": ("model.num_attention_heads",),
                         "model.ffn_hidden_size": ("model.ffn_hidden_size", "model.hidden_size"),

@@ -104,8 +104,16 @@ def small_corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def big_corpus(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("big") / "big.jsonl")
-    write_stdlib_corpus(path, key="content", include_tests=False)
+    """The stdlib corpus four times over (~125 MB): on a quiet 2-core machine one copy is tokenized in a
+    few seconds, so a SIGTERM sent a moment after tokenizing began could land after the run finished."""
+    d = tmp_path_factory.mktemp("big")
+    one, path = str(d / "one.jsonl"), str(d / "big.jsonl")
+    write_stdlib_corpus(one, key="content", include_tests=False)
+    with open(one, "rb") as src, open(path, "wb") as dst:
+        data = src.read()
+        for _ in range(4):
+            dst.write(data)
+    os.remove(one)
     return path
 
 

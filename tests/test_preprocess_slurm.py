@@ -57,8 +57,9 @@ def test_scancel_stops_a_running_preprocess_cleanly(slurm_cluster, tmp_path):
     """What preemption or `hpcmeg cancel` does to a preprocess task: Slurm SIGTERMs every process of the
     step (parent and workers), then SIGKILLs after KillWait. The run must stop on the SIGTERM itself:
     exit 143, no dataset, no temporary file (a SIGKILL would leave the .bin temporary), no process."""
-    corpus = tmp_path / "big.jsonl"
-    write_stdlib_corpus(str(corpus), key="content", include_tests=False)
+    corpus = tmp_path / "big.jsonl"  # the stdlib four times over: still tokenizing when the signal lands
+    write_stdlib_corpus(str(tmp_path / "one.jsonl"), key="content", include_tests=False)
+    corpus.write_bytes((tmp_path / "one.jsonl").read_bytes() * 4)
     out = tmp_path / "out" / "cp"
     cmd = (f"srun --ntasks=1 --cpus-per-task=1 {sys.executable} -m hpcmeg.cli preprocess --input {corpus} "
            f"--output-prefix {out} --json-keys content --workers 2 --quiet; echo exit=$? > {tmp_path}/rc")

@@ -88,7 +88,8 @@ class ParallelDims:
                 p.append(("parallel.pipeline", NOT_IMPLEMENTED["parallel.pipeline"]))
         return p
 
-    def batch_problems(self, global_batch: int, micro_batch: int) -> list[tuple[str, str]]:
+    def batch_problems(self, global_batch: int, micro_batch: int, ranks: str = "ranks") -> list[tuple[str, str]]:
+        """`ranks`: what the processes are, for the message ("GPUs", "CPU ranks")."""
         if self.world % (self.tp * self.pp) or global_batch < 1 or micro_batch < 1:
             return []  # reported by problems() / the field ranges
         per_step = micro_batch * self.dp
@@ -96,7 +97,7 @@ class ParallelDims:
             good = max(1, round(global_batch / per_step)) * per_step
             return [("train.global_batch_size",
                      f"{global_batch} is not divisible by train.micro_batch_size={micro_batch} x data-parallel size "
-                     f"{self.dp} (= {self.world} ranks / (TP {self.tp} x PP {self.pp})); use a multiple of "
+                     f"{self.dp} (= {self.world} {ranks} / (TP {self.tp} x PP {self.pp})); use a multiple of "
                      f"{per_step}, e.g. {good}")]
         return []
 
