@@ -18,7 +18,7 @@ import sys
 PASSTHROUGH = {
     "preprocess": ("hpcmeg.data.preprocess", "main",
                    "tokenize JSONL into Megatron .bin/.idx (drop-in for tools/preprocess_data.py)"),
-    "merge-datasets": ("hpcmeg.data.preprocess", "merge_main",
+    "merge-datasets": ("hpcmeg.data.indexed", "merge_main",
                        "merge several .bin/.idx datasets into one (tools/merge_datasets.py)"),
     "tokenizer": ("hpcmeg.data.tokenizer_train", "main", "train a byte-level BPE tokenizer: hpcmeg tokenizer train ..."),
     "corpus": ("hpcmeg.data.corpus", "main", "write the Python standard library as a JSONL code corpus"),

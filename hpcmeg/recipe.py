@@ -19,7 +19,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,22 +27,8 @@ import yaml
 
 from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.megatron.layout import pad_vocab_size
-from hpcmeg.recipe_schema import (  # noqa: F401  (re-exported: the schema lives there)
-    CHOICES,
-    CheckpointConfig,
-    ClusterConfig,
-    ContainerConfig,
-    ConvertConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    Recipe,
-    RunConfig,
-    TrainConfig,
-    field_range,
-)
-
-from hpcmeg.recipe_yaml import RecipeError, build, read_yaml  # noqa: E402,F401  (RecipeError re-exported)
+from hpcmeg.recipe_schema import CHOICES, DataConfig, Recipe, field_range
+from hpcmeg.recipe_yaml import RecipeError, build, read_yaml
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 GPT2_VOCAB_SIZE = 50257
@@ -215,7 +201,7 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
         p.append(f"{where(key)}: {text}")
         bad.add(key)
 
-    m, t, par, c = r.model, r.train, r.parallel, r.cluster
+    m, t, c = r.model, r.train, r.cluster
     for key, val, rng in _ranged_fields(r):
         if not ok(key) or val is None or isinstance(val, bool) or not isinstance(val, (int, float)):
             continue
@@ -456,11 +442,3 @@ def write_resolved(r: Recipe, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, dump_yaml(r))
     return path
-
-
-__all__ = [
-    "Recipe", "RunConfig", "DataConfig", "ModelConfig", "TrainConfig", "ParallelConfig",
-    "CheckpointConfig", "ClusterConfig", "ContainerConfig", "ConvertConfig", "RecipeError",
-    "Derived", "load_recipe", "validate", "derive", "dataset_prefixes", "parse_split", "parse_blend",
-    "apply_overrides", "to_dict", "from_dict", "dump_yaml", "write_resolved", "field",
-]

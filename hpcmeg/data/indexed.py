@@ -3,7 +3,7 @@
 Owns the format (docs/megatron-interop.md §1): writer (`IndexedDatasetBuilder`), reader
 (`IndexedDataset`), merge (`merge_datasets`, what Megatron's tools/merge_datasets.py does) and a
 read-only reader for the pre-2023 TNTIDX "lazy"/"cached" format (`LegacyIndexedDataset`, which
-lives in `indexed_legacy.py` and is re-exported here).
+lives in `indexed_legacy.py`; open_indexed_dataset picks it for such files).
 
 Contract
 - A dataset is a path prefix P: tokens in `P.bin` (all sequences concatenated, no header), index in
@@ -431,5 +431,5 @@ def merge_main(argv: Sequence[str] | None = None) -> int:
     return run_tool("hpcmeg merge-datasets", body)
 
 
-# re-exported at the end: the legacy reader builds on DType and the path helpers above
-from hpcmeg.data.indexed_legacy import LegacyIndexedDataset  # noqa: E402,F401
+# open_indexed_dataset's legacy reader, imported last: it builds on DType and the path helpers above
+from hpcmeg.data.indexed_legacy import LegacyIndexedDataset  # noqa: E402

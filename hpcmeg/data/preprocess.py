@@ -45,7 +45,6 @@ import numpy as np
 from hpcmeg.data import indexed
 from hpcmeg.data.faults import (DataError, OneLineArgumentParser, StopSignal, UsageError, check_output_dir,
                                 check_stop, created_dirs, positive_int, run_tool)
-from hpcmeg.data.indexed import merge_main  # noqa: F401  (`hpcmeg merge-datasets` entry point)
 from hpcmeg.data.jsonl import (LineBatch, describe_keys, expand_inputs, first_document_keys, iter_line_batches,
                                parse_document)
 from hpcmeg.data.workers import OrderedPool
