@@ -39,6 +39,8 @@ HANDLERS = {
     "doctor": ("hpcmeg.doctor", "cli_doctor"),
     "validate": ("hpcmeg.cli", "cli_validate"),
     "demo": ("hpcmeg.demo", "cli_demo"),
+    "smoke": ("hpcmeg.launch.smoke", "cli_smoke"),
+    "smoke-probe": ("hpcmeg.launch.smoke", "cli_probe"),
 }
 
 DESCRIPTION = """\
@@ -170,6 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one value of recipes/codeparrot_tiny.yaml, e.g. --set train.train_iters=50")
 
+    p = sub.add_parser("smoke", help="check a new cluster: a minutes-long chain through the real scheduler",
+                       description="Submit a small preprocess -> train (every rank of one node) -> convert chain with "
+                                   "your profile and report each check (interpreter and hpcmeg on the node, container "
+                                   "start, GPUs per rank, all-reduce, run directory, first loss, converted model) as "
+                                   "one PASS/FAIL line. Run it before the first real submission on a cluster.")
+    p.add_argument("--profile", required=True, metavar="NAME", help="your cluster profile (name or YAML path)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a value, e.g. --set cluster.partition=debug (repeatable)")
+    p.add_argument("--output-root", default="runs", help="where the smoke run directory goes (shared filesystem)")
+    p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds (default 1800)")
+    p = sub.add_parser("smoke-probe")  # run by `hpcmeg smoke`'s train step on every rank; not for users
+    p.add_argument("run", metavar="RUN")
+
     for name, (_, _, help_) in PASSTHROUGH.items():
         sub.add_parser(name, help=help_, add_help=False)
     return parser
@@ -208,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from hpcmeg.recipe import RecipeError
 
+    from hpcmeg.launch.provenance import check_from_env
+
+    why = check_from_env()  # inside a job step: is this the hpcmeg that wrote the run?
+    if why:
+        print(f"hpcmeg: {why}", file=sys.stderr)
+        return 1
     try:
         if argv and argv[0] in PASSTHROUGH:
             module, func, _ = PASSTHROUGH[argv[0]]

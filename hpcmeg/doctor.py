@@ -42,6 +42,13 @@ def probe() -> list[tuple[str, str]]:
     from hpcmeg import __version__
 
     add("hpcmeg", __version__)
+    try:
+        from hpcmeg.launch.provenance import fingerprint
+
+        fp = fingerprint()  # compare with the host's `hpcmeg doctor` and a run's hpcmeg_version.json
+        add("hpcmeg source", f"{fp['source']} ({fp['path']})")
+    except Exception as e:  # noqa: BLE001
+        add("hpcmeg source", f"unknown ({e})")
     add("python", f"{platform.python_version()} ({sys.executable})")
     add("platform", f"{platform.system()} {platform.release()} {platform.machine()}")
     try:

@@ -225,7 +225,10 @@ class ClusterConfig:
     executor: str = "local"
     """slurm (submit through submitit) or local (ranks as local processes, no Slurm)."""
     partition: Optional[str] = None
-    """Slurm partition (``--partition``)."""
+    """Slurm partition (``--partition``) of the training job."""
+    cpu_partition: Optional[str] = None
+    """Partition for the CPU-only stages (preprocess, merge, convert); null = cluster.partition. Name
+    your site's CPU partition here to keep GPU nodes free for training."""
     account: Optional[str] = None
     """Slurm account (``--account``)."""
     qos: Optional[str] = None
@@ -250,8 +253,10 @@ class ClusterConfig:
     """Time limit of each preprocessing array task."""
     convert_time: str = "01:00:00"
     """Time limit of each conversion array task."""
-    preprocess_cpus: int = ranged(4, ge=1)
-    """CPU cores per preprocessing task."""
+    preprocess_cpus: Optional[int] = ranged(None, ge=1, null="data.workers")
+    """CPU cores (``--cpus-per-task``) of each task of the CPU stages (preprocess, merge, convert);
+    null = data.workers (one core per tokenizer worker). Never fewer than data.workers: submit refuses
+    a preprocess job whose tokenizer workers would share fewer cores."""
     signal_lead_s: int = ranged(120, ge=1, le=65535)
     """Seconds before the time limit that Slurm sends the save-and-requeue signal."""
     max_requeues: int = ranged(3, ge=0)
@@ -273,6 +278,23 @@ class ClusterConfig:
     hpcmeg writes (recipe copies, scripts, checkpoints, logs, markers, jobs.json, submitit pickles)."""
     master_port: Optional[int] = ranged(None, ge=1, le=65535, null="derived from the job id")
     """Rendezvous port; null = derived from the job id."""
+    python: Optional[str] = None
+    """The Python interpreter that runs hpcmeg on the compute nodes: the host-side supervisor of every
+    job (in the batch shell, outside any container) and, with container.runtime none, the ranks too.
+    null = the interpreter running ``hpcmeg submit``. It must exist at the same path on the compute
+    nodes, so its environment (a venv with hpcmeg installed) must live on the shared filesystem, not
+    under /tmp, /dev/shm, $TMPDIR or a node-local disk, and be built from a Python that runs on the
+    nodes. cluster.setup lines (module loads) run before it in the batch script, so a Python that a
+    module provides works when the same module is loaded there. An absolute path is checked at
+    submit (exists, not node-local, imports the same hpcmeg); a bare name (``python3``) is looked up
+    on the node's PATH after cluster.setup."""
+    python_check: bool = True
+    """Check cluster.python at submit (see there). false = skip the location checks, for an
+    interpreter installed at the same path on every node's local disk (e.g. in the node image)."""
+    version_check: bool = True
+    """Every stage checks at start that the hpcmeg it runs (the supervisor on the node, and the ranks
+    inside the container) is the one that wrote the run (version and source hash, recorded in
+    ``<run_dir>/hpcmeg_version.json`` at submit) and stops with one line if not. false = run anyway."""
 
     def tasks_per_node(self) -> int:
         return self.gpus_per_node if self.gpus_per_node > 0 else self.cpu_tasks_per_node

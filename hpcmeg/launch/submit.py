@@ -7,13 +7,17 @@ inputs, whether the dataset can be reused, the plan) and ``submit_plan(prep) -> 
 Order of work: validate -> make every path absolute (jobs and containers do not share the login
 shell's cwd) -> the shared checks (hpcmeg.launch.checks: no '%' in the run dir, every data.inputs
 entry matches a file whose first document has the json_keys; pass-through/secret variables set) ->
-reuse the dataset when its manifest matches (inputs' paths, sizes, mtimes and the tokenizer) -> the
-plan (``prepare``: all of this is what ``hpcmeg validate`` runs too) -> write recipe.yaml,
-scripts/*.sbatch and scripts/*_step.sh (--dry-run: print them and stop; where the run dir cannot be
-created, print them and say nothing was written) -> refuse if this run still has jobs in the queue ->
-submit each stage through submitit with ``afterok`` on the previous one, recording jobs.json after
-every submission (a failure mid-chain still leaves ids for ``hpcmeg cancel``); secret values sit in
-the submitting process's environment only while sbatch runs -> ``--wait``: follow the chain
+preflight (hpcmeg.launch.preflight: profile/executor fit, the compute-node interpreter
+``cluster.python``, node-local paths, resource shapes) -> reuse the dataset when its manifest
+matches (inputs' paths, sizes, mtimes and the tokenizer) -> the plan (Slurm, not --dry-run: then
+``sbatch --test-only`` of every job, so nothing Slurm would refuse is half-submitted; ``prepare``:
+all of this is what ``hpcmeg validate`` runs too) -> write recipe.yaml, hpcmeg_version.json (which
+hpcmeg wrote the run: every stage checks it), scripts/*.sbatch and scripts/*_step.sh (--dry-run:
+print them and stop; where the run dir cannot be created, print them and say nothing was written) ->
+refuse if this run still has jobs in the queue -> submit each stage through submitit with
+``afterok`` (and ``--kill-on-invalid-dep=yes``) on the previous one, recording jobs.json after every
+submission (a failure mid-chain still leaves ids for ``hpcmeg cancel``); secret values sit in the
+submitting process's environment only while sbatch runs -> ``--wait``: follow the chain
 (hpcmeg.launch.watch).
 """
 from __future__ import annotations
@@ -34,6 +38,8 @@ from hpcmeg import jobenv
 from hpcmeg.launch import checks
 from hpcmeg.launch import scripts as S
 from hpcmeg.launch.container import ContainerError
+from hpcmeg.launch.preflight import preflight, slurm_refusals
+from hpcmeg.launch.provenance import write_record
 from hpcmeg.launch.rundir import RunDir, dataset_is_current, input_manifest, read_json, write_atomic, write_jobs
 from hpcmeg.recipe import Recipe, RecipeError, derive, dump_yaml, load_recipe
 
@@ -49,6 +55,8 @@ class Prepared:
     skip_preprocess: bool
     stages: tuple[str, ...]
     plan: Optional[S.Plan] = None
+    host_python: str = sys.executable
+    """The interpreter on the compute nodes (cluster.python, default the submitting one)."""
 
 
 def _abs(p: Optional[str]) -> Optional[str]:
@@ -81,18 +89,28 @@ def parse_stages(text: str) -> tuple[str, ...]:
     return tuple(s for s in ALL_STAGES if s in st)
 
 
+def node_python(r: Recipe) -> str:
+    """cluster.python, or the interpreter running this submit."""
+    return r.cluster.python or sys.executable
+
+
 def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Optional[str] = None,
-            dry_run: bool = False, environ: Optional[dict] = None) -> Prepared:
+            dry_run: bool = False, environ: Optional[dict] = None, probe: bool = False) -> Prepared:
     """Every check ``submit`` makes before writing anything; ``hpcmeg validate`` runs exactly this.
 
     Raises RecipeError (recipe faults, exit 2) or checks.DataError (unreadable inputs, exit 1), one
-    line each; warnings (dry-run leniency, secret-looking cluster.env names) are printed to stderr."""
+    line each; warnings (dry-run leniency, secret-looking cluster.env names) are printed to stderr.
+    ``probe``: the smoke test's train step (hpcmeg.launch.smoke)."""
     r = absolutize(r)
     d = derive(r)
     problems = checks.run_dir_problems(r, d.run_dir)
     env_errors, env_warnings = jobenv.problems(r.cluster, os.environ if environ is None else environ, lenient=dry_run)
     if problems or env_errors:
         raise RecipeError(problems + env_errors)
+    host_python = host_python or node_python(r)
+    problems, notes = preflight(r, d, host_python, stages, dry_run)
+    if problems:
+        raise RecipeError(problems)
     for line in env_warnings:
         print(f"hpcmeg: warning: {line}", file=sys.stderr)
     for name in jobenv.secret_looking(r.cluster):
@@ -118,12 +136,15 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
         raise RecipeError(missing)
     for line in missing:  # a dry run may render for a machine that sees the data
         print(f"hpcmeg submit: warning (dry run): {line}", file=sys.stderr)
-    prep = Prepared(r, d, run, files, skip, stages)
+    prep = Prepared(r, d, run, files, skip, stages, host_python=host_python)
     try:
         if r.cluster.executor == "slurm":
             warnings = unbound_paths(r, d, files)
-            prep.plan = S.build_plan(r, d, files, host_python or sys.executable, stages, skip_preprocess=skip)
-            prep.plan.notes += warnings
+            prep.plan = S.build_plan(r, d, files, host_python, stages, skip_preprocess=skip, probe=probe)
+            where = "cluster.python" if r.cluster.python else "this submit's, as cluster.python is unset"
+            prep.plan.notes.append(f"compute-node interpreter: {host_python} ({where}; it runs each job's supervisor "
+                                   f"on the node)")
+            prep.plan.notes += notes + warnings
         else:
             from hpcmeg.launch import local
 
@@ -131,6 +152,12 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
             S.env_exports(r.cluster.env)
     except (S.ScriptError, ContainerError) as e:
         raise RecipeError([str(e)]) from None
+    if prep.plan and not dry_run:
+        refused = slurm_refusals(prep.plan, shlex.quote(host_python))
+        if refused:
+            raise RecipeError(refused)
+    for line in notes if not prep.plan else []:
+        print(f"hpcmeg submit: {line}", file=sys.stderr)
     return prep
 
 
@@ -160,7 +187,7 @@ def run_files(prep: Prepared, dependencies: Optional[dict[str, str]] = None) -> 
         out.append((run.step_script(job.stage), job.step_script, True))
         dep = (dependencies or {}).get(job.stage, _placeholder_dependency(prep.plan, job.stage))
         out.append((run.sbatch_script(job.stage),
-                    S.render_sbatch(job, str(run.submitit(job.stage)), shlex.quote(sys.executable), dep), False))
+                    S.render_sbatch(job, str(run.submitit(job.stage)), shlex.quote(prep.host_python), dep), False))
     return out
 
 
@@ -168,6 +195,7 @@ def write_run_files(prep: Prepared, dependencies: Optional[dict[str, str]] = Non
     """Write `run_files` into the run directory (created); step scripts get ``0o777 & ~umask``."""
     files = run_files(prep, dependencies)
     prep.run.create()
+    write_record(prep.run.root)  # which hpcmeg wrote the run: every stage checks it (hpcmeg.launch.provenance)
     return [write_atomic(p, text, mode=executable_mode() if exe else None) for p, text, exe in files]
 
 
@@ -214,9 +242,9 @@ def submit_plan(prep: Prepared) -> dict[str, str]:
         folder = run.submitit(job.stage)
         # the script as submitted, dependency included (submitit keeps its own copy in the folder too)
         write_atomic(run.sbatch_script(job.stage),
-                     S.render_sbatch(job, str(folder), shlex.quote(sys.executable), dep))
-        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
-        ex.update_parameters(**job.params, **({"dependency": dep} if dep else {}))
+                     S.render_sbatch(job, str(folder), shlex.quote(prep.host_python), dep))
+        ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=shlex.quote(prep.host_python))
+        ex.update_parameters(**S.with_dependency(job.params, dep))
         if job.array:
             jobs = ex.map_array(run_task, job.tasks)
             jid = str(jobs[0].job_id).split("_")[0]

@@ -5,7 +5,10 @@ module, pickled by reference, with plain-data arguments; only the host Python th
 ever reads it, so host/container Python versions never meet). It runs in the batch shell
 (``use_srun=False``) on the job's first node, where the Slurm commands exist, and:
 
-  1. writes ``markers/<stage>[.<task>].started`` and a banner in the batch log (job id, restart);
+  0. checks that the hpcmeg it imports is the one that wrote the run (``hpcmeg_version.json``, unless
+     cluster.version_check is false): otherwise one line, a ``failed`` marker, and no step is run;
+  1. writes ``markers/<stage>[.<task>].started`` (with this interpreter and hpcmeg version, which
+     ``hpcmeg smoke`` reports) and a banner in the batch log (job id, restart);
   2. runs ``scripts/<stage>_step.sh ARGS`` (one ``srun`` step; the ranks run in the container);
   3. decides. Train: finished -> ``done``; the trainer saved for a requeue (exit code
      ``REQUEUE_EXIT_CODES`` or exit 0 before ``train_iters``) and restarts < ``max_requeues`` and the
@@ -179,7 +182,7 @@ def run_train(task: dict) -> dict:
     guard = _requeue_guard(run, int(task["max_requeues"]))
     start_it = latest_iteration(ckpt)
     guard.on_start(restart, start_it)
-    write_marker(run, "train", "started", start_iteration=start_it)
+    write_marker(run, "train", "started", start_iteration=start_it, **host_info())
     ends = _SlurmEnds().install()
     env = {}
     end_time = _job_end_time()
@@ -236,7 +239,7 @@ def convert_iteration(task: dict) -> Optional[int]:
 def run_array_task(task: dict) -> dict:
     run = RunDir(Path(task["run_dir"]))
     stage, idx = task["stage"], task.get("task")
-    write_marker(run, stage, "started", task=idx)
+    write_marker(run, stage, "started", task=idx, **host_info())
     _SlurmEnds().install()
     args = list(task.get("args", []))
     manifest = None
@@ -265,6 +268,28 @@ def run_array_task(task: dict) -> dict:
     return {"stage": stage, "task": idx, "args": args}
 
 
+def host_info() -> dict:
+    """This supervisor's interpreter and hpcmeg (stored in the started markers)."""
+    from hpcmeg.launch.provenance import fingerprint
+
+    fp = fingerprint()
+    return {"node": os.environ.get("SLURMD_NODENAME"), "python": sys.executable,
+            "python_version": ".".join(map(str, sys.version_info[:3])), "hpcmeg_version": fp["version"], "hpcmeg_source": fp["source"], "hpcmeg_path": fp["path"]}
+
+
+def check_version(task: dict) -> None:
+    """Step 0 of the module docstring: refuse to run a stage with another hpcmeg than the run's."""
+    if not task.get("version_check"):
+        return
+    from hpcmeg.launch.provenance import RECORD_NAME, mismatch
+
+    run = RunDir(Path(task["run_dir"]))
+    why = mismatch(run.root / RECORD_NAME, f"the supervisor's interpreter {sys.executable} on {socket.gethostname()}")
+    if why:
+        write_marker(run, task["stage"], "failed", task=task.get("task"), reason=why)
+        raise StageFailed(f"{task['stage']} failed: {why}")
+
+
 def run_task(task: dict) -> dict:
     """The submitit entry point of every hpcmeg job (see the module docstring).
 
@@ -273,6 +298,7 @@ def run_task(task: dict) -> dict:
     the batch log (Slurm still records FAILED, and hpcmeg never reads submitit's result pickles)."""
     _banner(task)
     try:
+        check_version(task)
         if task["stage"] == "train":
             return run_train(task)
         return run_array_task(task)

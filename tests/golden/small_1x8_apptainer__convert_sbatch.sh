@@ -2,7 +2,7 @@
 
 # Parameters
 #SBATCH --account=myproject
-#SBATCH --cpus-per-task=4
+#SBATCH --cpus-per-task=8
 #SBATCH --dependency=afterok:1002
 #SBATCH --job-name=hpcmeg-convert-codeparrot-small
 #SBATCH --kill-on-invalid-dep=yes

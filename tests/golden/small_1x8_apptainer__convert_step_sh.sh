@@ -7,7 +7,10 @@ set -u
 tag="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
 tag="${tag:-${SLURM_JOB_ID:-local}}"
 restart="${SLURM_RESTART_COUNT:-0}"
-exec srun --nodes=1 --ntasks=1 --cpus-per-task=4 --open-mode=append \
+unset PYTHONPATH PYTHONHOME VIRTUAL_ENV
+export HPCMEG_VERSION_FILE=/lustre/scratch/hpcmeg/runs/codeparrot-small/hpcmeg_version.json
+export HPCMEG_VERSION_SIDE='the apptainer image /lustre/containers/hpcmeg.sif'
+exec srun --nodes=1 --ntasks=1 --cpus-per-task=8 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/convert/convert."${tag}.r${restart}".%t.log \
     apptainer exec --bind /lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \
     python3 -u -m hpcmeg.cli convert /lustre/scratch/hpcmeg/runs/codeparrot-small/checkpoints "$2" --iteration "$1" --dtype fp32

@@ -2,9 +2,10 @@
 
 # Parameters
 #SBATCH --account=myproject
-#SBATCH --cpus-per-task=4
+#SBATCH --cpus-per-task=8
 #SBATCH --dependency=afterok:1000
 #SBATCH --job-name=hpcmeg-merge-codeparrot-small
+#SBATCH --kill-on-invalid-dep=yes
 #SBATCH --nodes=1
 #SBATCH --ntasks=1
 #SBATCH --open-mode=append

@@ -7,8 +7,11 @@ set -u
 tag="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
 tag="${tag:-${SLURM_JOB_ID:-local}}"
 restart="${SLURM_RESTART_COUNT:-0}"
+unset PYTHONPATH PYTHONHOME VIRTUAL_ENV
+export HPCMEG_VERSION_FILE=/lustre/scratch/hpcmeg/runs/codeparrot-small/hpcmeg_version.json
+export HPCMEG_VERSION_SIDE='the apptainer image /lustre/containers/hpcmeg.sif'
 set -e
-srun --nodes=1 --ntasks=1 --cpus-per-task=4 --open-mode=append \
+srun --nodes=1 --ntasks=1 --cpus-per-task=8 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/merge/merge."${tag}.r${restart}".%t.log \
     apptainer exec --bind /lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \
     python3 -u -m hpcmeg.cli merge-datasets --output-prefix /lustre/scratch/hpcmeg/runs/codeparrot-small/data/codeparrot-small_content_document --input /lustre/scratch/hpcmeg/runs/codeparrot-small/data/shards/codeparrot-small.shard00000_content_document /lustre/scratch/hpcmeg/runs/codeparrot-small/data/shards/codeparrot-small.shard00001_content_document /lustre/scratch/hpcmeg/runs/codeparrot-small/data/shards/codeparrot-small.shard00002_content_document

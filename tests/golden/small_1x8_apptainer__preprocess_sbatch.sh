@@ -3,7 +3,7 @@
 # Parameters
 #SBATCH --account=myproject
 #SBATCH --array=0-2%3
-#SBATCH --cpus-per-task=4
+#SBATCH --cpus-per-task=8
 #SBATCH --job-name=hpcmeg-preprocess-codeparrot-small
 #SBATCH --nodes=1
 #SBATCH --ntasks=1

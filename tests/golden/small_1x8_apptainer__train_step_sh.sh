@@ -7,6 +7,9 @@ set -u
 tag="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
 tag="${tag:-${SLURM_JOB_ID:-local}}"
 restart="${SLURM_RESTART_COUNT:-0}"
+unset PYTHONPATH PYTHONHOME VIRTUAL_ENV
+export HPCMEG_VERSION_FILE=/lustre/scratch/hpcmeg/runs/codeparrot-small/hpcmeg_version.json
+export HPCMEG_VERSION_SIDE='the apptainer image /lustre/containers/hpcmeg.sif'
 exec srun --nodes=1 --ntasks-per-node=8 --cpus-per-task=8 --kill-on-bad-exit=1 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/train/train."${tag}.r${restart}".%t.log \
     apptainer exec --nv --bind /lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \

@@ -7,6 +7,7 @@
 #SBATCH --exclusive
 #SBATCH --gpus-per-node=8
 #SBATCH --job-name=hpcmeg-train-codeparrot-small
+#SBATCH --kill-on-invalid-dep=yes
 #SBATCH --mem=0
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

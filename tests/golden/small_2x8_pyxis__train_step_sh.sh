@@ -7,6 +7,9 @@ set -u
 tag="${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}"
 tag="${tag:-${SLURM_JOB_ID:-local}}"
 restart="${SLURM_RESTART_COUNT:-0}"
+unset PYTHONPATH PYTHONHOME VIRTUAL_ENV
+export HPCMEG_VERSION_FILE=/lustre/scratch/hpcmeg/runs/codeparrot-small/hpcmeg_version.json
+export HPCMEG_VERSION_SIDE='the pyxis image /lustre/containers/hpcmeg.sqsh'
 exec srun --nodes=2 --ntasks-per-node=8 --cpus-per-task=12 --kill-on-bad-exit=1 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/train/train."${tag}.r${restart}".%t.log \
     --container-image=/lustre/containers/hpcmeg.sqsh --container-mounts=/lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small,/lustre:/lustre --no-container-mount-home \
