@@ -1,0 +1,426 @@
+"""`hpcmeg smoke --profile NAME`: a minutes-long chain through the real scheduler that checks a new cluster.
+
+Contract: ``cli_smoke(args) -> exit code`` (0: every check passed; 1: one failed; 2: the profile or a
+``--set`` is refused before anything is submitted, by the same checks as ``hpcmeg submit``);
+``cli_probe(args)`` is ``hpcmeg smoke-probe RUN``, run on every rank by the smoke's train step.
+
+The chain is the one ``hpcmeg submit`` builds, with the user's profile (partition, account, GPUs,
+container, interpreter) and a tiny recipe: preprocess of an embedded corpus (a slice of the Python
+standard library), a few training iterations on every rank of one node (gpus_per_node ranks; CPU
+ranks when there are none), convert. The train step first runs the probe on the same ranks: devices,
+an all-reduce (NCCL on GPUs, gloo on CPU), a write into the run directory. Then this process loads the
+converted model with ``AutoModelForCausalLM``. Each check prints one PASS/FAIL line as soon as it is
+known; while waiting a line comes at least every ``HEARTBEAT_S`` seconds.
+
+The run directory is ``<--output-root>/hpcmeg-smoke``; a previous smoke run there is replaced (it is
+recognised by its ``.hpcmeg-smoke`` file; another directory of that name is never touched).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+HEARTBEAT_S = 8.0
+POLL_S = 1.0
+RUN_NAME = "hpcmeg-smoke"
+TAG_FILE = ".hpcmeg-smoke"
+CHECKS = ("interpreter and hpcmeg on the node", "run directory writable from the node", "preprocess",
+          "container start", "devices per rank", "all-reduce across all ranks", "first loss line", "training",
+          "convert", "converted model loads")
+
+
+def smoke_recipe(output_root: str, world: int, gpus: bool, corpus: str) -> dict:
+    """The tiny recipe (as YAML data): profile values it does not name stay the profile's."""
+    return {
+        "run": {"name": RUN_NAME, "output_root": output_root},
+        "data": {"inputs": [corpus], "json_keys": ["content"], "workers": 1, "split": "90,10,0", "seq_length": 64,
+                 "num_workers": 0},
+        "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 2, "max_position_embeddings": 64,
+                  "hidden_dropout": 0.0, "attention_dropout": 0.0},
+        "train": {"micro_batch_size": 1, "global_batch_size": world, "train_iters": 6, "lr": 1e-3,
+                  "min_lr": 1e-4, "lr_warmup_iters": 1, "log_interval": 1, "eval_interval": 0, "compile": "off",
+                  "precision": "bf16" if gpus else "fp32", "seed": 1234},
+        "checkpoint": {"save_interval": 0, "keep_last": None},
+        "cluster": {"nodes": 1, "time": "00:20:00", "preprocess_time": "00:10:00", "convert_time": "00:10:00",
+                    "signal_lead_s": 60, "max_requeues": 0},
+        "convert": {"iterations": "last", "dtype": "fp32"},
+    }
+
+
+class Reporter:
+    """Prints one line per check (PASS/FAIL) and a heartbeat line while nothing else is printed."""
+
+    def __init__(self, out=None, clock: Callable[[], float] = time.time):
+        self.out = out or sys.stdout
+        self.clock = clock
+        self.t0 = clock()
+        self.last = self.t0
+        self.done: dict[str, bool] = {}
+
+    def line(self, text: str) -> None:
+        print(f"[smoke {self.clock() - self.t0:5.0f}s] {text}", file=self.out, flush=True)
+        self.last = self.clock()
+
+    def result(self, check: str, ok: bool, detail: str) -> None:
+        if check in self.done:
+            return
+        self.done[check] = ok
+        self.line(f"{'PASS' if ok else 'FAIL'} {check}: {detail}")
+
+    def heartbeat(self, text: str) -> None:
+        if self.clock() - self.last >= HEARTBEAT_S:
+            self.line(f"... {text}")
+
+    @property
+    def failed(self) -> bool:
+        return not all(self.done.values())
+
+
+# ----------------------------------------------------------------------------- the probe (on every rank)
+
+
+def _container_evidence() -> str:
+    env = os.environ
+    for var, what in (("APPTAINER_CONTAINER", "apptainer image"), ("SINGULARITY_CONTAINER", "singularity image"),
+                      ("FAKE_PYXIS_IMAGE", "pyxis image (the local cluster's no-op pyxis: on the host)"),
+                      ("NVIDIA_PYTORCH_VERSION", "NGC PyTorch")):
+        if env.get(var):
+            return f"{what} {env[var]}"
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return f"no container marker; OS {line.split('=', 1)[1].strip(chr(34))}"
+    except OSError:
+        pass
+    return "no container marker"
+
+
+def probe(run_dir: str) -> dict:
+    """What one rank sees; the all-reduce needs every rank of the step (hpcmeg.launch.env)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hpcmeg.launch.env import dist_env
+    from hpcmeg.launch.provenance import fingerprint
+
+    e = dist_env()
+    fp = fingerprint()
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = os.cpu_count()
+    info = {"rank": e.rank, "world_size": e.world_size, "local_rank": e.local_rank,
+            "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+            "python": sys.executable, "python_version": ".".join(map(str, sys.version_info[:3])),
+            "hpcmeg_version": fp["version"], "hpcmeg_source": fp["source"], "torch": torch.__version__,
+            "container": _container_evidence(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "slurm_cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK"), "cpus_usable": affinity,
+            "gpus": [], "device": "cpu"}
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        n = torch.cuda.device_count()
+        dev = e.local_rank % n
+        torch.cuda.set_device(dev)
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
+        info["device"] = f"cuda:{dev}"
+    backend = "nccl" if info["device"] != "cpu" else "gloo"
+    t0 = time.time()
+    # port + 1: the training step right after this one takes the job's port itself
+    dist.init_process_group(backend, init_method=f"tcp://{e.master_addr}:{e.master_port + 1}", rank=e.rank,
+                            world_size=e.world_size, timeout=timedelta(seconds=180))
+    try:
+        x = torch.tensor([float(e.rank + 1)], device=info["device"])
+        dist.all_reduce(x)
+        big = torch.ones(4 * 1024 * 1024, device=info["device"])  # 16 MiB of fp32
+        dist.all_reduce(big)
+        if info["device"] != "cpu":
+            torch.cuda.synchronize()
+        ok = float(big[0].item()) == float(e.world_size)
+        info.update(backend=backend, allreduce_sum=float(x.item()),
+                    allreduce_expected=e.world_size * (e.world_size + 1) / 2.0, allreduce_16mib_ok=ok,
+                    allreduce_s=round(time.time() - t0, 3))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    from hpcmeg.launch.rundir import write_atomic
+
+    out = write_atomic(Path(run_dir) / "smoke" / f"rank{e.rank}.json", json.dumps(info, indent=1) + "\n")
+    info["wrote"] = str(out)
+    return info
+
+
+def cli_probe(args) -> int:
+    info = probe(args.run)
+    print(f"[smoke-probe] rank {info['rank']}/{info['world_size']} on {info['host']}: {info['device']}, "
+          f"{info['backend']} all-reduce sum {info['allreduce_sum']:g} (expected {info['allreduce_expected']:g}), "
+          f"wrote {info['wrote']}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- reading what the jobs wrote
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_line(paths: list[Path]) -> str:
+    """The last meaningful line of the newest log (what to show with a FAIL)."""
+    for p in sorted(paths, key=lambda q: q.stat().st_mtime if q.exists() else 0, reverse=True):
+        try:
+            lines = [ln.strip() for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            continue
+        for ln in reversed(lines):
+            if not ln.startswith(("=====", "[hpcmeg supervisor] step:", "submitit", "Traceback")):
+                return f"{ln[:300]} ({p})"
+    return "no log written"
+
+
+def first_loss_line(run) -> Optional[str]:
+    for p in sorted(run.logs("train").glob("train.*.0.log")):
+        try:
+            for ln in p.read_text(errors="replace").splitlines():
+                if ln.lstrip().startswith("iteration") and "| loss " in ln:
+                    return ln.strip()
+        except OSError:
+            continue
+    return None
+
+
+def describe_ranks(ranks: list[dict], gpus_per_node: int) -> tuple[bool, str]:
+    """The devices-per-rank verdict: every rank got its own GPU, or CPU ranks when none were asked for."""
+    if gpus_per_node <= 0:
+        cpus = sorted({str(r.get("cpus_usable")) for r in ranks})
+        per = sorted({str(r.get("slurm_cpus_per_task")) for r in ranks})
+        return True, (f"CPU ranks: {len(ranks)} rank(s), no GPUs requested (cluster.gpus_per_node 0); "
+                      f"--cpus-per-task {'/'.join(per)}, cores usable per rank {'/'.join(cpus)}")
+    bad = [r for r in ranks if not r.get("gpus")]
+    if bad:
+        return False, (f"rank(s) {', '.join(str(r['rank']) for r in bad)} see no GPU (CUDA_VISIBLE_DEVICES="
+                       f"{bad[0].get('cuda_visible_devices')}, torch {bad[0].get('torch')}): check --gpus-per-node, "
+                       f"the image's CUDA torch and, with Apptainer, --nv")
+    devs = [(r.get("host"), r.get("device")) for r in ranks]
+    dup = len(set(devs)) != len(devs)
+    names = sorted({n for r in ranks for n in r["gpus"]})
+    text = "; ".join(f"rank {r['rank']} {r['device']}" for r in sorted(ranks, key=lambda r: r["rank"]))
+    return not dup, (f"{text} ({', '.join(names)}, CUDA_VISIBLE_DEVICES={ranks[0].get('cuda_visible_devices')})"
+                     + ("; two ranks share a GPU" if dup else ""))
+
+
+def load_converted(hf_dir: Path) -> tuple[bool, str]:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one line per check: no progress bars in between
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([[15496, 995, 198]])).logits
+        n = sum(p.numel() for p in model.parameters())
+        ok = bool(torch.isfinite(logits).all())
+        return ok, f"{hf_dir}: {type(model).__name__}, {n / 1e6:.1f} M parameters, logits {'finite' if ok else 'NOT finite'}"
+    except Exception as e:  # noqa: BLE001 - any failure to load is the check's answer
+        return False, f"{hf_dir}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+# divisible by every rank count up to 16 and by 18, 20, 24, 32 ... 256: only the first load uses it,
+# to learn the profile's ranks per node before the real global batch (= ranks) is set
+_ANY_WORLD = 2 ** 8 * 3 ** 4 * 5 ** 2 * 7 * 11 * 13
+
+
+def _prepare(args):
+    """Recipe + run directory + corpus + plan; RecipeError leaves nothing of this run behind."""
+    from hpcmeg.data.corpus import write_stdlib_corpus
+    from hpcmeg.launch.rundir import RunDir
+    from hpcmeg.launch.submit import active_jobs, prepare
+    from hpcmeg.recipe import RecipeError, load_recipe
+
+    first = smoke_recipe("runs", _ANY_WORLD, False, "corpus.jsonl")
+    c = load_recipe(None, list(args.overrides), args.profile, data=first).cluster
+    if c.executor != "slurm":
+        raise RecipeError([f"cluster.profile: '{c.profile}' runs without Slurm (cluster.executor {c.executor}); "
+                           f"hpcmeg smoke checks a Slurm cluster (for this machine alone: hpcmeg demo --profile local)"])
+    world = c.tasks_per_node()
+    root = Path(os.path.abspath(os.path.expanduser(args.output_root)))
+    run = RunDir(root / RUN_NAME)
+    corpus = run.root / "smoke-corpus.jsonl"
+    r = load_recipe(None, list(args.overrides), args.profile,
+                    data=smoke_recipe(str(root), world, c.gpus_per_node > 0, str(corpus)))
+    if run.root.exists():
+        if not (run.root / TAG_FILE).exists():
+            raise RecipeError([f"run.output_root: {run.root} exists and is not a smoke run directory; choose another "
+                               f"--output-root"])
+        busy = active_jobs(run)
+        if busy:
+            raise RecipeError([f"{run.root}: an earlier smoke run still has jobs in the queue ({', '.join(busy)}); "
+                               f"hpcmeg cancel {run.root}"])
+        shutil.rmtree(run.root)
+    created = not root.exists()
+    try:
+        run.root.mkdir(parents=True)
+        (run.root / TAG_FILE).write_text("a hpcmeg smoke run directory: the next hpcmeg smoke replaces it\n")
+        write_stdlib_corpus(str(corpus), key="content", include_tests=False, max_files=40)
+        prep = prepare(r, probe=True)
+    except (RecipeError, OSError):
+        shutil.rmtree(run.root, ignore_errors=True)
+        if created:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    return prep
+
+
+def cli_smoke(args) -> int:
+    from hpcmeg.launch import status as ST
+    from hpcmeg.launch.provenance import describe, fingerprint
+    from hpcmeg.launch.rundir import read_markers
+    from hpcmeg.launch.submit import submit_plan, write_run_files
+
+    rep = Reporter()
+    rep.line(f"hpcmeg smoke with profile {args.profile}: checking the profile and the compute-node interpreter")
+    prep = _prepare(args)  # RecipeError: one line per problem, exit 2 (nothing submitted)
+    r, run = prep.recipe, prep.run
+    c = r.cluster
+    gpus = c.gpus_per_node > 0
+    write_run_files(prep)
+    try:
+        ids = submit_plan(prep)
+    except Exception as e:  # noqa: BLE001 - Slurm's own refusal, in one line
+        rep.line(f"FAIL submission: {' '.join(str(e).split())[:400]}")
+        return 1
+    ranks_desc = f"{c.tasks_per_node()} {'GPU' if gpus else 'CPU'} rank(s) on 1 node"
+    rep.line(f"submitted {', '.join(f'{s} {j}' for s, j in ids.items())} ({ranks_desc}); run directory {run.root}")
+    mine = fingerprint()
+    deadline = time.time() + float(args.timeout)
+    last_status = 0.0
+    st: dict = {"stages": {}}
+    while True:
+        markers = read_markers(run)
+        now = time.time()
+        if now - last_status >= 2.0 or not st["stages"]:
+            st = ST.run_status(run.root)
+            last_status = now
+        states = {s: v["state"] for s, v in st["stages"].items()}
+        _progress(rep, prep, markers, states, mine, describe)
+        failed = [s for s, v in states.items() if v in ST.BAD]
+        if failed or rep.failed:
+            for s in failed:
+                ev = markers.get(s) or next((m for k, m in markers.items() if k.startswith(s + ".")), {})
+                why = (ev.get("failed") or {}).get("reason") or _last_line(list(run.logs(s).glob("*.log")))
+                pending = next((k for k in _pending_for(s) if k not in rep.done), s)
+                rep.result(pending, False, f"the {s} job ended {states[s]}: {why}")
+            _cancel(run)
+            left = [k for k in CHECKS if k not in rep.done]
+            if left:
+                rep.line(f"not reached: {', '.join(left)}")
+            rep.line(f"smoke test FAILED; logs: hpcmeg logs {run.root} --stage {failed[0] if failed else 'train'}")
+            return 1
+        if all(v == "COMPLETED" for v in states.values()) and "convert" in states:
+            break
+        if now > deadline:
+            rep.line(f"FAIL timed out after {args.timeout:.0f} s: {states}")
+            _cancel(run)
+            return 1
+        waiting = next((s for s in ("preprocess", "train", "convert") if states.get(s) not in (None, "COMPLETED")), "")
+        why = sorted({t.get("reason", "") for t in st["stages"].get(waiting, {}).get("tasks", {}).values()} - {""})
+        rep.heartbeat(f"waiting for {waiting}: {states.get(waiting, '?')}" + (f" ({why[0]})" if why else ""))
+        time.sleep(POLL_S)
+    rep.line("... loading the converted model with transformers")
+    ok, detail = load_converted(run.root / "hf" / f"iter_{r.train.train_iters:07d}")
+    rep.result("converted model loads", ok, f"AutoModelForCausalLM.from_pretrained({detail})")
+    missing = [k for k in CHECKS if k not in rep.done]
+    for k in missing:
+        rep.result(k, False, "not observed")
+    if rep.failed:
+        rep.line("smoke test FAILED")
+        return 1
+    rep.line(f"smoke test PASSED: {len(CHECKS)} checks in {time.time() - rep.t0:.0f} s (run directory {run.root})")
+    return 0
+
+
+def _pending_for(stage: str) -> tuple[str, ...]:
+    return {"preprocess": ("interpreter and hpcmeg on the node", "preprocess"),
+            "merge": ("preprocess",),
+            "train": ("container start", "devices per rank", "all-reduce across all ranks", "first loss line",
+                      "training"),
+            "convert": ("convert",)}.get(stage, (stage,))
+
+
+def _progress(rep: Reporter, prep, markers: dict, states: dict, mine: dict, describe) -> None:
+    """Print every check whose answer the run directory now holds."""
+    r, run, c = prep.recipe, prep.run, prep.recipe.cluster
+    started = next((markers[s]["started"] for s in ("preprocess", "train") if "started" in markers.get(s, {})), None)
+    if started:
+        same = (started.get("hpcmeg_version"), started.get("hpcmeg_source")) == (mine["version"], mine["source"])
+        rep.result("interpreter and hpcmeg on the node", same,
+                   f"{started.get('python')} (Python {started.get('python_version')}) on {started.get('node') or started.get('host')} runs "
+                   f"hpcmeg {started.get('hpcmeg_version')} (source {started.get('hpcmeg_source')})"
+                   + ("" if same else f"; this submit is {describe(mine)}"))
+        rep.result("run directory writable from the node", True,
+                   f"the supervisor on {started.get('node') or started.get('host')} wrote {run.markers}")
+    if states.get("preprocess") == "COMPLETED":
+        rep.result("preprocess", True, f"{len(prep.files)} input file(s) tokenized into {prep.derived.data_prefix}_*")
+    ranks = [x for x in (_read_json(p) for p in sorted((run.root / "smoke").glob("rank*.json"))) if x]
+    world = c.tasks_per_node()
+    if ranks and len(ranks) == world:
+        spec = (f"{r.container.runtime} image {r.container.image}" if r.container.runtime != "none"
+                else "no container (container.runtime none)")
+        ev = ranks[0]
+        rep.result("container start", True,
+                   f"{spec}: rank 0 ran {ev['python']} (Python {ev['python_version']}, torch {ev['torch']}, hpcmeg "
+                   f"{ev['hpcmeg_version']}); {ev['container']}")
+        ok, text = describe_ranks(ranks, c.gpus_per_node)
+        rep.result("devices per rank", ok, text)
+        sums_ok = all(x.get("allreduce_sum") == x.get("allreduce_expected") and x.get("allreduce_16mib_ok")
+                      for x in ranks)
+        rep.result("all-reduce across all ranks", sums_ok,
+                   f"{ev.get('backend')} over {world} rank(s): sum {ev.get('allreduce_sum'):g} (expected "
+                   f"{ev.get('allreduce_expected'):g}) and a 16 MiB all-reduce, {ev.get('allreduce_s')} s")
+        rep.result("run directory writable from the node", True, f"every rank wrote {run.root / 'smoke'}")
+    line = first_loss_line(run)
+    if line:
+        import math
+
+        try:
+            loss = float(line.split("| loss ", 1)[1].split()[0])
+        except (IndexError, ValueError):
+            loss = float("nan")
+        rep.result("first loss line", math.isfinite(loss), line)
+    if states.get("train") == "COMPLETED":
+        rep.result("training", True, f"{r.train.train_iters} iterations on {world} rank(s): "
+                                     f"{st_detail(run, prep.derived.checkpoint_dir, r.train.train_iters)}")
+    if states.get("convert") == "COMPLETED":
+        rep.result("convert", True, f"the convert job wrote {run.root / 'hf'}")
+
+
+def st_detail(run, ckpt_dir: str, iters: int) -> str:
+    from hpcmeg.launch.rundir import latest_iteration
+
+    return f"checkpoint at iteration {latest_iteration(ckpt_dir)}/{iters}"
+
+
+def _cancel(run) -> None:
+    from hpcmeg.launch.status import cli_cancel
+
+    try:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli_cancel(str(run.root))
+    except Exception:  # noqa: BLE001 - best effort: the jobs end by themselves (kill-on-invalid-dep)
+        pass
