@@ -8,7 +8,8 @@
 # ITERATIONS picks what to convert, resolved when the task runs (so it works after a time-out, from
 # whatever checkpoints exist): "last" (the tracker's iteration; one task), "all" (array task i converts
 # the i-th committed iteration; tasks beyond the list exit 0), or "100,200" (task i converts the i-th).
-# Output: OUT_DIR/iter_XXXXXXX/. Runs `hpcmeg convert` inside the container; CPU only.
+# Output: OUT_DIR/iter_XXXXXXX/. Runs `hpcmeg convert` inside the container; CPU only. srun gets
+# --cpus-per-task=$SLURM_CPUS_PER_TASK explicitly (Slurm 22.05+ does not pass it on to the step).
 #
 #SBATCH --job-name=hpcmeg-convert
 #SBATCH --ntasks=1
@@ -27,6 +28,8 @@ CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}         # none | apptainer | pyxis
 IMAGE=${IMAGE:-}
 BINDS=${BINDS:-$(dirname "$CKPT_DIR")}               # comma list: apptainer --bind / pyxis --container-mounts
 HPCMEG=${HPCMEG:-hpcmeg}                             # the command inside the container
+VERSION_CHECK=${VERSION_CHECK:-1}                    # 0: skip the check against RUN_DIR/hpcmeg_version.json
+RUN_DIR=${RUN_DIR:-$(dirname "$CKPT_DIR")}           # the run directory (hpcmeg_version.json)
 
 log() { printf '[convert.sh %(%F %T)T] %s\n' -1 "$*"; }
 die() { log "ERROR: $*"; exit 1; }
@@ -63,7 +66,16 @@ case "$CONTAINER_RUNTIME" in
   pyxis) srun_container=(--container-image="$IMAGE" --container-mounts="$BINDS" --no-container-mount-home) ;;
   *) die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: use none, apptainer or pyxis" ;;
 esac
+if [ "$CONTAINER_RUNTIME" != none ]; then
+  unset PYTHONPATH PYTHONHOME VIRTUAL_ENV   # the host's Python paths must not shadow the image's packages
+fi
+if [ "$VERSION_CHECK" = 1 ] && [ -f "$RUN_DIR/hpcmeg_version.json" ]; then
+  export HPCMEG_VERSION_FILE="$RUN_DIR/hpcmeg_version.json"
+  if [ "$CONTAINER_RUNTIME" = none ]; then export HPCMEG_VERSION_SIDE="the command '$HPCMEG' on the node"
+  else export HPCMEG_VERSION_SIDE="the $CONTAINER_RUNTIME image $IMAGE"; fi
+fi
+cpus=(); [ -n "${SLURM_CPUS_PER_TASK:-}" ] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
 out="$OUT_DIR/$(printf 'iter_%07d' "$it")"
 log "array task $task: converting iteration $it -> $out"
-srun --ntasks=1 "${srun_container[@]}" "${prefix[@]}" \
+srun --ntasks=1 "${cpus[@]}" "${srun_container[@]}" "${prefix[@]}" \
     "${hpcmeg_cmd[@]}" convert "$CKPT_DIR" "$out" --iteration "$it" --dtype "$DTYPE"

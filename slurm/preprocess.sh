@@ -15,6 +15,12 @@
 # The merged dataset equals one `hpcmeg preprocess` over all shards in sorted order. Every step writes
 # under temporary names and renames at the end, so a failed or preempted task leaves nothing that
 # looks finished; rerunning the script redoes the work.
+# Resources: CPUS_PER_TASK (also the number of tokenizer workers) is sized from `sinfo` when unset:
+# the smallest node of the partition, at most 8. Before submitting, `sbatch --test-only` asks Slurm
+# whether it could ever run the shard tasks; if not, launch stops with Slurm's reason instead of
+# leaving an array pending forever. The merge job has --kill-on-invalid-dep=yes: a failed shard
+# cancels it (also on clusters without DependencyParameters=kill_invalid_depend). In pyxis mode srun
+# gets --cpus-per-task explicitly (Slurm 22.05+ does not pass the job's value on to a step).
 #
 #SBATCH --job-name=hpcmeg-preprocess
 #SBATCH --ntasks=1
@@ -34,7 +40,7 @@ TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
 APPEND_EOD=${APPEND_EOD:-1}
 SPLIT_SENTENCES=${SPLIT_SENTENCES:-0}
 EXTRA_ARGS=${EXTRA_ARGS:-}                           # more `hpcmeg preprocess` flags, e.g. --skip-bad-lines
-CPUS_PER_TASK=${CPUS_PER_TASK:-8}                    # per shard task; also the number of tokenizer workers
+CPUS_PER_TASK=${CPUS_PER_TASK:-}                     # per shard task = tokenizer workers; empty: from sinfo (<= 8)
 SHARD_TIME=${SHARD_TIME:-02:00:00}
 SHARD_MEM=${SHARD_MEM:-}                             # e.g. 16G; empty = cluster default
 MAX_PARALLEL=${MAX_PARALLEL:-}                       # e.g. 32: at most that many shard tasks at once
@@ -58,14 +64,36 @@ in_container() {
   case "$CONTAINER_RUNTIME" in
     none) "$@" ;;
     apptainer) apptainer exec --bind "$CONTAINER_MOUNTS" "$IMAGE" "$@" ;;
-    pyxis) srun --ntasks=1 --container-image="$IMAGE" --container-mounts="$CONTAINER_MOUNTS" \
-             --container-workdir="$PWD" "$@" ;;
+    pyxis) srun --ntasks=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" --container-image="$IMAGE" \
+             --container-mounts="$CONTAINER_MOUNTS" --container-workdir="$PWD" "$@" ;;
     *) log "CONTAINER_RUNTIME must be none, apptainer or pyxis (got '$CONTAINER_RUNTIME')"; exit 2 ;;
   esac
 }
 if [ "$CONTAINER_RUNTIME" != none ] && [ -z "$IMAGE" ]; then
   log "CONTAINER_RUNTIME=$CONTAINER_RUNTIME needs IMAGE=..."; exit 2
 fi
+if [ "$CONTAINER_RUNTIME" != none ]; then
+  unset PYTHONPATH PYTHONHOME VIRTUAL_ENV   # the host's Python paths must not shadow the image's packages
+fi
+read -r -a json_keys <<< "$JSON_KEYS"
+
+# size_cpus: CPUS_PER_TASK from the smallest node of PARTITION (or the default partition), at most 8
+size_cpus() {
+  local part cpus best=""
+  while read -r part cpus; do
+    cpus=${cpus%+}
+    if [ -n "$PARTITION" ]; then [ "${part%\*}" = "$PARTITION" ] || continue
+    else [ "${part: -1}" = "*" ] || continue; fi
+    [[ "$cpus" =~ ^[0-9]+$ ]] || continue
+    if [ -z "$best" ] || [ "$cpus" -lt "$best" ]; then best=$cpus; fi
+  done < <(sinfo -h -o '%P %c' 2>/dev/null)
+  if [ -z "$best" ]; then
+    CPUS_PER_TASK=8; log "CPUS_PER_TASK=8 (sinfo gave no CPU count for ${PARTITION:-the default partition})"
+  else
+    CPUS_PER_TASK=$(( best < 8 ? best : 8 ))
+    log "CPUS_PER_TASK=$CPUS_PER_TASK (sized from sinfo: nodes of ${PARTITION:-the default partition} have $best CPUs; at most 8)"
+  fi
+}
 
 case "$MODE" in
 launch)
@@ -78,18 +106,26 @@ launch)
   fi
   mv "$shard_list.tmp" "$shard_list"
   self=$(readlink -f "$0")
+  [ -n "$CPUS_PER_TASK" ] || size_cpus
   common=(--parsable --job-name="${SLURM_JOB_NAME:-hpcmeg-preprocess}")
   [ -n "$PARTITION" ] && common+=(--partition="$PARTITION")
   [ -n "$ACCOUNT" ] && common+=(--account="$ACCOUNT")
   logdir=$(dirname "$OUTPUT_PREFIX")
   array="0-$((n - 1))"; [ -n "$MAX_PARALLEL" ] && array+="%$MAX_PARALLEL"
   shard_args=(--array="$array" --cpus-per-task="$CPUS_PER_TASK" --time="$SHARD_TIME"
-              --output="$logdir/preprocess-%A_%a.out" --export=ALL,MODE=shard)
+              --output="$logdir/preprocess-%A_%a.out" "--export=ALL,MODE=shard")
   [ -n "$SHARD_MEM" ] && shard_args+=(--mem="$SHARD_MEM")
+  # would Slurm ever run it? (a request no node can satisfy would otherwise pend forever, silently)
+  if ! why=$(sbatch --test-only "${common[@]}" "${shard_args[@]}" "$self" 2>&1); then
+    log "Slurm would not run the shard tasks (CPUS_PER_TASK=$CPUS_PER_TASK, SHARD_TIME=$SHARD_TIME${SHARD_MEM:+, SHARD_MEM=$SHARD_MEM}${PARTITION:+, PARTITION=$PARTITION}): $(echo "$why" | tr '\n' ' ')"
+    log "lower CPUS_PER_TASK / SHARD_TIME / SHARD_MEM or choose another PARTITION; nothing was submitted"
+    exit 2
+  fi
   array_id=$(sbatch "${common[@]}" "${shard_args[@]}" "$self")
   array_id=${array_id%%;*}
-  merge_id=$(sbatch "${common[@]}" --dependency=afterok:"$array_id" --cpus-per-task=1 --time="$MERGE_TIME" \
-             --output="$logdir/preprocess-merge-%j.out" --export=ALL,MODE=merge,NUM_SHARDS="$n" "$self")
+  merge_id=$(sbatch "${common[@]}" --dependency=afterok:"$array_id" --kill-on-invalid-dep=yes --cpus-per-task=1 \
+             --time="$MERGE_TIME" --output="$logdir/preprocess-merge-%j.out" \
+             "--export=ALL,MODE=merge,NUM_SHARDS=$n" "$self")
   merge_id=${merge_id%%;*}
   log "$n shards: array job $array_id, merge job $merge_id (afterok)"
   echo "ARRAY_JOB_ID=$array_id MERGE_JOB_ID=$merge_id"
@@ -98,8 +134,8 @@ shard)
   i=${SLURM_ARRAY_TASK_ID:?MODE=shard runs as an array task}
   input=$(sed -n "$((i + 1))p" "$shard_list")
   [ -n "$input" ] || { log "no shard $i in $shard_list"; exit 2; }
-  args=(--input "$input" --output-prefix "$(shard_prefix "$i")" --json-keys $JSON_KEYS
-        --tokenizer-type "$TOKENIZER_TYPE" --workers "${SLURM_CPUS_PER_TASK:-$CPUS_PER_TASK}")
+  args=(--input "$input" --output-prefix "$(shard_prefix "$i")" --json-keys "${json_keys[@]}"
+        --tokenizer-type "$TOKENIZER_TYPE" --workers "${SLURM_CPUS_PER_TASK:-${CPUS_PER_TASK:-1}}")
   [ -n "$VOCAB_FILE" ] && args+=(--vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
   [ -n "$TOKENIZER_MODEL" ] && args+=(--tokenizer-model "$TOKENIZER_MODEL")
   [ "$APPEND_EOD" = 1 ] && args+=(--append-eod)
@@ -110,7 +146,7 @@ shard)
   ;;
 merge)
   n=${NUM_SHARDS:-$(wc -l < "$shard_list")}
-  for key in $JSON_KEYS; do
+  for key in "${json_keys[@]}"; do
     parts=()
     for ((i = 0; i < n; i++)); do parts+=("$(shard_prefix "$i")_${key}_${level}"); done
     log "merging $n shards of '$key' -> ${OUTPUT_PREFIX}_${key}_${level}"
@@ -120,7 +156,7 @@ merge)
       for p in "${parts[@]}"; do rm -f "$p.bin" "$p.idx"; done
     fi
   done
-  log "done: ${OUTPUT_PREFIX}_{$(echo $JSON_KEYS | tr ' ' ,)}_${level}.{bin,idx}"
+  log "done: ${OUTPUT_PREFIX}_{$(IFS=,; echo "${json_keys[*]}")}_${level}.{bin,idx}"
   ;;
 *)
   log "MODE must be launch, shard or merge (got '$MODE')"; exit 2 ;;

@@ -19,6 +19,10 @@
 # Slurm itself ends the job (scancel, scontrol requeue, preemption) this shell gets SIGTERM too: it
 # waits for the ranks' save and leaves the requeue decision to Slurm.
 # Logs: LOG_DIR/train.<jobid>.r<restart>.<task>.log per rank and restart, appended, never truncated.
+# Cores: srun gets --cpus-per-task=$SLURM_CPUS_PER_TASK explicitly (Slurm 22.05+ no longer passes the
+# job's value on to a step, so on sites with CPU binding each rank would get one core).
+# Version check: when RUN_DIR holds hpcmeg_version.json (written by `hpcmeg submit`, also --dry-run),
+# every rank checks that its hpcmeg is the one that wrote the run (VERSION_CHECK=0 skips it).
 #
 #SBATCH --job-name=hpcmeg-train
 #SBATCH --nodes=1
@@ -41,6 +45,7 @@ CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}         # none | apptainer | pyxis
 IMAGE=${IMAGE:-}                                     # apptainer .sif path or pyxis/enroot image
 BINDS=${BINDS:-$RUN_DIR}                             # comma list: apptainer --bind / pyxis --container-mounts
 HPCMEG=${HPCMEG:-hpcmeg}                             # the command inside the container, e.g. "python3 -m hpcmeg.cli"
+VERSION_CHECK=${VERSION_CHECK:-1}                    # 0: run even if the hpcmeg differs from the run's
 EXIT_REQUEUE=3                                       # hpcmeg train: "saved, requeue me"
 
 log() { printf '[train.sh %(%F %T)T] %s\n' -1 "$*"; }
@@ -61,6 +66,15 @@ case "$CONTAINER_RUNTIME" in
   *) die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: use none, apptainer or pyxis" ;;
 esac
 
+if [ "$CONTAINER_RUNTIME" != none ]; then
+  unset PYTHONPATH PYTHONHOME VIRTUAL_ENV   # the host's Python paths must not shadow the image's packages
+fi
+if [ "$VERSION_CHECK" = 1 ] && [ -f "$RUN_DIR/hpcmeg_version.json" ]; then
+  export HPCMEG_VERSION_FILE="$RUN_DIR/hpcmeg_version.json"
+  if [ "$CONTAINER_RUNTIME" = none ]; then export HPCMEG_VERSION_SIDE="the command '$HPCMEG' on the node"
+  else export HPCMEG_VERSION_SIDE="the $CONTAINER_RUNTIME image $IMAGE"; fi
+fi
+cpus=(); [ -n "${SLURM_CPUS_PER_TASK:-}" ] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
 restart=${SLURM_RESTART_COUNT:-0}
 mkdir -p "$LOG_DIR"
 before=$(iteration)
@@ -68,7 +82,7 @@ log "job ${SLURM_JOB_ID:-?} restart $restart: $RECIPE, checkpointed iteration $b
 ended=0
 trap 'ended=1; log "SIGTERM: Slurm is ending this job; waiting for the ranks to save"' TERM
 start=$(date +%s)
-srun --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/train.%j.r${restart}.%t.log" \
+srun "${cpus[@]}" --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/train.%j.r${restart}.%t.log" \
     "${srun_container[@]}" "${prefix[@]}" "${hpcmeg_cmd[@]}" train "$RECIPE" &
 pid=$!
 rc=0; wait "$pid" || rc=$?
