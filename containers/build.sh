@@ -37,7 +37,7 @@ if command -v enroot >/dev/null 2>&1; then
     '"$(awk '/^%post/{f=1;next} /^%/{f=0} f' "$HERE/hpcmeg.def")"
   enroot export -o "$OUT/hpcmeg.sqsh" "$name"
   enroot remove -f "$name"; rm -f "$OUT/base.sqsh"
-  echo "built $OUT/hpcmeg.sqsh (pyxis: --container-image=$OUT/hpcmeg.sqsh; set NLTK_DATA=/opt/hpcmeg/nltk_data in the profile env)"
+  echo "built $OUT/hpcmeg.sqsh (pyxis: --container-image=$OUT/hpcmeg.sqsh; enroot skips %environment: keep the env of hpcmeg/profiles/example-pyxis.yaml)"
 else
   echo "enroot not found: skipping the pyxis squashfs" >&2
 fi
