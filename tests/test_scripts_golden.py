@@ -3,7 +3,8 @@
 The sbatch text comes from submitit's own generator fed with our parameters (what `submit` really
 submits); step scripts are ours. Regenerate after an intended change with
     HPCMEG_UPDATE_GOLDEN=1 python -m pytest -q tests/test_scripts_golden.py
-and review the diff. shellcheck (when installed) must pass on all of them.
+and review the diff. shellcheck (slurm/setup-dev.sh installs it) must pass on all of them, on the
+scripts of every packaged profile x recipe, and on the hand-driven slurm/*.sh.
 """
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ CASES = {
 }
 
 
-def render(overrides, profile, files=INPUTS, recipe=REPO / "recipes" / "codeparrot_small.yaml"):
+def render(overrides, profile, files=INPUTS, recipe=REPO / "recipes" / "codeparrot_small.yaml", probe=False):
     r = absolutize(load_recipe(recipe, overrides, profile))
     d = derive(r)
-    plan = S.build_plan(r, d, files, HOST_PY)
+    plan = S.build_plan(r, d, files, HOST_PY, probe=probe)
     out = {}
     for job in plan.jobs:
         prev = [j.stage for j in plan.jobs]
@@ -77,6 +78,15 @@ def test_golden_content_is_what_the_design_says():
     assert "python3 -u -m hpcmeg.cli train /lustre/scratch/hpcmeg/runs/codeparrot-small/recipe.yaml" in step
     conv = texts["convert.sbatch"]
     assert "#SBATCH --kill-on-invalid-dep=yes\n" in conv and "#SBATCH --dependency=afterok:1002\n" in conv
+    # every job that waits for another is cancelled when that one fails (no kill_invalid_depend needed)
+    for name, text in texts.items():
+        if name.endswith(".sbatch"):
+            assert ("#SBATCH --dependency=" in text) == ("#SBATCH --kill-on-invalid-dep=yes\n" in text), name
+    assert "--dependency" not in texts["preprocess.sbatch"] and "--dependency=afterok:1000" in texts["merge.sbatch"]
+    # the supervisor runs the compute-node interpreter; the step's command checks its hpcmeg version
+    assert f"{HOST_PY} -u -m submitit.core._submit" in train
+    assert f"export HPCMEG_VERSION_FILE={plan.run_dir}/hpcmeg_version.json" in step
+    assert "unset PYTHONPATH PYTHONHOME VIRTUAL_ENV" in step  # the host venv never leaks into the image
     assert "--nv" not in texts["convert_step.sh"]  # CPU steps do not need the driver libraries
     assert plan.job("preprocess").array == 3 and "#SBATCH --array=0-2%3\n" in texts["preprocess.sbatch"]
     pyxis, _ = render(["cluster.nodes=2"], "example-pyxis")
@@ -85,12 +95,104 @@ def test_golden_content_is_what_the_design_says():
     assert "#SBATCH --nodes=2\n" in pyxis["train.sbatch"]
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
-def test_golden_and_plain_sbatch_scripts_pass_shellcheck():
-    files = sorted(GOLDEN.glob("*.sh")) + [REPO / "slurm" / "train.sh", REPO / "slurm" / "convert.sh"]
-    assert len(files) > 2
+PROFILES = sorted(p.stem for p in (REPO / "hpcmeg" / "profiles").glob("*.yaml"))
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def _every_packaged_script():
+    """{(profile, recipe, script name): text} of every Slurm profile x recipe (3 input shards)."""
+    out = {}
+    for prof in PROFILES:
+        for rec in RECIPES:
+            r = load_recipe(rec, [], prof)
+            if r.cluster.executor != "slurm":
+                continue
+            texts, _ = render([], prof, recipe=rec)
+            out.update({(prof, rec.stem, k): v for k, v in texts.items()})
+    return out
+
+
+def test_every_generated_and_plain_script_passes_shellcheck(tmp_path):
+    assert shutil.which("shellcheck"), "shellcheck is not installed: bash slurm/setup-dev.sh installs it (apt)"
+    files = sorted(GOLDEN.glob("*.sh")) + sorted((REPO / "slurm").glob("*.sh")) + [REPO / "containers" / "build.sh"]
+    scripts = _every_packaged_script()
+    texts, _ = render(["cluster.cpu_partition=cpu", "cluster.python=/shared/venv/bin/python"], "local-slurm",
+                      probe=True)  # the smoke test's train step too
+    scripts.update({("probe", "small", k): v for k, v in texts.items()})
+    assert len(scripts) >= 3 * 3 * 8 - 8
+    for (prof, rec, name), text in scripts.items():
+        p = tmp_path / f"{prof}__{rec}__{name}.sh"
+        p.write_text(text)
+        files.append(p)
     r = subprocess.run(["shellcheck", "-s", "bash", *map(str, files)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:]
+
+
+def _recording_srun(tmp_path: Path) -> dict:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    fake = bindir / "srun"  # records its argv, one JSON line per call (a stand-in: no Slurm here)
+    fake.write_text("#!/usr/bin/env python3\nimport json, os, sys\n"
+                    "open(os.environ['SRUN_LOG'], 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SRUN_LOG=str(tmp_path / "srun.log"),
+                SLURM_JOB_ID="7")
+
+
+def _srun_calls(tmp_path: Path) -> list[list[str]]:
+    log = tmp_path / "srun.log"
+    calls = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    log.unlink(missing_ok=True)
+    return calls
+
+
+def test_every_srun_passes_cpus_per_task(tmp_path):
+    """Slurm 22.05+ does not hand the job's --cpus-per-task to a step: every srun must say it (else a rank
+    or a tokenizer pool gets one core where CPU binding is on)."""
+    env = _recording_srun(tmp_path)
+    for (prof, rec, name), text in _every_packaged_script().items():
+        if not name.endswith("_step.sh"):
+            continue
+        r = load_recipe(REPO / "recipes" / f"{rec}.yaml", [], prof)
+        want = r.cluster.cpus_per_task if name == "train_step.sh" else S.cpu_stage_cpus(r)
+        args = {"preprocess_step.sh": ["/o/p", "/i/a.jsonl"], "convert_step.sh": ["10", "/out/iter"]}.get(name, [])
+        res = subprocess.run(["bash", "-c", text, name, *args], env=env, capture_output=True, text=True)
+        assert res.returncode == 0, (prof, rec, name, res.stderr)
+        calls = _srun_calls(tmp_path)
+        assert calls and all(f"--cpus-per-task={want}" in c for c in calls), (prof, rec, name, calls)
+    # the hand-driven scripts take it from the job (SLURM_CPUS_PER_TASK)
+    env = dict(env, SLURM_CPUS_PER_TASK="3", HPCMEG="true")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_0000010").mkdir(parents=True)
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("10")
+    (run / "recipe.yaml").write_text("{}\n")
+    (tmp_path / "p.shards.txt").write_text("/i/a.jsonl\n")
+    cases = {"train.sh": {"RECIPE": str(run / "recipe.yaml")},
+             "convert.sh": {"CKPT_DIR": str(run / "checkpoints"), "OUT_DIR": str(run / "hf")},
+             "preprocess.sh": {"MODE": "shard", "SLURM_ARRAY_TASK_ID": "0", "OUTPUT_PREFIX": str(tmp_path / "p"),
+                               "CONTAINER_RUNTIME": "pyxis", "IMAGE": "/img.sqsh"}}
+    for script, extra in cases.items():
+        res = subprocess.run(["bash", str(REPO / "slurm" / script)], env={**env, **extra}, capture_output=True,
+                             text=True, cwd=tmp_path)
+        assert res.returncode == 0, (script, res.stdout, res.stderr)
+        calls = _srun_calls(tmp_path)
+        assert len(calls) == 1 and "--cpus-per-task=3" in calls[0], (script, calls)
+
+
+def test_cpu_stages_go_to_the_cpu_partition():
+    texts, plan = render(["cluster.cpu_partition=cpu"], None)
+    for stage in ("preprocess", "merge", "convert"):
+        assert "#SBATCH --partition=cpu\n" in texts[f"{stage}.sbatch"] and "--gpus" not in texts[f"{stage}.sbatch"]
+    assert "#SBATCH --partition=gpu\n" in texts["train.sbatch"]
+    default, _ = render([], None)
+    assert all("#SBATCH --partition=gpu\n" in t for n, t in default.items() if n.endswith(".sbatch"))
+
+
+def test_smoke_train_step_probes_the_same_ranks_first():
+    texts, _ = render([], None, probe=True)
+    step = texts["train_step.sh"]
+    probe, train = step.index("smoke-probe"), step.index("hpcmeg.cli train")
+    assert probe < train and "|| exit $?" in step[probe:train] and step.count("--ntasks-per-node=8") == 2
 
 
 # ----------------------------------------------------------------------------- injection

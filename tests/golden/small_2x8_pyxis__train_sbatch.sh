@@ -22,6 +22,12 @@
 export PYTHONUNBUFFERED=1
 export NCCL_DEBUG=WARN
 export CUDA_DEVICE_MAX_CONNECTIONS=1
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export PYTHONNOUSERSITE=1
+export NLTK_DATA=/opt/hpcmeg/nltk_data
+export HPCMEG_CACHE=/opt/hpcmeg/cache
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
 
 # command
 export SUBMITIT_EXECUTOR=slurm
