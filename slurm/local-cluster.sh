@@ -9,7 +9,9 @@
 # daemons that are not running (restarting slurmctld/slurmd when the config changed), and waits
 # until every node is idle and accounting answers. No systemd needed (daemons started directly).
 #
-# Measurements and every pitfall behind the settings below: ../shared/docs/local-slurm.md.
+# It runs as root and leaves munged, a private MariaDB, slurmdbd, slurmctld and one slurmd per node
+# running until `stop`. What it is, how to stop it, how to work without root, and why the settings
+# below are what they are: docs/guide.md, section 11 ("The local development cluster").
 #
 # Environment knobs (all optional):
 #   SLURM_CI_ROOT        state/log/pid/db directory        [$TMPDIR/hpcmeg-slurm]

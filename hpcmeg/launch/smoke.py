@@ -22,6 +22,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -54,7 +55,8 @@ def smoke_recipe(output_root: str, world: int, gpus: bool, corpus: str) -> dict:
 
 
 class Reporter:
-    """Prints one line per check (PASS/FAIL) and a heartbeat line while nothing else is printed."""
+    """Prints one line per check (PASS/FAIL); a daemon thread prints ``... <waiting>`` whenever nothing was
+    printed for HEARTBEAT_S seconds, so a slow status query or model load never leaves the user in silence."""
 
     def __init__(self, out=None, clock: Callable[[], float] = time.time):
         self.out = out or sys.stdout
@@ -62,20 +64,34 @@ class Reporter:
         self.t0 = clock()
         self.last = self.t0
         self.done: dict[str, bool] = {}
+        self.waiting = "checking the profile"
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def __enter__(self) -> "Reporter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(0.5):
+            if self.clock() - self.last >= HEARTBEAT_S:
+                self.line(f"... {self.waiting}")
 
     def line(self, text: str) -> None:
-        print(f"[smoke {self.clock() - self.t0:5.0f}s] {text}", file=self.out, flush=True)
-        self.last = self.clock()
+        with self._lock:
+            print(f"[smoke {self.clock() - self.t0:5.0f}s] {text}", file=self.out, flush=True)
+            self.last = self.clock()
 
     def result(self, check: str, ok: bool, detail: str) -> None:
         if check in self.done:
             return
         self.done[check] = ok
         self.line(f"{'PASS' if ok else 'FAIL'} {check}: {detail}")
-
-    def heartbeat(self, text: str) -> None:
-        if self.clock() - self.last >= HEARTBEAT_S:
-            self.line(f"... {text}")
 
     @property
     def failed(self) -> bool:
@@ -285,17 +301,22 @@ def _prepare(args):
 
 
 def cli_smoke(args) -> int:
+    with Reporter() as rep:
+        return _smoke(args, rep)
+
+
+def _smoke(args, rep: Reporter) -> int:
     from hpcmeg.launch import status as ST
     from hpcmeg.launch.provenance import describe, fingerprint
     from hpcmeg.launch.rundir import read_markers
     from hpcmeg.launch.submit import submit_plan, write_run_files
 
-    rep = Reporter()
     rep.line(f"hpcmeg smoke with profile {args.profile}: checking the profile and the compute-node interpreter")
     prep = _prepare(args)  # RecipeError: one line per problem, exit 2 (nothing submitted)
     r, run = prep.recipe, prep.run
     c = r.cluster
     gpus = c.gpus_per_node > 0
+    rep.waiting = "submitting"
     write_run_files(prep)
     try:
         ids = submit_plan(prep)
@@ -316,13 +337,16 @@ def cli_smoke(args) -> int:
             last_status = now
         states = {s: v["state"] for s, v in st["stages"].items()}
         _progress(rep, prep, markers, states, mine, describe)
-        failed = [s for s, v in states.items() if v in ST.BAD]
+        failed = [s for s in ("preprocess", "merge", "train", "convert") if states.get(s) in ST.BAD]
         if failed or rep.failed:
-            for s in failed:
+            if failed:  # the first stage that failed; what it cancelled downstream is "not reached"
+                s = next((x for x in failed if states[x] != "CANCELLED"), failed[0])
                 ev = markers.get(s) or next((m for k, m in markers.items() if k.startswith(s + ".")), {})
-                why = (ev.get("failed") or {}).get("reason") or _last_line(list(run.logs(s).glob("*.log")))
+                why = (ev.get("failed") or {}).get("reason") or "no reason recorded"
+                rank_logs = [p for p in run.logs(s).glob("*.log") if not p.name.endswith(".batch.log")]
+                detail = _last_line(rank_logs) if rank_logs else _last_line(list(run.logs(s).glob("*.log")))
                 pending = next((k for k in _pending_for(s) if k not in rep.done), s)
-                rep.result(pending, False, f"the {s} job ended {states[s]}: {why}")
+                rep.result(pending, False, f"the {s} job ended {states[s]}: {why}; last log line: {detail}")
             _cancel(run)
             left = [k for k in CHECKS if k not in rep.done]
             if left:
@@ -337,9 +361,10 @@ def cli_smoke(args) -> int:
             return 1
         waiting = next((s for s in ("preprocess", "train", "convert") if states.get(s) not in (None, "COMPLETED")), "")
         why = sorted({t.get("reason", "") for t in st["stages"].get(waiting, {}).get("tasks", {}).values()} - {""})
-        rep.heartbeat(f"waiting for {waiting}: {states.get(waiting, '?')}" + (f" ({why[0]})" if why else ""))
+        rep.waiting = f"waiting for {waiting}: {states.get(waiting, '?')}" + (f" ({why[0]})" if why else "")
         time.sleep(POLL_S)
-    rep.line("... loading the converted model with transformers")
+    rep.waiting = "loading the converted model with transformers"
+    rep.line(f"... {rep.waiting}")
     ok, detail = load_converted(run.root / "hf" / f"iter_{r.train.train_iters:07d}")
     rep.result("converted model loads", ok, f"AutoModelForCausalLM.from_pretrained({detail})")
     missing = [k for k in CHECKS if k not in rep.done]
