@@ -117,6 +117,8 @@ def _cli(*args, env=None, cwd=None):
     ("local-slurm", ["cluster.python=/opt/nonexistent/bin/python"], "cluster.python"),
     ("local-slurm", ["cluster.preprocess_cpus=1", "data.workers=2"], "data.workers"),
     ("example-apptainer", [], "container.image"),
+    ("local", ["cluster.env={'BAD NAME': 1}"], "cluster.env"),
+    ("local-slurm", ["container.runtime=pyxis", "container.image=img", "container.binds=['/a,b']"], "container.binds"),
 ])
 def test_submit_refuses_in_one_line_and_writes_nothing(tmp_path, profile, sets, key):
     corpus = tmp_path / "c.jsonl"
@@ -183,3 +185,11 @@ def test_supervisor_stops_a_stage_run_by_another_hpcmeg(tmp_path):
         supervisor.check_version(task)
     assert "version check" in read_markers(run)["preprocess.1"]["failed"]["reason"]
     supervisor.check_version({**task, "version_check": False})  # the escape hatch
+
+
+def test_a_bind_inside_another_is_not_repeated():
+    from hpcmeg.launch.container import normalized_binds
+
+    assert normalized_binds(["/lustre"], ["/lustre/runs/x"]) == ["/lustre:/lustre"]
+    assert normalized_binds(["/lustre2"], ["/lustre/runs/x"]) == ["/lustre/runs/x:/lustre/runs/x", "/lustre2:/lustre2"]
+    assert normalized_binds(["/lustre:/data"], ["/lustre/runs/x"]) == ["/lustre/runs/x:/lustre/runs/x", "/lustre:/data"]

@@ -65,7 +65,11 @@ def normalized_binds(binds: list[str] | tuple[str, ...], always: list[str] | tup
             continue
         seen_dst.add(parts[1])
         out.append(spec)
-    return out
+    # /lustre/runs/x:/lustre/runs/x next to /lustre:/lustre adds nothing (the parent bind already shows it
+    # at the same path) and only makes the command line harder to read: keep the parent
+    plain = [b.split(":")[0] for b in out if b.count(":") == 1 and b.split(":")[0] == b.split(":")[1]]
+    return [b for b in out if not (b.count(":") == 1 and b.split(":")[0] == b.split(":")[1] and
+                                   any(b.split(":")[0].startswith(q.rstrip("/") + "/") for q in plain))]
 
 
 def python_argv(spec: ContainerSpec, host_python: str) -> list[str]:

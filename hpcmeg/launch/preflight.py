@@ -200,6 +200,19 @@ def check_fit(r, dry_run: bool) -> tuple[list[str], list[str]]:
     if c.executor == "slurm" and not shutil.which("sbatch"):
         machine.append(f"cluster.executor: {prof} submits to Slurm, but sbatch is not on PATH here; run hpcmeg "
                        f"submit on a login node of the cluster, or use --profile local (no Slurm)")
+    if ct.runtime != "none":
+        from hpcmeg.launch.container import ContainerError, normalized_binds
+
+        try:
+            normalized_binds(ct.binds)
+        except ContainerError as e:
+            problems.append(str(e))
+    from hpcmeg.launch.scripts import ScriptError, env_exports
+
+    try:
+        env_exports(c.env)
+    except ScriptError as e:
+        problems.append(str(e))
     img = ct.image or ""
     if machine:
         pass  # one problem, one line: a missing runtime or Slurm makes the image question moot

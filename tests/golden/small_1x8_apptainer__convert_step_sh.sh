@@ -12,5 +12,5 @@ export HPCMEG_VERSION_FILE=/lustre/scratch/hpcmeg/runs/codeparrot-small/hpcmeg_v
 export HPCMEG_VERSION_SIDE='the apptainer image /lustre/containers/hpcmeg.sif'
 exec srun --nodes=1 --ntasks=1 --cpus-per-task=8 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/convert/convert."${tag}.r${restart}".%t.log \
-    apptainer exec --bind /lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \
+    apptainer exec --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \
     python3 -u -m hpcmeg.cli convert /lustre/scratch/hpcmeg/runs/codeparrot-small/checkpoints "$2" --iteration "$1" --dtype fp32

@@ -13,5 +13,5 @@ export HPCMEG_VERSION_SIDE='the apptainer image /lustre/containers/hpcmeg.sif'
 set -e
 srun --nodes=1 --ntasks=1 --cpus-per-task=8 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/merge/merge."${tag}.r${restart}".%t.log \
-    apptainer exec --bind /lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \
+    apptainer exec --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \
     python3 -u -m hpcmeg.cli merge-datasets --output-prefix /lustre/scratch/hpcmeg/runs/codeparrot-small/data/codeparrot-small_content_document --input /lustre/scratch/hpcmeg/runs/codeparrot-small/data/shards/codeparrot-small.shard00000_content_document /lustre/scratch/hpcmeg/runs/codeparrot-small/data/shards/codeparrot-small.shard00001_content_document /lustre/scratch/hpcmeg/runs/codeparrot-small/data/shards/codeparrot-small.shard00002_content_document

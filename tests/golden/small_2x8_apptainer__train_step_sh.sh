@@ -12,5 +12,5 @@ export HPCMEG_VERSION_FILE=/lustre/scratch/hpcmeg/runs/codeparrot-small/hpcmeg_v
 export HPCMEG_VERSION_SIDE='the apptainer image /lustre/containers/hpcmeg.sif'
 exec srun --nodes=2 --ntasks-per-node=8 --cpus-per-task=8 --kill-on-bad-exit=1 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/train/train."${tag}.r${restart}".%t.log \
-    apptainer exec --nv --bind /lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \
+    apptainer exec --nv --bind /lustre:/lustre /lustre/containers/hpcmeg.sif \
     python3 -u -m hpcmeg.cli train /lustre/scratch/hpcmeg/runs/codeparrot-small/recipe.yaml

@@ -12,5 +12,5 @@ export HPCMEG_VERSION_FILE=/lustre/scratch/hpcmeg/runs/codeparrot-small/hpcmeg_v
 export HPCMEG_VERSION_SIDE='the pyxis image /lustre/containers/hpcmeg.sqsh'
 exec srun --nodes=1 --ntasks=1 --cpus-per-task=8 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/preprocess/preprocess."${tag}.r${restart}".%t.log \
-    --container-image=/lustre/containers/hpcmeg.sqsh --container-mounts=/lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small,/lustre:/lustre --no-container-mount-home \
+    --container-image=/lustre/containers/hpcmeg.sqsh --container-mounts=/lustre:/lustre --no-container-mount-home \
     python3 -u -m hpcmeg.cli preprocess --json-keys content --tokenizer-type GPT2BPETokenizer --workers 8 --append-eod --output-prefix "$1" --input "${@:2}"

@@ -12,5 +12,5 @@ export HPCMEG_VERSION_FILE=/lustre/scratch/hpcmeg/runs/codeparrot-small/hpcmeg_v
 export HPCMEG_VERSION_SIDE='the pyxis image /lustre/containers/hpcmeg.sqsh'
 exec srun --nodes=2 --ntasks-per-node=8 --cpus-per-task=12 --kill-on-bad-exit=1 --open-mode=append \
     --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/train/train."${tag}.r${restart}".%t.log \
-    --container-image=/lustre/containers/hpcmeg.sqsh --container-mounts=/lustre/scratch/hpcmeg/runs/codeparrot-small:/lustre/scratch/hpcmeg/runs/codeparrot-small,/lustre:/lustre --no-container-mount-home \
+    --container-image=/lustre/containers/hpcmeg.sqsh --container-mounts=/lustre:/lustre --no-container-mount-home \
     python3 -u -m hpcmeg.cli train /lustre/scratch/hpcmeg/runs/codeparrot-small/recipe.yaml
