@@ -234,7 +234,7 @@ class ClusterConfig:
     qos: Optional[str] = None
     """Slurm QOS (``--qos``)."""
     constraint: Optional[str] = None
-    """Slurm node features (``--constraint``)."""
+    """Slurm node features (``--constraint``); with cluster.cpu_partition set, only the training job's."""
     exclusive: bool = False
     """Whole nodes for the training job (``--exclusive``)."""
     nodes: int = ranged(1, ge=1)

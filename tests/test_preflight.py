@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,12 @@ def test_compute_node_interpreter_checks(tmp_path):
     assert "must be an absolute path" in msg
     assert P.check_python(r, "python3", nodes_local=False) == []  # found on the node's PATH after cluster.setup
     # /tmp exists on every host, but it is a different /tmp on each: refused when the nodes are other hosts
-    (msg,) = P.check_python(r, "/tmp/v/bin/python", nodes_local=False)
+    in_tmp = f"/tmp/hpcmeg-test-{os.getpid()}-{time.time_ns()}/venv/bin/python"
+    (msg,) = P.check_python(r, in_tmp, nodes_local=False)
     assert "compute nodes cannot run it" in msg and "under /tmp" in msg and "cluster.python_check=false" in msg
-    assert "does not exist" in P.check_python(r, "/tmp/v/bin/python", nodes_local=True)[0]
+    assert "does not exist" in P.check_python(r, in_tmp, nodes_local=True)[0]
     skip = _slurm_recipe(python_check=False)
-    assert "does not exist" in P.check_python(skip, "/tmp/v/bin/python", nodes_local=False)[0]
+    assert "does not exist" in P.check_python(skip, in_tmp, nodes_local=False)[0]
     # an interpreter with another hpcmeg (or none) is refused: every job would stop at its version check
     other = _fake_python(tmp_path, """echo '{"version": "0.0.9", "source": "0123456789ab", "path": "/x/hpcmeg"}'""")
     (msg,) = P.check_python(r, other, nodes_local=True)

@@ -131,18 +131,19 @@ def test_every_generated_and_plain_script_passes_shellcheck(tmp_path):
 def _recording_srun(tmp_path: Path) -> dict:
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
-    fake = bindir / "srun"  # records its argv, one JSON line per call (a stand-in: no Slurm here)
-    fake.write_text("#!/usr/bin/env python3\nimport json, os, sys\n"
-                    "open(os.environ['SRUN_LOG'], 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake = bindir / "srun"  # records its argv, NUL-separated, one file per call (a stand-in: no Slurm here)
+    fake.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$SRUN_LOG/$$.$RANDOM"\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SRUN_LOG=str(tmp_path / "srun.log"),
+    (tmp_path / "srun-calls").mkdir(exist_ok=True)
+    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SRUN_LOG=str(tmp_path / "srun-calls"),
                 SLURM_JOB_ID="7")
 
 
 def _srun_calls(tmp_path: Path) -> list[list[str]]:
-    log = tmp_path / "srun.log"
-    calls = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    log.unlink(missing_ok=True)
+    calls = []
+    for p in sorted((tmp_path / "srun-calls").iterdir()):
+        calls.append(p.read_bytes().decode().split("\0")[:-1])
+        p.unlink()
     return calls
 
 
@@ -186,6 +187,8 @@ def test_cpu_stages_go_to_the_cpu_partition():
     assert "#SBATCH --partition=gpu\n" in texts["train.sbatch"]
     default, _ = render([], None)
     assert all("#SBATCH --partition=gpu\n" in t for n, t in default.items() if n.endswith(".sbatch"))
+    feat, _ = render(["cluster.cpu_partition=cpu", "cluster.constraint=a100"], None)
+    assert "#SBATCH --constraint=a100\n" in feat["train.sbatch"] and "--constraint" not in feat["convert.sbatch"]
 
 
 def test_smoke_train_step_probes_the_same_ranks_first():

@@ -121,8 +121,8 @@ def probe_interpreter(python: str) -> tuple[Optional[dict], str]:
     import json
 
     try:
-        r = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120,
-                           env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")})
+        # this environment, as the job inherits it (sbatch --export=ALL)
+        r = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120)
     except OSError as e:
         return None, f"it does not run here ({e.strerror or e})"
     except subprocess.TimeoutExpired:

@@ -320,8 +320,9 @@ def _common_params(r, stage: str, run: RunDir, time: str, array: bool) -> dict[s
     c = r.cluster
     p: dict[str, Any] = {"job_name": job_name(r.run.name, stage), "use_srun": False, "stderr_to_stdout": True,
                          "wckey": None, "time": sbatch_value("cluster.time", time)}
-    partition_key = "cpu_partition" if stage != "train" and c.cpu_partition else "partition"
-    for key in (partition_key, "account", "qos", "constraint"):
+    cpu_own = stage != "train" and bool(c.cpu_partition)
+    # a CPU partition's nodes lack the GPU nodes' features: cluster.constraint stays with the train job
+    for key in ("cpu_partition" if cpu_own else "partition", "account", "qos", *(() if cpu_own else ("constraint",))):
         val = getattr(c, key)
         if val:
             p["partition" if key == "cpu_partition" else key] = sbatch_value(f"cluster.{key}", val)
