@@ -181,3 +181,15 @@ def test_preprocess_sh_refuses_a_request_no_node_can_satisfy(slurm_cluster, tmp_
                        text=True, timeout=60)
     assert r.returncode == 2 and "Slurm would not run the shard tasks (CPUS_PER_TASK=512" in r.stderr, r.stderr
     assert "nothing was submitted" in r.stderr and r.stdout == "" and "ARRAY_JOB_ID" not in r.stderr
+
+
+def test_submit_asks_slurm_before_writing_anything(slurm_cluster, tmp_path):
+    """What only Slurm knows (a partition, GPUs the nodes lack) is refused in one line, nothing written."""
+    for sets, words in ((["cluster.partition=nosuch"], "Slurm would refuse the preprocess, train and convert jobs "
+                                                        "(invalid partition specified: nosuch"),
+                        (["cluster.gpus_per_node=2"], "Slurm would refuse the train job (Invalid generic resource")):
+        args = ["submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm",
+                "--set", f"run.output_root={tmp_path / 'runs'}", "--set", f"data.inputs=[{REPO / 'README.md'}]"]
+        r = _cli(*args, *[x for s in sets for x in ("--set", s)], timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+        assert not (tmp_path / "runs").exists()

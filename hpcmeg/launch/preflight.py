@@ -262,16 +262,18 @@ def slurm_refusals(plan, python: str) -> list[str]:
     """``sbatch --test-only`` of every job of the plan (no dependency): Slurm's own refusals, one line each."""
     from hpcmeg.launch.scripts import render_sbatch
 
-    out = []
+    refused: dict[str, list[str]] = {}  # Slurm's message -> the stages it refuses (one problem, one line)
     for job in plan.jobs:
         text = render_sbatch(job, f"{plan.run_dir}/submitit/{job.stage}", python)
         try:
             r = subprocess.run(["sbatch", "--test-only"], input=text, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.SubprocessError) as e:
-            out.append(f"cluster: sbatch --test-only of the {job.stage} job failed to run: {e}")
-            continue
+            return [f"cluster: sbatch --test-only of the {job.stage} job failed to run: {e}"]
         if r.returncode != 0:
-            msg = " ".join((r.stderr or r.stdout).replace("sbatch: error:", "").split())
-            hint = next((k for w, k in _HINTS if w in msg.lower()), "the cluster settings of the profile")
-            out.append(f"cluster: Slurm would refuse the {job.stage} job ({msg}); check {hint}")
+            refused.setdefault(" ".join((r.stderr or r.stdout).replace("sbatch: error:", "").split()), []).append(job.stage)
+    out = []
+    for msg, stages in refused.items():
+        hint = next((k for w, k in _HINTS if w in msg.lower()), "the cluster settings of the profile")
+        which = stages[0] if len(stages) == 1 else ", ".join(stages[:-1]) + " and " + stages[-1]
+        out.append(f"cluster: Slurm would refuse the {which} job{'s' if len(stages) > 1 else ''} ({msg}); check {hint}")
     return out
