@@ -158,17 +158,27 @@ def test_version_record_and_the_check(tmp_path):
     assert "pip install -e" in V.mismatch(rec, "the supervisor's interpreter /v/bin/python on node1")
     assert "is missing" in V.mismatch(tmp_path / "nope.json", "x")
     # inside a job step the CLI checks before it does anything: one line, exit 1
-    r = _cli("validate", str(TINY), env={V.ENV_FILE: str(rec), V.ENV_SIDE: "the pyxis image /x.sqsh"})
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"content": "print(1)"}\n')
+    args = ["validate", str(TINY), "--set", f"data.inputs=[{corpus}]"]
+    r = _cli(*args, env={V.ENV_FILE: str(rec), V.ENV_SIDE: "the pyxis image /x.sqsh"})
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "the pyxis image /x.sqsh runs" in r.stderr
     rec.write_text(json.dumps(V.fingerprint()))
-    assert _cli("validate", str(TINY), env={V.ENV_FILE: str(rec)}).returncode == 0
+    ok = _cli(*args, env={V.ENV_FILE: str(rec)})
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_an_installed_copy_has_the_checkout_s_source_hash(tmp_path):
     """What containers/hpcmeg.def does (pip install --no-deps of the checkout) gives the same fingerprint,
     so an image built from the submitting checkout passes the check, and an edit is told apart."""
+    import shutil
+
+    src = tmp_path / "src"  # what the def file's %files copies into the image, then pip installs
+    shutil.copytree(REPO / "hpcmeg", src / "hpcmeg", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--target", str(tmp_path / "site"), str(REPO)], capture_output=True, text=True, timeout=300)
+                        "--target", str(tmp_path / "site"), str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     installed = tmp_path / "site" / "hpcmeg"
     assert V.source_hash(installed) == V.source_hash(REPO / "hpcmeg")
@@ -183,7 +193,7 @@ def test_supervisor_stops_a_stage_run_by_another_hpcmeg(tmp_path):
     run = RunDir(tmp_path / "run").create()
     (run.root / V.RECORD_NAME).write_text(json.dumps({"version": "0.0.1", "source": "abc", "path": "/old"}))
     task = {"stage": "preprocess", "run_dir": str(run.root), "args": [], "task": 1, "version_check": True}
-    with pytest.raises(RuntimeError, match=r"written by hpcmeg 0\.0\.1 \(source abc\) but the supervisor's"):
+    with pytest.raises(supervisor.StageFailed, match=r"written by hpcmeg 0\.0\.1 \(source abc\) but the supervisor.s"):
         supervisor.check_version(task)
     assert "version check" in read_markers(run)["preprocess.1"]["failed"]["reason"]
     supervisor.check_version({**task, "version_check": False})  # the escape hatch
