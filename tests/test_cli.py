@@ -53,7 +53,10 @@ def test_bad_batch_exits_2(tmp_path):
 def test_validate_prints_derived(tmp_path):
     data = tmp_path / "shard.jsonl"
     data.write_text('{"content": "print(1)"}\n')
-    r = run("validate", "recipes/codeparrot_small.yaml", "--set", f"data.inputs=[{data}]")
+    image = tmp_path / "hpcmeg.sif"  # submit's checks (which validate runs) refuse an image that is not there
+    image.write_text("stand-in\n")
+    r = run("validate", "recipes/codeparrot_small.yaml", "--set", f"data.inputs=[{data}]",
+            "--set", f"container.image={image}")
     assert r.returncode == 0, r.stderr
     assert "grad_accum_steps: 2" in r.stdout and "padded_vocab_size: 50304" in r.stdout
 

@@ -139,7 +139,8 @@ def test_a_failed_upstream_job_cancels_the_rest_of_the_chain(slurm_cluster, tmp_
     lines = corpus.read_bytes().splitlines(keepends=True)
     for k in range(2):
         (tmp_path / f"s{k}.jsonl").write_bytes(b"".join(lines[k::2]))
-    sets = [f"run.output_root={tmp_path / 'runs'}", f"data.inputs=[{tmp_path}/s*.jsonl]", "train.train_iters=4"]
+    sets = [f"run.output_root={tmp_path / 'runs'}", f"data.inputs=[{tmp_path}/s*.jsonl]", "train.train_iters=4",
+            "train.lr_warmup_iters=1"]
     prep = SUB.prepare(load_recipe(REPO / "recipes" / "codeparrot_tiny.yaml", sets, "local-slurm"))
     SUB.write_run_files(prep)
     rec = prep.run.root / RECORD_NAME
@@ -188,8 +189,10 @@ def test_submit_asks_slurm_before_writing_anything(slurm_cluster, tmp_path):
     for sets, words in ((["cluster.partition=nosuch"], "Slurm would refuse the preprocess, train and convert jobs "
                                                         "(invalid partition specified: nosuch"),
                         (["cluster.gpus_per_node=2"], "Slurm would refuse the train job (Invalid generic resource")):
+        corpus = tmp_path / "c.jsonl"
+        corpus.write_text('{"content": "print(1)"}\n')
         args = ["submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm",
-                "--set", f"run.output_root={tmp_path / 'runs'}", "--set", f"data.inputs=[{REPO / 'README.md'}]"]
+                "--set", f"run.output_root={tmp_path / 'runs'}", "--set", f"data.inputs=[{corpus}]"]
         r = _cli(*args, *[x for s in sets for x in ("--set", s)], timeout=120)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
         assert not (tmp_path / "runs").exists()

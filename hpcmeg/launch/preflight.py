@@ -1,8 +1,9 @@
 """What `hpcmeg submit` refuses before it writes or submits anything: settings known to fail on the cluster.
 
-Contract: ``preflight(r, d, host_python, stages, dry_run) -> (problems, warnings)``, one line each
-naming the recipe key and the fix; ``slurm_refusals(plan, python)`` asks Slurm itself
-(``sbatch --test-only``) whether it would accept each job of the plan. Pure functions
+Contract: ``preflight(r, d, host_python, stages, dry_run, submitting) -> (problems, warnings)``, one
+line each naming the recipe key and the fix; ``slurm_refusals(plan, python)`` asks Slurm itself
+(``sbatch --test-only``) whether it would accept each job of the plan (a real submission only, like
+the check that ``sbatch`` is there: ``hpcmeg validate`` runs everything else, also on a laptop). Pure functions
 (``node_local_reason``, ``fs_type``, ``addresses_are_local``) carry the logic; the rest reads this
 machine (``/proc/self/mounts``, ``scontrol show node``, running cluster.python once).
 
@@ -185,8 +186,9 @@ def check_output_root(r, run_dir: str, nodes_local: Optional[bool]) -> list[str]
     return []
 
 
-def check_fit(r, dry_run: bool) -> tuple[list[str], list[str]]:
-    """The profile's executor and container runtime can work together, with the tools at hand."""
+def check_fit(r, dry_run: bool, submitting: bool = True) -> tuple[list[str], list[str]]:
+    """The profile's executor and container runtime can work together, with the tools at hand
+    (``submitting``: also that sbatch is here)."""
     c, ct = r.cluster, r.container
     problems, machine = [], []
     prof = f"profile '{c.profile}'"
@@ -197,7 +199,7 @@ def check_fit(r, dry_run: bool) -> tuple[list[str], list[str]]:
     if c.executor == "local" and ct.runtime == "apptainer" and not shutil.which("apptainer"):
         machine.append(f"container.runtime: apptainer is not on PATH here, and the local executor of {prof} runs "
                        f"the ranks on this machine; install Apptainer or use container.runtime none")
-    if c.executor == "slurm" and not shutil.which("sbatch"):
+    if submitting and c.executor == "slurm" and not shutil.which("sbatch"):
         machine.append(f"cluster.executor: {prof} submits to Slurm, but sbatch is not on PATH here; run hpcmeg "
                        f"submit on a login node of the cluster, or use --profile local (no Slurm)")
     if ct.runtime != "none":
@@ -237,9 +239,10 @@ def check_shapes(r, stages: tuple[str, ...]) -> list[str]:
     return out
 
 
-def preflight(r, d, host_python: str, stages: tuple[str, ...], dry_run: bool = False) -> tuple[list[str], list[str]]:
+def preflight(r, d, host_python: str, stages: tuple[str, ...], dry_run: bool = False,
+              submitting: bool = True) -> tuple[list[str], list[str]]:
     """Every check above; (problems that refuse the submission, warnings to print)."""
-    problems, warnings = check_fit(r, dry_run)
+    problems, warnings = check_fit(r, dry_run, submitting)
     problems += check_shapes(r, stages)
     if r.cluster.executor != "slurm" or problems:
         return problems, warnings

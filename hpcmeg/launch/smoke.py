@@ -291,8 +291,8 @@ def _prepare(args):
         run.root.mkdir(parents=True)
         (run.root / TAG_FILE).write_text("a hpcmeg smoke run directory: the next hpcmeg smoke replaces it\n")
         write_stdlib_corpus(str(corpus), key="content", include_tests=False, max_files=40)
-        prep = prepare(r, probe=True)
-    except (RecipeError, OSError):
+        prep = prepare(r, probe=True, submitting=True)
+    except Exception:  # noqa: BLE001 - whatever refused it, nothing of this run stays behind
         shutil.rmtree(run.root, ignore_errors=True)
         if created:
             shutil.rmtree(root, ignore_errors=True)
@@ -301,8 +301,14 @@ def _prepare(args):
 
 
 def cli_smoke(args) -> int:
+    from hpcmeg.launch.checks import DataError
+
     with Reporter() as rep:
-        return _smoke(args, rep)
+        try:
+            return _smoke(args, rep)
+        except DataError as e:  # (the embedded corpus is always readable; a broken install is not)
+            print(f"hpcmeg smoke: {e.lines[0]}", file=sys.stderr)
+            return 1
 
 
 def _smoke(args, rep: Reporter) -> int:
@@ -433,7 +439,7 @@ def _progress(rep: Reporter, prep, markers: dict, states: dict, mine: dict, desc
 
 
 def st_detail(run, ckpt_dir: str, iters: int) -> str:
-    from hpcmeg.launch.rundir import latest_iteration
+    from hpcmeg.megatron.names import latest_iteration
 
     return f"checkpoint at iteration {latest_iteration(ckpt_dir)}/{iters}"
 

@@ -95,12 +95,14 @@ def node_python(r: Recipe) -> str:
 
 
 def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Optional[str] = None,
-            dry_run: bool = False, environ: Optional[dict] = None, probe: bool = False) -> Prepared:
+            dry_run: bool = False, environ: Optional[dict] = None, probe: bool = False,
+            submitting: bool = False) -> Prepared:
     """Every check ``submit`` makes before writing anything; ``hpcmeg validate`` runs exactly this.
 
     Raises RecipeError (recipe faults, exit 2) or checks.DataError (unreadable inputs, exit 1), one
     line each; warnings (dry-run leniency, secret-looking cluster.env names) are printed to stderr.
-    ``probe``: the smoke test's train step (hpcmeg.launch.smoke)."""
+    ``probe``: the smoke test's train step (hpcmeg.launch.smoke); ``submitting``: a real submission,
+    which also asks Slurm (sbatch on PATH, ``sbatch --test-only`` of every job)."""
     r = absolutize(r)
     d = derive(r)
     problems = checks.run_dir_problems(r, d.run_dir)
@@ -108,7 +110,7 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
     if problems or env_errors:
         raise RecipeError(problems + env_errors)
     host_python = host_python or node_python(r)
-    problems, notes = preflight(r, d, host_python, stages, dry_run)
+    problems, notes = preflight(r, d, host_python, stages, dry_run, submitting and not dry_run)
     if problems:
         raise RecipeError(problems)
     for line in env_warnings:
@@ -152,7 +154,7 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
             S.env_exports(r.cluster.env)
     except (S.ScriptError, ContainerError) as e:
         raise RecipeError([str(e)]) from None
-    if prep.plan and not dry_run:
+    if prep.plan and submitting and not dry_run:
         refused = slurm_refusals(prep.plan, shlex.quote(host_python))
         if refused:
             raise RecipeError(refused)
@@ -317,7 +319,7 @@ def cli_submit(args) -> int:
     stages = parse_stages(getattr(args, "stages", ",".join(ALL_STAGES)))
     r = load_recipe(args.recipe, args.overrides, args.profile)
     try:
-        prep = prepare(r, stages, dry_run=bool(args.dry_run))
+        prep = prepare(r, stages, dry_run=bool(args.dry_run), submitting=not args.dry_run)
     except checks.DataError as e:
         print(f"hpcmeg submit: {e.lines[0]}", file=sys.stderr)
         return 1
