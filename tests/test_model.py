@@ -139,3 +139,30 @@ def test_residual_stream_dtype_under_autocast(fp32_res):
         loss = m(torch.randint(0, 128, (2, 8)), torch.randint(0, 128, (2, 8)))
     want = torch.float32 if fp32_res else torch.bfloat16
     assert seen == [(want, want)] and loss.dtype == torch.float32
+
+
+def test_init_is_the_same_whatever_the_layout():
+    """Each parameter comes from its own (seed, global name) generator: a pipeline chunk holds exactly
+    its layers of the whole model, real vocabulary rows ignore the padding, the head copy of a last
+    stage starts equal to the embedding."""
+    cfg = tiny(num_layers=4, vocab_size=100)
+    full = GPT(cfg, init_seed=7).state_dict()
+    assert torch.equal(GPT(cfg, init_seed=7).state_dict()["encoder.layers.3.mlp.dense_4h_to_h.weight"],
+                       full["encoder.layers.3.mlp.dense_4h_to_h.weight"])
+    assert not torch.equal(GPT(cfg, init_seed=8).state_dict()["encoder.layers.3.mlp.dense_4h_to_h.weight"],
+                           full["encoder.layers.3.mlp.dense_4h_to_h.weight"])
+    last = GPT(cfg, layers=range(2, 4), pre_process=False, init_seed=7)
+    sd = last.state_dict()
+    assert "embedding.word_embeddings.weight" not in sd and "encoder.final_layernorm.weight" in sd
+    for k in ("self_attention.query_key_value.weight", "mlp.dense_h_to_4h.weight"):
+        assert torch.equal(sd[f"encoder.layers.0.{k}"], full[f"encoder.layers.2.{k}"])
+        assert torch.equal(sd[f"encoder.layers.1.{k}"], full[f"encoder.layers.3.{k}"])
+    assert torch.equal(sd["word_embeddings_for_head.weight"], full["embedding.word_embeddings.weight"])
+    first = GPT(cfg, layers=range(0, 2), post_process=False, init_seed=7).state_dict()
+    assert "encoder.final_layernorm.weight" not in first and "word_embeddings_for_head.weight" not in first
+    wider = GPT(tiny(num_layers=4, vocab_size=100, padded_vocab_size=256), init_seed=7).state_dict()
+    assert torch.equal(wider["embedding.word_embeddings.weight"][:100], full["embedding.word_embeddings.weight"][:100])
+    # a chunk is single-device code too: hidden states in, hidden states out (no output layer)
+    mid = GPT(cfg, layers=range(1, 3), pre_process=False, post_process=False, init_seed=7)
+    x = torch.randn(2, 5, 64)
+    assert mid(hidden_states=x).shape == (2, 5, 64)

@@ -31,6 +31,9 @@ class GPTConfig:
     """Rows of the learned position table = longest sequence the model accepts (GPT-2: 1024)."""
     padded_vocab_size: int
     """Rows of the word-embedding / tied output matrix, already padded (hpcmeg.megatron.layout.pad_vocab_size)."""
+    vocab_size: int | None = None
+    """The true vocabulary size (rows past it are padding), when known: the initialisation draws real
+    and padding rows separately so real rows do not depend on the padding (hpcmeg/model/init.py)."""
     hidden_dropout: float = 0.1
     """Dropout on the embedding output and on each residual branch before the add (Megatron default)."""
     attention_dropout: float = 0.1

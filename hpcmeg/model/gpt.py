@@ -6,6 +6,10 @@ Contract:
     labels given -> per-token cross-entropy float32 [b, s] (the caller masks and averages)
   Architecture: learned absolute positions, pre-LayerNorm, tanh-GELU MLP, output layer tied to
   embedding.word_embeddings.weight, dropout on embeddings / residual branches / attention probs.
+  A pipeline chunk is the same class with parts left out (Megatron's pre/post process): GPT(cfg,
+  layers=range(a, b), pre_process=False, post_process=True) holds global layers a..b-1 as local
+  layers 0..b-a-1, takes `hidden_states` [b, s, h] instead of tokens, and (last stage without the
+  embedding) its own copy of the tied output weight as word_embeddings_for_head.weight.
   state_dict keys are exactly Megatron's legacy flat keys (docs/megatron-interop.md section 6.3):
     embedding.word_embeddings.weight [V_pad, h], embedding.position_embeddings.weight [max_pos, h],
     encoder.layers.{i}.{input_layernorm, self_attention.query_key_value, self_attention.dense,
@@ -14,9 +18,12 @@ Contract:
   query_key_value rows are in checkpoint_version-2 order: for each head, its q rows, k rows,
   v rows ([heads, 3, head_dim] flattened), so the output is viewed as [.., heads, 3*head_dim].
   Under autocast the residual stream is in the autocast dtype unless cfg.fp32_residual_connection.
-  Init: N(0, std) weights, std/sqrt(2*num_layers) for the two output projections, zero biases,
-  LayerNorm ones/zeros; deterministic under torch.manual_seed.
-Parallelism is applied from outside (hpcmeg/parallel); this file knows nothing of ranks.
+  Init: Megatron's rules (hpcmeg/model/init.py), each parameter from a generator keyed by
+  (init_seed, its global name), so every layout starts from slices of the same values;
+  init_seed None draws one from torch's global RNG (deterministic under torch.manual_seed).
+Parallelism is applied from outside (hpcmeg/parallel); this file knows nothing of ranks. Its seams
+for that: attention heads follow from the QKV weight's rows (a TP shard holds whole heads), the
+attention core is the `attend` method, and the output layer is the `head` module.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch.nn.functional as F
 from hpcmeg.model import fused as fused_ops
 from hpcmeg.model import ops as plain_ops
 from hpcmeg.model.config import GPTConfig
+from hpcmeg.model.init import init_value
 
 
 class Embedding(nn.Module):
@@ -48,19 +56,23 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.query_key_value = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.head_dim = cfg.head_dim
         self.p = cfg.attention_dropout
         self.fused, self.backend = cfg.fused, cfg.attention_backend
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [b, s, h] -> (dense output without its bias [b, s, h], dense bias [h])."""
-        b, s, _ = x.shape
-        qkv = self.query_key_value(x).view(b, s, self.heads, 3 * self.head_dim)
-        q, k, v = qkv.split(self.head_dim, dim=-1)  # per-head [q, k, v] rows (Megatron v2 layout)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core, q/k/v/out [b, s, heads, head_dim] (its dropout is the only RNG use)."""
         if self.fused:
-            ctx = fused_ops.causal_attention(q, k, v, self.p, self.training, self.backend)
-        else:
-            ctx = plain_ops.causal_attention(q, k, v, self.p, self.training)
+            return fused_ops.causal_attention(q, k, v, self.p, self.training, self.backend)
+        return plain_ops.causal_attention(q, k, v, self.p, self.training)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, h] -> (dense output without its bias [b, s, h_out], dense bias [h_out])."""
+        b, s, _ = x.shape
+        # heads from the weight's rows: a tensor-parallel shard holds whole heads
+        qkv = self.query_key_value(x).view(b, s, -1, 3 * self.head_dim)
+        q, k, v = qkv.split(self.head_dim, dim=-1)  # per-head [q, k, v] rows (Megatron v2 layout)
+        ctx = self.attend(q, k, v)
         # bias returned separately so it fuses into the bias-dropout-add that follows
         return F.linear(ctx.reshape(b, s, -1), self.dense.weight), self.dense.bias
 
@@ -97,10 +109,10 @@ class TransformerLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, n_layers: int, final_layernorm: bool = True):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_layers))
-        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(n_layers))
+        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if final_layernorm else None
         self.ops = fused_ops if cfg.fused else plain_ops
         self.eps = cfg.layernorm_epsilon
 
@@ -108,55 +120,94 @@ class Encoder(nn.Module):
         for layer in self.layers:
             x = layer(x)
         ln = self.final_layernorm
-        return self.ops.layer_norm(x, ln.weight, ln.bias, self.eps)
+        return x if ln is None else self.ops.layer_norm(x, ln.weight, ln.bias, self.eps)
+
+
+class LMHead(nn.Module):
+    """The output layer: logits, or the per-token loss, of the final hidden state against the (tied)
+    output weight it is given. No parameters of its own (the weight is the word embedding's, or the
+    last pipeline stage's copy); tensor parallelism swaps in a vocabulary-parallel one."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fused, self.impl = cfg.fused, cfg.fused_ce
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        if labels is None:
+            return F.linear(h, weight)
+        if self.fused:
+            return fused_ops.linear_cross_entropy(h, weight, labels, impl=self.impl)
+        return plain_ops.linear_cross_entropy(h, weight, labels)
+
+
+class HeadWeight(nn.Module):
+    """The last pipeline stage's copy of the tied output matrix (Megatron's word_embeddings_for_head)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.padded_vocab_size, cfg.hidden_size))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, *, layers: range | None = None, pre_process: bool = True,
+                 post_process: bool = True, init_seed: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embedding = Embedding(cfg)
-        self.encoder = Encoder(cfg)
-        self.reset_parameters()
+        self.layer_range = range(cfg.num_layers) if layers is None else layers
+        self.embedding = Embedding(cfg) if pre_process else None
+        self.encoder = Encoder(cfg, len(self.layer_range), final_layernorm=post_process)
+        self.head = LMHead(cfg) if post_process else None
+        self.word_embeddings_for_head = HeadWeight(cfg) if post_process and not pre_process else None
+        if init_seed is None:  # one draw from the global RNG keeps GPT(cfg) deterministic under manual_seed
+            init_seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu").item())
+        self.init_seed = init_seed
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    def global_name(self, name: str) -> str:
+        """A local parameter name -> its name in the whole model (pipeline chunks number layers from 0)."""
+        if name.startswith("encoder.layers.") and self.layer_range.start:
+            i, rest = name[len("encoder.layers."):].split(".", 1)
+            return f"encoder.layers.{int(i) + self.layer_range.start}.{rest}"
+        return name
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Megatron init, in named_parameters order so it is deterministic under a seed."""
-        std = self.cfg.init_method_std
-        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        """Megatron's init rules, each parameter from its own (seed, global name) generator."""
         for name, p in self.named_parameters():
-            if "layernorm" in name:
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            elif name.endswith(("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")):
-                p.normal_(0.0, out_std)
-            else:
-                p.normal_(0.0, std)
+            p.copy_(init_value(self.global_name(name), p.shape, self.cfg, self.init_seed))
+
+    def output_weight(self) -> torch.Tensor:
+        if self.embedding is not None:
+            return self.embedding.word_embeddings.weight  # tied
+        return self.word_embeddings_for_head.weight
 
     def num_params(self, exclude_position_embeddings: bool = False) -> int:
         """Parameter count, the tied embedding/output matrix counted once."""
         n = sum(p.numel() for p in self.parameters())
-        if exclude_position_embeddings:
+        if exclude_position_embeddings and self.embedding is not None:
             n -= self.embedding.position_embeddings.weight.numel()
         return n
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        s = tokens.shape[1]
-        if s > self.cfg.max_position_embeddings:
-            raise ValueError(f"GPT.forward: sequence length {s} > max_position_embeddings="
-                             f"{self.cfg.max_position_embeddings}; shorten the sequence or raise the config")
-        if position_ids is None:
-            position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
-        x = self.embedding(tokens, position_ids)
-        dev = tokens.device.type
-        if not self.cfg.fp32_residual_connection and torch.is_autocast_enabled(dev):
-            x = x.to(torch.get_autocast_dtype(dev))  # bf16 residual stream (Megatron's default)
+    def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] (first chunk) or hidden_states [b, s, h] (later pipeline chunks) -> logits
+        [b, s, V] (labels None), per-token loss fp32 [b, s] (labels given), or the hidden state
+        [b, s, h] (a chunk without the output layer)."""
+        if self.embedding is not None:
+            s = tokens.shape[1]
+            if s > self.cfg.max_position_embeddings:
+                raise ValueError(f"GPT.forward: sequence length {s} > max_position_embeddings="
+                                 f"{self.cfg.max_position_embeddings}; shorten the sequence or raise the config")
+            if position_ids is None:
+                position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
+            x = self.embedding(tokens, position_ids)
+            dev = tokens.device.type
+            if not self.cfg.fp32_residual_connection and torch.is_autocast_enabled(dev):
+                x = x.to(torch.get_autocast_dtype(dev))  # bf16 residual stream (Megatron's default)
+        else:
+            x = hidden_states
         h = self.encoder(x)
-        w = self.embedding.word_embeddings.weight  # tied output layer
-        if labels is None:
-            return F.linear(h, w)
-        if self.cfg.fused:
-            return fused_ops.linear_cross_entropy(h, w, labels, impl=self.cfg.fused_ce)
-        return plain_ops.linear_cross_entropy(h, w, labels)
+        if self.head is None:
+            return h
+        return self.head(h, self.output_weight(), labels)

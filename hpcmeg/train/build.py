@@ -71,8 +71,10 @@ def build_model(recipe: Recipe, derived: Derived, device: torch.device):
                        max_position_embeddings=model_cfg.max_position_embeddings,
                        padded_vocab_size=derived.padded_vocab_size, hidden_dropout=model_cfg.hidden_dropout,
                        attention_dropout=model_cfg.attention_dropout, layernorm_epsilon=model_cfg.layernorm_epsilon,
-                       init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device))
-    return GPT(config).to(device)
+                       init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device),
+                       vocab_size=derived.orig_vocab_size)
+    # init keyed by (train.seed, parameter name): the same initial weights whatever the layout
+    return GPT(config, init_seed=recipe.train.seed).to(device)
 
 
 def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
