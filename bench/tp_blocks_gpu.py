@@ -21,6 +21,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,15 +44,12 @@ def timed(fn, reps=20):
 def check_functions(res):
     """Each Function with size 1 on a real NCCL group: identity semantics, eager and compiled."""
     name = dist.group.WORLD.group_name
-    fns = {"copy_to_tp": comm._CopyToTP, "reduce_from_tp": comm._ReduceFromTP, "split_seq": comm._SplitSeq,
-           "reduce_scatter_seq": comm._ReduceScatterSeq, "scatter_last": comm._ScatterLastDim,
-           "gather_last": comm._GatherLastDim}
 
     def chain(x):
         y = x
-        for f in fns.values():
-            y = f.apply(y, 1, 0, name).sin()
-        return comm._GatherSeq.apply(y, 1, 0, name, True) * 2
+        for kind in comm._PAIRS:
+            y = comm._Comm.apply(y, kind, 1, 0, name).sin()
+        return y * 2
 
     x = torch.randn(4, 8, 16, device="cuda")
     outs = []
@@ -62,7 +60,7 @@ def check_functions(res):
         outs.append((y.detach(), xl.grad))
     ref_x = x.clone().requires_grad_()
     ref = ref_x
-    for _ in fns:
+    for _ in comm._PAIRS:
         ref = ref.sin()
     ref = ref * 2
     ref.square().sum().backward()
@@ -153,7 +151,9 @@ def main() -> None:
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     res = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
            "ops": {op: hasattr(torch.ops._c10d_functional, op)
-                   for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor")}}
+                   for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor")},
+           "funcol_public_names": {n: hasattr(fc, n) for n in ("all_gather_tensor", "all_gather_single",
+                                                                 "reduce_scatter_tensor", "reduce_scatter_single")}}
     for step in (check_functions, check_vocab_ce, memory_and_time, layout_copy):
         try:
             step(res)

@@ -116,6 +116,11 @@ def _comm_case(rank: int, world: int) -> list[str]:
         (y * seq_chunk(Q[r], tp, r)).sum().backward()
         torch.testing.assert_close(x.grad, _unshard([seq_chunk(Q[i], tp, i) for i in range(tp)]), **EXACT)
 
+        flat = X.reshape(b * s, h)  # 2-D [N, h]: the same shards, N playing s
+        torch.testing.assert_close(comm.split_seq(flat, group), seq_chunk(X, tp, r).reshape(-1, h), **EXACT)
+        torch.testing.assert_close(comm.gather_seq(seq_chunk(X, tp, r).reshape(-1, h), group), flat, **EXACT)
+        torch.testing.assert_close(comm.reduce_scatter_seq(P[r].reshape(b * s, h), group),
+                                   seq_chunk(sum_P, tp, r).reshape(-1, h), **SUM)
         one = X[:1]  # b = 1: the token shard is the literal sequence range
         torch.testing.assert_close(comm.split_seq(one, group), one[:, r * (s // tp):(r + 1) * (s // tp)], **EXACT)
         with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
@@ -197,7 +202,7 @@ def _pair_case(rank: int, world: int, compiled: bool) -> list[float]:
             part = (lambda t: seq_chunk(t, tp, r)) if sp else (lambda t: t)
             b2_grad = mine[4].grad
             if sp:  # the row-parallel bias saw only this rank's tokens: SP's TP all-reduce of it
-                b2_grad = comm.all_reduce(b2_grad, comm._name(group)) if tp > 1 else b2_grad
+                b2_grad = comm.all_reduce(b2_grad, comm.group_name(group)) if tp > 1 else b2_grad
             checks = [(y, part(y_ref)), (mine[0].grad, part(ref[0].grad)),
                       (mine[1].grad, ref[1].grad.chunk(tp, 0)[r]), (mine[2].grad, ref[2].grad.chunk(tp, 0)[r]),
                       (mine[3].grad, ref[3].grad.chunk(tp, 1)[r]), (b2_grad, ref[4].grad)]

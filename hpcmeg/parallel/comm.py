@@ -14,7 +14,8 @@ Contract
     reduce_from_tp(x)          g: forward all-reduce (sum),    backward identity
     scatter_to_tp_last_dim(x)  forward own 1/tp slice of the last dim, backward all-gather it
     gather_from_tp_last_dim(x) forward all-gather the last dim (rank order), backward own slice
-- Sequence-parallel functions, on activations [b, s, h] (any [d0, d1, ..., h] works; d1 is "s"):
+- Sequence-parallel functions, on activations [b, s, h] ([b, s, ..., h] too; a 2-D [N, h] is
+  tokens x features, N playing s):
     split_seq(x)               [b, s, h] -> [b, s/tp, h]: own shard; backward all-gather
     gather_seq(x)              [b, s/tp, h] -> [b, s, h]: all-gather; backward reduce-scatter
                                (grad_partial=True: the consumer is a column-/vocab-parallel
@@ -22,39 +23,38 @@ Contract
                                (grad_partial=False: the consumer is replicated)
     reduce_scatter_seq(x)      [b, s, h] partial sums -> [b, s/tp, h] summed; backward all-gather
   s must be divisible by the group size (ValueError otherwise).
-  THE SHARD LAYOUT: rank r's shard is the r-th contiguous 1/tp of the token axis of the
-  row-major [b*s, h] view, returned viewed as [b, s/tp, h]. For b = 1 this is exactly the
-  s-range [r*s/tp, (r+1)*s/tp); for b > 1 it is a contiguous run of b*s/tp tokens (with
-  b % tp == 0: whole samples r*b/tp ... (r+1)*b/tp - 1). Every op outside the TP regions is
-  per token (LayerNorm, dropout, residual and bias adds, the embedding sum), so any fixed token
-  partition gives the same numbers; this one makes every collective a dim-0 collective of a
-  contiguous tensor with no transpose or copy. Megatron gets the same by keeping activations
-  [s, b, h] (its dim-0 split is also a contiguous 1/tp of the flattened tokens); a literal
-  dim-1 split of [b, s, h] would cost a copy of the full gathered tensor after every all-gather
-  and before every reduce-scatter (measured below). A position-dependent op must not run on
-  a shard (GPT-2 adds its position embeddings before the split, so none does).
-- Units: sums in the tensor's dtype (fp32 sums in a different order than one process: expect
-  ~1e-7 relative differences; copies, splits and gathers are bitwise).
+  THE SHARD LAYOUT: rank r's shard is the r-th contiguous 1/tp of the tokens of the row-major
+  [b*s, h] view, viewed as [b, s/tp, h]: for b = 1 exactly the positions [r*s/tp, (r+1)*s/tp);
+  for b > 1 a run of b*s/tp consecutive tokens (b % tp == 0: whole samples). Every op outside
+  the TP regions is per token (LayerNorm, dropout, residual/bias adds, the embedding sum), so
+  any fixed partition gives the same numbers; this one makes every collective a dim-0
+  collective of a contiguous tensor, no transpose. (Megatron gets the same by keeping [s, b, h].)
+  A literal dim-1 split of [b, s, h] costs a chunk+cat copy of the full tensor after every
+  all-gather and before every reduce-scatter: on the H200, bf16 at TP2, 16-19 us for 124M's
+  18.9 MB (b 12, s 1024, h 768) and 29 us at h 2048, against ~26 / ~68 us for the all-gather
+  itself at ~370 GB/s NVLink (bench/results/tp_blocks_h200.md). No position-dependent op may run
+  on a shard (GPT-2 adds position embeddings before the split, so none does).
+- Raw dim-0 collectives without autograd, for the other parallel/ modules: all_reduce(x, name),
+  all_gather(x, size, name) -> [size*d0, ...], reduce_scatter(x, size, name) -> [d0/size, ...];
+  name = group_name(group).
+- Units: sums in the tensor's dtype, in another order than one process (~1e-7 relative in
+  fp32); copies, splits and gathers are bitwise.
 
-Implementation: torch's functional collectives (the `_c10d_functional` ops behind
-torch.distributed._functional_collectives, + wait_tensor) on every backend. Risk R2 of
-docs/parallel-design.md, measured on this machine (torch 2.13.0+cpu, gloo, 2 processes, 2 cores):
-  * eager: all_reduce, all_gather_into_tensor, reduce_scatter_tensor (dim 0 and via chunk+cat
-    dim 1) give the right values on the world and on sub-groups; latency equals dist.* within the
-    noise of the shared cores (128 KB all-reduce median 1.2 ms funcol vs 1.9 ms dist.all_reduce,
-    4 MB 9.6 vs 7.6 ms; all-gather 0.9 vs 1.1 / 10.0 vs 11.2 ms, 40 interleaved reps each).
-  * torch.compile(fullgraph=True, Inductor) of autograd Functions whose forward/backward call
-    these ops: traced without graph breaks, forward and gradients equal eager; group None and a
-    sub-group both resolve at trace time.
-  * the public wrappers (all_gather_tensor, reduce_scatter_tensor) warn "deprecated" on 2.13
-    (renamed *_single, which 2.11 lacks), wrap results in AsyncCollectiveTensor, and their first
-    eager call took 3.5 s (lazy imports); 2.13's ops also carry their own autograd formulas.
-    So this file calls the ops themselves, waits at once, and wraps them in autograd.Function:
-    same code and same gradients on 2.11 and 2.13, eager and compiled.
-  Decision: functional collectives everywhere (one path); no dist.* fallback was needed.
-  Shard layout, same machine: 4 MB all-gather 5.6 ms as a dim-0 gather vs 11.9 ms with the
-  dim-1 chunk+cat; reduce-scatter 10.7 vs 14.5 ms. On the H200 (4.3 TB/s copies, NVLink ~0.4 TB/s
-  per direction at TP2) the copy would add ~30 % to each sequence-parallel collective.
+Implementation, risk R2 of docs/parallel-design.md answered: the `_c10d_functional` ops behind
+torch.distributed._functional_collectives, on every backend, each waited at once and wrapped in
+an autograd.Function. Funcol everywhere, no dist.* fallback needed. Measured
+(bench/results/tp_blocks_h200.md has the numbers and the spike):
+  * gloo/CPU, torch 2.13 here (bench/funcol_gloo.py): right values on the world and sub-groups;
+    eager latency equal to dist.* (fastest of 40 on 2 shared cores: all-reduce 128 KB 0.40 vs
+    0.42 ms, 4 MB 4.8 vs 5.0 ms; all-gather 0.30 vs 0.33, 3.6 vs 4.5 ms); torch.compile
+    (fullgraph=True; Inductor and aot_eager) traces the Functions with no graph break, group
+    None and sub-groups resolved at trace time, results equal to eager.
+  * torch 2.11 (H200 image): the ops exist; both test files pass on gloo/CPU there, compiled
+    cases included; on NCCL (one rank) eager and Inductor match the math.
+  * not the public wrappers: on 2.13 all_gather_tensor / reduce_scatter_tensor warn "deprecated"
+    (renamed *_single), wrap results in AsyncCollectiveTensor, and the first eager call took
+    3.5 s of lazy imports; 2.13's ops have autograd formulas of their own, which the Functions
+    make irrelevant, so gradients are the same on 2.11 and 2.13.
 """
 from __future__ import annotations
 
@@ -64,21 +64,22 @@ import torch.distributed as dist
 _C = torch.ops._c10d_functional
 
 
+def _running() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def group_size(group) -> int:
     """Members of `group` (None: the world); 1 when torch.distributed is not running."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
+    return dist.get_world_size(group) if _running() else 1
 
 
 def group_rank(group) -> int:
     """This process's rank inside `group` (0 when torch.distributed is not running)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
+    return dist.get_rank(group) if _running() else 0
 
 
-def _name(group) -> str:
+def group_name(group) -> str:
+    """The registered name the functional collectives address a group by."""
     return (group if group is not None else dist.group.WORLD).group_name
 
 
@@ -98,175 +99,133 @@ def reduce_scatter(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     return _C.wait_tensor(_C.reduce_scatter_tensor(x.contiguous(), "sum", size, name))
 
 
-# ---- token-axis (sequence) helpers: [b, s, h] <-> rank-major contiguous token shards ---------
+# ---- shard/gather helpers, all op(x, size, rank, name): token shards and last-dim slices ------
+
+def _seq_dim(x: torch.Tensor) -> int:
+    return 1 if x.dim() >= 3 else 0  # [b, s, ..., h]: s; [N, h]: N
+
 
 def _check_seq(x: torch.Tensor, size: int, what: str, full: bool) -> None:
+    if size == 1:
+        return
     if x.dim() < 2:
-        raise ValueError(f"{what}: expected activations [b, s, ..., h], got shape {tuple(x.shape)}")
-    if full and x.shape[1] % size:
-        raise ValueError(f"{what}: sequence length {x.shape[1]} is not divisible by the tensor-parallel "
-                         f"size {size} (sequence parallelism needs seq_length % tp == 0)")
+        raise ValueError(f"{what}: expected activations [b, s, ..., h] or [N, h], got shape {tuple(x.shape)}")
+    if full and x.shape[_seq_dim(x)] % size:
+        raise ValueError(f"{what}: sequence length {x.shape[_seq_dim(x)]} is not divisible by the "
+                         f"tensor-parallel size {size} (sequence parallelism needs seq_length % tp == 0)")
 
 
-def _seq_shard(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
-    b, s = x.shape[0], x.shape[1]
-    n = b * s // size  # tokens per shard
-    flat = x.contiguous().view(b * s, *x.shape[2:])
-    return flat[rank * n:(rank + 1) * n].view(b, s // size, *x.shape[2:])
+def _resized(x: torch.Tensor, num: int, den: int) -> list[int]:
+    """x's shape with the sequence dim scaled by num/den."""
+    shape = list(x.shape)
+    shape[_seq_dim(x)] = shape[_seq_dim(x)] * num // den
+    return shape
 
 
-def _seq_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    return all_gather(x, size, name).view(x.shape[0], x.shape[1] * size, *x.shape[2:])
+def _seq_shard(x: torch.Tensor, size: int, rank: int, name: str) -> torch.Tensor:
+    flat = x.contiguous().view(-1, x.shape[-1])  # [tokens, h]
+    n = flat.shape[0] // size
+    return flat[rank * n:(rank + 1) * n].view(_resized(x, 1, size))
 
 
-def _seq_reduce_scatter(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    b, s = x.shape[0], x.shape[1]
-    out = reduce_scatter(x.contiguous().view(b * s, *x.shape[2:]), size, name)
-    return out.view(b, s // size, *x.shape[2:])
+def _seq_gather(x: torch.Tensor, size: int, rank: int, name: str) -> torch.Tensor:
+    return all_gather(x, size, name).view(_resized(x, size, 1))
 
 
-def _last_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
+def _seq_reduce_scatter(x: torch.Tensor, size: int, rank: int, name: str) -> torch.Tensor:
+    return reduce_scatter(x.contiguous().view(-1, x.shape[-1]), size, name).view(_resized(x, 1, size))
+
+
+def _last_gather(x: torch.Tensor, size: int, rank: int, name: str) -> torch.Tensor:
     g = all_gather(x, size, name).view(size, *x.shape)  # [tp, ..., v]
     return g.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 
-def _last_shard(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+def _last_shard(x: torch.Tensor, size: int, rank: int, name: str) -> torch.Tensor:
+    # always a fresh tensor (a strided slice needs the copy anyway): a Function returning
+    # x[..., :].contiguous(), an alias of its input, got zero gradients under torch.compile on
+    # torch 2.11 + CUDA (seen with a one-rank group on the H200, bench/tp_blocks_gpu.py)
     n = x.shape[-1] // size
-    return x[..., rank * n:(rank + 1) * n].contiguous()
+    return x.narrow(-1, rank * n, n).clone(memory_format=torch.contiguous_format)
 
 
-# ---- autograd Functions (apply(x, size, rank, name); called through the wrappers below) -----
+# ---- one autograd Function, eight (forward, backward) pairs ------------------------------------
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, rank, name):
-        ctx.name = name
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g, ctx.name), None, None, None
+def _identity(x, size, rank, name):
+    return x.view_as(x)  # a view, never the input object itself
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, rank, name):
-        return all_reduce(x, name)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None, None, None
+def _all_reduce(x, size, rank, name):
+    return all_reduce(x, name)
 
 
-class _ScatterLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, rank, name):
-        ctx.size, ctx.name = size, name
-        return _last_shard(x, size, rank)
+_PAIRS = {  # a constant table: kind -> (forward, backward), as in the contract above
+    "copy_to_tp": (_identity, _all_reduce),
+    "reduce_from_tp": (_all_reduce, _identity),
+    "scatter_to_tp_last_dim": (_last_shard, _last_gather),
+    "gather_from_tp_last_dim": (_last_gather, _last_shard),
+    "split_seq": (_seq_shard, _seq_gather),
+    "gather_seq": (_seq_gather, _seq_reduce_scatter),
+    "gather_seq_replicated_grad": (_seq_gather, _seq_shard),
+    "reduce_scatter_seq": (_seq_reduce_scatter, _seq_gather),
+}
+
+
+class _Comm(torch.autograd.Function):
+    """apply(x, kind, size, rank, name) with size > 1: _PAIRS[kind] forward, its partner backward."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _last_gather(g, ctx.size, ctx.name), None, None, None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, rank, name):
-        ctx.size, ctx.rank = size, rank
-        return _last_gather(x, size, name)
+    def forward(ctx, x, kind: str, size: int, rank: int, name: str):
+        ctx.kind, ctx.size, ctx.rank, ctx.name = kind, size, rank, name
+        return _PAIRS[kind][0](x, size, rank, name)
 
     @staticmethod
     def backward(ctx, g):
-        return _last_shard(g, ctx.size, ctx.rank), None, None, None
-
-
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, rank, name):
-        ctx.size, ctx.name = size, name
-        return _seq_shard(x, size, rank)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_gather(g, ctx.size, ctx.name), None, None, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, rank, name, grad_partial):
-        ctx.size, ctx.rank, ctx.name, ctx.partial = size, rank, name, grad_partial
-        return _seq_gather(x, size, name)
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.partial:
-            return _seq_reduce_scatter(g, ctx.size, ctx.name), None, None, None, None
-        return _seq_shard(g, ctx.size, ctx.rank), None, None, None, None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, size, rank, name):
-        ctx.size, ctx.name = size, name
-        return _seq_reduce_scatter(x, size, name)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_gather(g, ctx.size, ctx.name), None, None, None
+        return _PAIRS[ctx.kind][1](g, ctx.size, ctx.rank, ctx.name), None, None, None, None
 
 
 # ---- public API ----------------------------------------------------------------------------
 
+def _apply(kind: str, x: torch.Tensor, group) -> torch.Tensor:
+    n = group_size(group)
+    return x if n == 1 else _Comm.apply(x, kind, n, group_rank(group), group_name(group))
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """f: entering a TP region (before a column-parallel layer). Identity; grad all-reduced."""
-    n = group_size(group)
-    return x if n == 1 else _CopyToTP.apply(x, n, 0, _name(group))
+    return _apply("copy_to_tp", x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """g: leaving a TP region (after a row-parallel layer). Partial sums all-reduced; grad identity."""
-    n = group_size(group)
-    return x if n == 1 else _ReduceFromTP.apply(x, n, 0, _name(group))
+    return _apply("reduce_from_tp", x, group)
 
 
 def scatter_to_tp_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """[..., v] replicated -> [..., v/tp] this rank's slice; grad all-gathered."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    if x.shape[-1] % n:
-        raise ValueError(f"scatter_to_tp_last_dim: last dim {x.shape[-1]} not divisible by {n}")
-    return _ScatterLastDim.apply(x, n, group_rank(group), _name(group))
+    """[..., v] replicated -> [..., v/tp] this rank's slice (a copy); grad all-gathered."""
+    if x.shape[-1] % group_size(group):
+        raise ValueError(f"scatter_to_tp_last_dim: last dim {x.shape[-1]} not divisible by {group_size(group)}")
+    return _apply("scatter_to_tp_last_dim", x, group)
 
 
 def gather_from_tp_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     """[..., v/tp] -> [..., v] in rank order (a copy); grad: this rank's slice of it."""
-    n = group_size(group)
-    return x if n == 1 else _GatherLastDim.apply(x, n, group_rank(group), _name(group))
+    return _apply("gather_from_tp_last_dim", x, group)
 
 
 def split_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """[b, s, h] replicated -> [b, s/tp, h] this rank's token shard; grad all-gathered."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    _check_seq(x, n, "split_seq", full=True)
-    return _SplitSeq.apply(x, n, group_rank(group), _name(group))
+    """[b, s, h] replicated -> [b, s/tp, h] this rank's token shard (a view); grad all-gathered."""
+    _check_seq(x, group_size(group), "split_seq", full=True)
+    return _apply("split_seq", x, group)
 
 
 def gather_seq(x: torch.Tensor, group, grad_partial: bool = True) -> torch.Tensor:
     """[b, s/tp, h] token shards -> [b, s, h]; grad reduce-scattered (or sliced: grad_partial=False)."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    _check_seq(x, n, "gather_seq", full=False)
-    return _GatherSeq.apply(x, n, group_rank(group), _name(group), grad_partial)
+    _check_seq(x, group_size(group), "gather_seq", full=False)
+    return _apply("gather_seq" if grad_partial else "gather_seq_replicated_grad", x, group)
 
 
 def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     """[b, s, h] partial sums -> [b, s/tp, h] summed token shard; grad all-gathered."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    _check_seq(x, n, "reduce_scatter_seq", full=True)
-    return _ReduceScatterSeq.apply(x, n, group_rank(group), _name(group))
+    _check_seq(x, group_size(group), "reduce_scatter_seq", full=True)
+    return _apply("reduce_scatter_seq", x, group)

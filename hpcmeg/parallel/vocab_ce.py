@@ -105,7 +105,7 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tenso
     if use_triton is None:
         use_triton = fused.HAVE_TRITON_CE and logits_local.is_cuda
     n = comm.group_size(group)
-    rank, name = (comm.group_rank(group), comm._name(group)) if n > 1 else (0, "")
+    rank, name = (comm.group_rank(group), comm.group_name(group)) if n > 1 else (0, "")
     v = logits_local.shape[-1]
     loss = _VocabParallelCE.apply(logits_local.reshape(-1, v), labels.reshape(-1), n, rank, name, use_triton)
     return loss.view(labels.shape)
