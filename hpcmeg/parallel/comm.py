@@ -49,8 +49,8 @@ an autograd.Function. Funcol everywhere, no dist.* fallback needed. Measured
     0.42 ms, 4 MB 4.8 vs 5.0 ms; all-gather 0.30 vs 0.33, 3.6 vs 4.5 ms); torch.compile
     (fullgraph=True; Inductor and aot_eager) traces the Functions with no graph break, group
     None and sub-groups resolved at trace time, results equal to eager.
-  * torch 2.11 (H200 image): the ops exist; both test files pass on gloo/CPU there, compiled
-    cases included; on NCCL (one rank) eager and Inductor match the math.
+  * torch 2.11 (H200 image): the ops exist (the *_single wrapper names do not); the gloo tests
+    pass there, compiled cases included; on NCCL (one rank) eager and Inductor match the math.
   * not the public wrappers: on 2.13 all_gather_tensor / reduce_scatter_tensor warn "deprecated"
     (renamed *_single), wrap results in AsyncCollectiveTensor, and the first eager call took
     3.5 s of lazy imports; 2.13's ops have autograd formulas of their own, which the Functions
