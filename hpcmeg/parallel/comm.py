@@ -15,7 +15,7 @@ Contract
     scatter_to_tp_last_dim(x)  forward own 1/tp slice of the last dim, backward all-gather it
     gather_from_tp_last_dim(x) forward all-gather the last dim (rank order), backward own slice
 - Sequence-parallel functions, on activations [b, s, h] ([b, s, ..., h] too; a 2-D [N, h] is
-  tokens x features, N playing s):
+  tokens x features, N playing s, so token ids [b, s] go in as ids.unsqueeze(-1)):
     split_seq(x)               [b, s, h] -> [b, s/tp, h]: own shard; backward all-gather
     gather_seq(x)              [b, s/tp, h] -> [b, s, h]: all-gather; backward reduce-scatter
                                (grad_partial=True: the consumer is a column-/vocab-parallel
