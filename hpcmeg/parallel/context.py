@@ -5,9 +5,9 @@ Contract
   torch-free: Megatron's 'tp-dp-pp' order, TP groups of consecutive ranks).
 - `init_distributed(dims, rank=, local_rank=, master_addr=, master_port=, ...)` (plain values: this
   package does not read the launcher's environment) starts torch.distributed (gloo on CPU, NCCL on
-  CUDA) when the world has more than one process, creates every group of every kind in
-  `dims.groups()` order (all ranks create all groups in the same order, as torch requires), and
-  returns a `ParallelContext`. Nothing is stored in module globals: the context is passed to whoever
+  CUDA) when the world has more than one process and returns `context_for(dims, rank, ...)`, which
+  creates every group of every kind in `dims.groups()` order (all ranks create all groups in the
+  same order, as torch requires) over the default group, and returns a `ParallelContext`. Nothing is stored in module globals: the context is passed to whoever
   needs a group. A group that spans the whole world is the default group (None), so pure data
   parallelism creates no extra communicator.
 - `ctx.all_reduce_max(int) -> int`: every rank gets the maximum; used for "did any rank get the
@@ -118,20 +118,27 @@ def init_distributed(dims: ParallelDims, *, rank: int = 0, local_rank: int = 0, 
     dev = pick_device(local_rank, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if dims.world > 1:
+        if backend == "auto":
+            backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=dims.world,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    return context_for(dims, rank, local_rank, dev)
+
+
+def context_for(dims: ParallelDims, rank: int, local_rank: int, device: torch.device) -> ParallelContext:
+    """This rank's ParallelContext over an already-initialised default process group (or none, for one
+    process): creates every group of every kind, in the same order on every rank, as torch requires."""
     tp_rank, dp_rank, pp_rank = dims.coords(rank)
-    groups = dims.groups()
     ctx = ParallelContext(world_size=dims.world, rank=rank, local_rank=local_rank, tp_size=dims.tp,
                           pp_size=dims.pp, dp_size=dims.dp, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank,
-                          device=dev, members=dims.members(rank), dims=dims)
+                          device=torch.device(device), members=dims.members(rank), dims=dims)
     if dims.world == 1:
         return ctx
-    if backend == "auto":
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=rank, world_size=dims.world, timeout=datetime.timedelta(minutes=timeout_minutes))
-    ctx.backend = backend
-    for kind in ("tp", "dp", "pp", "embedding"):
-        for members in groups[kind]:  # every rank creates every group, in the same order
+    ctx.backend = dist.get_backend()
+    for kind, groups in dims.groups().items():
+        for members in groups:  # every rank creates every group, in the same order
             if len(members) == dims.world:
                 continue  # the default group already spans them
             pg = dist.new_group(ranks=members)

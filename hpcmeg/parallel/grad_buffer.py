@@ -26,7 +26,9 @@ Contract
   all-reduce SUM, or with ``shard=True`` (the distributed optimizer) a reduce-scatter SUM whose
   output is this rank's slice of the same bucket (in place: no second gradient buffer).
   ``finish_grads()`` zeroes the gradients of parameters that got none this step, starts what has
-  not started and waits. Reductions SUM: the caller scales each rank's loss by 1/dp (TrainStep does).
+  not started and waits, then all-reduces each ``extra_reductions`` class over its group (this
+  rank's pieces of it: the sequence-parallel LayerNorm/bias gradients over the TP group).
+  Reductions SUM: the caller scales each rank's loss by 1/dp (TrainStep does).
 - Shards: with sharding this rank owns slice ``dp_rank`` of every bucket, without it everything.
   ``shard_numel`` counts the owned elements; "shard coordinates" number them contiguously in bucket
   order (the optimizer's fp32 state lives there). ``update_pieces(cls)`` lists a class's owned
@@ -72,7 +74,8 @@ class Bucket:
 class ParamAndGradBuffer:
     def __init__(self, classes: list[tuple[str, list[nn.Parameter]]], *, param_dtype: torch.dtype,
                  grad_dtype: torch.dtype, dp_size: int = 1, dp_rank: int = 0, dp_group=None,
-                 shard: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL, align: int = 64):
+                 shard: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL, align: int = 64,
+                 extra_reductions: tuple = ()):
         params = [p for _, ps in classes for p in ps]
         if len({id(p) for p in params}) != len(params):
             raise ValueError("ParamAndGradBuffer: a parameter appears twice (tied weights must be passed once)")
@@ -84,6 +87,7 @@ class ParamAndGradBuffer:
         self.device = params[0].device
         self.params = params
         self.classes = [name for name, _ in classes]
+        self.extra_reductions = tuple(extra_reductions)  # ((class, group), ...) summed after the DP reduction
 
         # ---- layout (pure arithmetic)
         self._offset: dict[int, tuple[int, int]] = {}
@@ -192,6 +196,9 @@ class ParamAndGradBuffer:
             self._launch(b)
         for h in self._handles:
             h.wait()
+        for cls, group in self.extra_reductions:  # e.g. sequence-parallel LayerNorm grads over the TP group
+            for a, b, _ in self.update_pieces(cls):
+                dist.all_reduce(self.grad_data[a:b], op=dist.ReduceOp.SUM, group=group)
         self._handles = []
         self._next_launch = 0
         self._left = [len(bk.params) for bk in self.buckets]

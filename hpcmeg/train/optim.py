@@ -39,21 +39,42 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, *,
                     param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
                     dp_size: int = 1, dp_rank: int = 0, dp_group=None, distributed: bool = False,
-                    bucket_numel: int | None = None, compiled: bool | None = None
+                    bucket_numel: int | None = None, compiled: bool | None = None,
+                    replicated: frozenset = frozenset(), partial_grads: frozenset = frozenset(),
+                    tp_size: int = 1, tp_rank: int = 0, tp_group=None
                     ) -> tuple[ParamAndGradBuffer, "FlatAdamW"]:
     """The model's parameters moved into a ParamAndGradBuffer of `param_dtype` (gradients in
     `grad_dtype`, default fp32), and a FlatAdamW over it (sharded over the data-parallel group when
-    `distributed`). Call before torch.compile; do not move or re-cast the model afterwards."""
+    `distributed`). Call before torch.compile; do not move or re-cast the model afterwards.
+
+    Tensor parallelism (hpcmeg/parallel/tensor.py's plan): `replicated` holds the ids of parameters
+    every TP rank has whole (LayerNorms, row-parallel biases, position embeddings): they are counted
+    in the gradient norm on tp_rank 0 only, and the norm's sum of squares is added up over
+    `tp_group`. `partial_grads` (a subset: under sequence parallelism each rank's gradient of them is
+    a partial sum) are all-reduced over `tp_group` after the data-parallel reduction. Each kind gets
+    its own buffer classes, so both are contiguous runs of the buffer."""
     from hpcmeg.parallel.grad_buffer import DEFAULT_BUCKET_NUMEL
 
+    def kind(p) -> str:
+        return ".partial" if id(p) in partial_grads else ".replicated" if id(p) in replicated else ""
+
     groups = param_groups(model, weight_decay)
+    classes, extra = [], []
     for g, name in zip(groups, ("decay", "no_decay")):
-        g["class"] = name
-    buffer = ParamAndGradBuffer([(g["class"], g["params"]) for g in groups], param_dtype=param_dtype,
-                                grad_dtype=grad_dtype or torch.float32, dp_size=dp_size, dp_rank=dp_rank,
-                                dp_group=dp_group, shard=distributed,
-                                bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL)
-    return buffer, FlatAdamW(buffer, groups, lr=lr, betas=betas, eps=eps, compiled=compiled)
+        g["classes"] = []
+        for suffix in ("", ".replicated", ".partial"):
+            members = [p for p in g["params"] if kind(p) == suffix]
+            if members or not suffix:
+                g["classes"].append(name + suffix)
+                classes.append((name + suffix, members))
+                if suffix == ".partial":
+                    extra.append((name + suffix, tp_group))
+    buffer = ParamAndGradBuffer(classes, param_dtype=param_dtype, grad_dtype=grad_dtype or torch.float32,
+                                dp_size=dp_size, dp_rank=dp_rank, dp_group=dp_group, shard=distributed,
+                                bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL, extra_reductions=tuple(extra))
+    norm_skip = frozenset(c for c, _ in classes if c.endswith((".replicated", ".partial")) and tp_rank != 0)
+    return buffer, FlatAdamW(buffer, groups, lr=lr, betas=betas, eps=eps, compiled=compiled,
+                             norm_skip=norm_skip, norm_groups=(tp_group,) if tp_size > 1 else ())
 
 
 @dataclass
@@ -153,14 +174,17 @@ class FlatAdamW:
     After loading model weights from outside, call `masters_from_params()`."""
 
     def __init__(self, buffer: ParamAndGradBuffer, groups: list[dict], lr: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, compiled: bool | None = None):
+                 eps: float = 1e-8, compiled: bool | None = None, norm_skip: frozenset = frozenset(),
+                 norm_groups: tuple = ()):
         self.buffer = buffer
         self.param_groups = []
         for i, g in enumerate(groups):
-            name = g.get("class", f"group{i}")
             self.param_groups.append({"lr": lr, "betas": tuple(betas), "eps": eps,
                                       "weight_decay": g.get("weight_decay", 0.0), "params": list(g["params"]),
-                                      "class": name})
+                                      "classes": list(g.get("classes", [f"group{i}"]))})
+        # classes this rank leaves out of the gradient norm (TP-replicated ones off tp_rank 0), and the
+        # groups over which the sum of squares is added up (beyond the DP group of a sharded buffer)
+        self.norm_skip, self.norm_groups = frozenset(norm_skip), tuple(norm_groups)
         n = buffer.shard_numel
         self.master = buffer.take_fp32_shard()  # the fp32 values before the cast: exact masters
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=buffer.device)
@@ -174,9 +198,11 @@ class FlatAdamW:
         kind = "distributed " if self.buffer.sharded else ""
         return f"hpcmeg.FlatAdamW({kind}{'compiled' if self.compiled else 'plain'})"
 
-    def _owned_grads(self) -> list[torch.Tensor]:
+    def _owned_grads(self, skip: frozenset = frozenset()) -> list[torch.Tensor]:
         buf = self.buffer
-        return buf.owned(buf.grad_data) if buf.sharded else [buf.grad_data]
+        if not buf.sharded and not skip:
+            return [buf.grad_data]
+        return [buf.grad_data[a:b] for cls in buf.classes if cls not in skip for a, b, _ in buf.update_pieces(cls)]
 
     # -- per step
 
@@ -200,11 +226,16 @@ class FlatAdamW:
         In fp64 the order-dependent part is ~1e-16, far below one fp32 ulp. The reduction stays
         memory-bound (one read of the gradients)."""
         buf = self.buffer
-        pieces = self._owned_grads()
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in pieces]).square().sum()
-        if buf.sharded:  # each rank holds disjoint pieces: their squares add up over the group
+        pieces = self._owned_grads(self.norm_skip)
+        if pieces:
+            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in pieces]).square().sum()
+        else:
+            sq = torch.zeros((), dtype=torch.float64, device=buf.device)
+        groups = ((buf.dp_group,) if buf.sharded else ()) + self.norm_groups
+        if groups:  # each rank holds disjoint pieces: their squares add up over the groups
             sq = sq.reshape(1)
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=buf.dp_group)
+            for group in groups:
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
         norm = sq.sqrt().float().reshape(())
         if max_norm and max_norm > 0:
             self._coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -220,7 +251,7 @@ class FlatAdamW:
         fn = _compiled_update() if self.compiled else adamw_master_update_
         buf = self.buffer
         for g in self.param_groups:
-            pieces = buf.update_pieces(g["class"])
+            pieces = [piece for cls in g["classes"] for piece in buf.update_pieces(cls)]
             if not pieces:
                 continue
             b1, b2 = g["betas"]
@@ -287,7 +318,7 @@ class FlatAdamW:
                     state[i] = {"step": torch.tensor(float(self.step_count)), "exp_avg": m[i], "exp_avg_sq": v[i]}
                 idx.append(i)
                 i += 1
-            groups.append({**{k: val for k, val in g.items() if k not in ("params", "class")}, "params": idx})
+            groups.append({**{k: val for k, val in g.items() if k not in ("params", "classes")}, "params": idx})
         masters, i = [], 0
         for g in self.param_groups:
             masters.append([master[i + j] for j in range(len(g["params"]))])
@@ -304,7 +335,7 @@ class FlatAdamW:
         buf, steps = self.buffer, set()
         for gi, (saved, mine) in enumerate(zip(groups, self.param_groups)):
             for k, val in saved.items():
-                if k not in ("params", "class"):
+                if k not in ("params", "classes", "class"):
                     mine[k] = tuple(val) if k == "betas" else val
             for j, (pid, p) in enumerate(zip(saved["params"], mine["params"])):
                 st = sd["state"].get(pid, sd["state"].get(str(pid)))
