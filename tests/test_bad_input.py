@@ -26,7 +26,7 @@ import torch
 from conftest import hpcmeg_cmd
 from hpcmeg.checkpoint.store import CheckpointWarning, file_crc32, save_checkpoint
 from hpcmeg.megatron.names import MANIFEST_FILENAME, SHARD_FILENAME, TRACKER_FILENAME, iter_dirname
-from test_trainer import SMALL, TINY, stdlib_dataset
+from helpers import SMALL, TINY_RECIPE as TINY, stdlib_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")

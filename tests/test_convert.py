@@ -7,93 +7,19 @@ Also the shared tiny-run helpers (`make_run`, `hf_logits`) that test_reshard.py 
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import zipfile
 
 import pytest
 import torch
 
+from helpers import (FFN, HEADS, LAYERS, OFFLINE_ENV, POS, VOCAB, H, converter_script, hf_logits, make_run,  # noqa: F401
+                     offline_hub_with_gpt2_tokenizer, real_tokens, rel_err)
 from hpcmeg.cli import main as hpcmeg_main
-from hpcmeg.megatron.layout import pad_vocab_size
-from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
-from hpcmeg.checkpoint.store import save_checkpoint
-from hpcmeg.megatron.args import make_checkpoint_dict, make_megatron_args
-from hpcmeg.megatron.layout import to_megatron_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 50257  # the embedded GPT-2 tokenizer
-LAYERS, H, HEADS, FFN, POS = 4, 32, 4, 96, 64
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-# last transformers release whose wheel ships models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py
-CONVERTER_WHEEL = "transformers==4.46.3"
-CONVERTER_REL = "transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py"
-
-
-def tiny_model(seed: int = 0) -> GPT:
-    """A 4-layer GPT with the GPT-2 vocabulary; LayerNorms and biases randomized so that every
-    mapping (including bias reordering) is exercised, not just the zero/one init."""
-    torch.manual_seed(seed)
-    cfg = GPTConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-                    max_position_embeddings=POS, padded_vocab_size=pad_vocab_size(VOCAB, 128, 1),
-                    hidden_dropout=0.0, attention_dropout=0.0)
-    m = GPT(cfg)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "layernorm" in n and n.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif n.endswith("bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-    return m.eval()
-
-
-def make_run(ckpt_dir: str, iterations=(10,), seed: int = 0) -> GPT:
-    """Save a TP1 PP1 hpcmeg checkpoint (as the trainer does) at each iteration; returns the model
-    of the last one. The recipe in the checkpoint names the embedded GPT-2 tokenizer."""
-    recipe = {"data": {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": None, "merge_file": None,
-                       "tokenizer_model": None},
-              "model": {"num_layers": LAYERS, "hidden_size": H, "num_attention_heads": HEADS, "ffn_hidden_size": FFN,
-                        "max_position_embeddings": POS, "hidden_dropout": 0.0, "attention_dropout": 0.0},
-              "parallel": {"tensor": 1, "pipeline": 1}}
-    for k, it in enumerate(iterations):
-        m = tiny_model(seed + k)
-        args = make_megatron_args(padded_vocab_size=m.cfg.padded_vocab_size, orig_vocab_size=VOCAB, hidden_size=H,
-                                  num_layers=LAYERS, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-                                  max_position_embeddings=POS, hidden_dropout=0.0, attention_dropout=0.0,
-                                  consumed_train_samples=it * 8, iteration=it)
-        ck = make_checkpoint_dict(args=args, iteration=it, model=to_megatron_model(m.state_dict(), True, 1),
-                                  optimizer=None, opt_param_scheduler=None, rng_state=None, recipe=recipe)
-        save_checkpoint(ckpt_dir, it, ck, tp_rank=0, pp_rank=0, tp_size=1, pp_size=1, is_shard_writer=True,
-                        barrier=lambda: None, is_global_rank0=True)
-    return m
-
-
-def real_tokens(n: int = 2, length: int = 40) -> torch.Tensor:
-    """Token ids of real text (the stdlib's json/__init__.py) with the embedded GPT-2 tokenizer."""
-    from hpcmeg.data.tokenizer import build_tokenizer
-
-    text = open(json.__file__, encoding="utf-8").read()
-    ids = build_tokenizer().encode(text)
-    return torch.tensor([ids[i * length:(i + 1) * length] for i in range(n)])
-
-
-def hf_logits(out_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import GPT2LMHeadModel
-
-    hf = GPT2LMHeadModel.from_pretrained(out_dir).eval()
-    with torch.no_grad():
-        return hf(tokens).logits
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("conv")
@@ -253,53 +179,11 @@ def test_all_is_all_or_nothing(run, tmp_path, capsys):
 
 # ------------------------------------------------------------------- transformers' own converter
 
-def _converter_script(cache_dir: str) -> str:
-    """transformers' convert_megatron_gpt2_checkpoint.py: from the installed package when it ships
-    it (transformers <= 4.46), else extracted from that release's wheel fetched with pip (PyPI)."""
-    spec = importlib.util.find_spec("transformers")
-    installed = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), CONVERTER_REL)
-    if os.path.isfile(installed):
-        return installed
-    target = os.path.join(cache_dir, CONVERTER_WHEEL.replace("==", "-"), os.path.basename(CONVERTER_REL))
-    if os.path.isfile(target):
-        return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
-                        "-d", os.path.dirname(target), CONVERTER_WHEEL], capture_output=True, text=True, timeout=600)
-    wheels = [f for f in os.listdir(os.path.dirname(target)) if f.endswith(".whl")]
-    if r.returncode != 0 or not wheels:
-        pytest.skip(f"transformers' Megatron converter is not installed and pip could not fetch {CONVERTER_WHEEL}: "
-                    f"{r.stderr.strip()[-300:]}")
-    with zipfile.ZipFile(os.path.join(os.path.dirname(target), wheels[0])) as z:
-        data = z.read(CONVERTER_REL)
-    with open(target + ".partial", "wb") as f:
-        f.write(data)
-    os.replace(target + ".partial", target)
-    os.remove(os.path.join(os.path.dirname(target), wheels[0]))
-    return target
-
-
-def _offline_hub_with_gpt2_tokenizer(hub: str, files_from: str) -> None:
-    """An HF hub cache holding 'openai-community/gpt2' (the tokenizer the script asks for) made from
-    hpcmeg's own GPT-2 tokenizer files, so the script runs with HF_HUB_OFFLINE=1."""
-    repo = os.path.join(hub, "models--openai-community--gpt2")
-    commit = "0" * 40
-    snap = os.path.join(repo, "snapshots", commit)
-    os.makedirs(snap)
-    os.makedirs(os.path.join(repo, "refs"))
-    with open(os.path.join(repo, "refs", "main"), "w") as f:
-        f.write(commit)
-    for n in ("config.json", "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json"):
-        with open(os.path.join(files_from, n), "rb") as a, open(os.path.join(snap, n), "wb") as b:
-            b.write(a.read())
-
-
 def test_transformers_converter_agrees(run, tmp_path):
     from safetensors.torch import load_file
 
     cache = os.environ.get("HPCMEG_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "hpcmeg"))
-    script = _converter_script(cache)
+    script = converter_script(cache)
     ours_dir = str(tmp_path / "ours")
     assert hpcmeg_main(["convert", run["ckpt"], ours_dir]) == 0
     ours = load_file(os.path.join(ours_dir, "model.safetensors"))
@@ -309,7 +193,7 @@ def test_transformers_converter_agrees(run, tmp_path):
     src = os.path.join(run["ckpt"], "iter_0000010", "mp_rank_00", "model_optim_rng.pt")
     (work / "model_optim_rng.pt").write_bytes(open(src, "rb").read())
     hub = str(tmp_path / "hub")
-    _offline_hub_with_gpt2_tokenizer(hub, ours_dir)
+    offline_hub_with_gpt2_tokenizer(hub, ours_dir)
     # older script versions call torch.load with the default weights_only=True (torch >= 2.6), which
     # refuses argparse.Namespace; allow-listing it is the documented fix and needs no hpcmeg import
     wrapper = ("import argparse, runpy, sys, torch\n"

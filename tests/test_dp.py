@@ -18,7 +18,7 @@ import torch
 
 from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.train.metrics import read_metrics
-from test_trainer import SMALL, TINY, stdlib_dataset  # noqa: E402  (shared helpers)
+from helpers import SMALL, TINY_RECIPE as TINY, stdlib_dataset
 
 pytestmark = pytest.mark.dist
 

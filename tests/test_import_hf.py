@@ -16,7 +16,7 @@ from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.megatron.names import read_tracker
-from test_convert import VOCAB, real_tokens, rel_err
+from helpers import VOCAB, real_tokens, rel_err
 
 LAYERS, H, HEADS, POS = 4, 48, 4, 64
 

@@ -39,15 +39,16 @@ def test_sizes_batch_and_model_fit():
 
 
 def test_not_implemented_layouts_are_refused_until_they_land():
-    assert keys(ParallelDims(4, tp=2).problems()) == ["parallel.tensor"]
+    assert ParallelDims(4, tp=2, sequence_parallel=True).problems() == []  # tensor parallelism has landed
     assert keys(ParallelDims(4, pp=2).problems()) == ["parallel.pipeline"]
-    assert ParallelDims(4, tp=2).problems(check_implemented=False) == []
+    assert ParallelDims(4, pp=2).problems(check_implemented=False) == []
     assert set(NOT_IMPLEMENTED) <= {"parallel.tensor", "parallel.pipeline", "parallel.virtual_pipeline",
                                     "parallel.sequence_parallel"}
 
 
 @pytest.mark.parametrize("sets,key", [
-    (["parallel.tensor=2", "cluster.cpu_tasks_per_node=2"], "parallel.tensor"),
+    (["parallel.tensor=2", "cluster.cpu_tasks_per_node=2", "model.num_attention_heads=3", "model.hidden_size=126"],
+     "model.num_attention_heads"),
     (["parallel.pipeline=2", "cluster.cpu_tasks_per_node=2"], "parallel.pipeline"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
     (["cluster.cpu_tasks_per_node=3"], "train.global_batch_size"),
@@ -61,10 +62,10 @@ def test_validate_gives_one_line_naming_the_key(sets, key):
     assert key in line
 
 
-def test_validate_cli_refuses_tensor_parallel_before_anything_runs():
-    r = subprocess.run([sys.executable, "-m", "hpcmeg.cli", "validate", TINY, "--set", "parallel.tensor=2",
+def test_validate_cli_refuses_pipeline_parallel_before_anything_runs():
+    r = subprocess.run([sys.executable, "-m", "hpcmeg.cli", "validate", TINY, "--set", "parallel.pipeline=2",
                         "--set", "cluster.cpu_tasks_per_node=2"], capture_output=True, text=True, cwd=REPO)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "parallel.tensor" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "parallel.pipeline" in r.stderr
     assert "not implemented" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -16,7 +16,7 @@ from hpcmeg.model import ops
 from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.megatron.layout import from_megatron_model
 from hpcmeg.megatron.names import read_tracker
-from test_convert import FFN, H, HEADS, LAYERS, VOCAB, make_run, real_tokens, rel_err
+from helpers import FFN, HEADS, LAYERS, VOCAB, H, make_run, real_tokens, rel_err
 
 WE = "embedding.word_embeddings.weight"
 
@@ -176,7 +176,7 @@ def test_trainer_optimizer_state_resharded_resume_is_exact(tmp_path):
     from hpcmeg.megatron.args import make_checkpoint_dict, make_megatron_args
     from hpcmeg.megatron.layout import to_megatron_model
     from hpcmeg.train.optim import param_groups
-    from test_convert import POS, tiny_model
+    from helpers import POS, tiny_model
 
     def step(model, opt, tokens):
         loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()

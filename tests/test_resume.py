@@ -22,7 +22,7 @@ from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_OK, EXIT_REQUEUE
 from hpcmeg.train.entry import train
 from hpcmeg.train.metrics import read_metrics
-from test_trainer import TINY, run_dir, small_recipe, stdlib_dataset  # noqa: E402  (shared helpers)
+from helpers import SMALL, TINY_RECIPE as TINY, run_dir, small_recipe, stdlib_dataset
 
 N = 10
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", f"train.train_iters={N}", "train.eval_interval=4"]
@@ -111,7 +111,6 @@ def test_exit_interval_then_resume_is_exact(straight):
 def test_sigterm_then_resume_is_exact(straight):
     prefix, out, rd_ref = straight
     sets = [f"run.output_root={out}", "run.name=signalled", f"data.data_path=[{prefix}]"]
-    from test_trainer import SMALL
 
     cmd = [sys.executable, "-m", "hpcmeg.cli", "train", TINY]
     for s in sets + SMALL + DROPOUT:

@@ -7,12 +7,10 @@ vocabulary stays GPT-2's 50,304 rows, which dominates the cost.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,40 +21,7 @@ from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK
 from hpcmeg.train.entry import train
 from hpcmeg.train.metrics import read_metrics
 
-TINY = "recipes/codeparrot_tiny.yaml"
-EOD = 50256
-
-
-def stdlib_dataset(directory, n_files: int = 120) -> str:
-    """Tokenize the first n_files stdlib modules (sorted, tests excluded) into <dir>/stdlib.{bin,idx}."""
-    from hpcmeg.data.corpus import iter_stdlib_sources
-    from hpcmeg.data.indexed import IndexedDatasetBuilder
-    from hpcmeg.data.tokenizer import build_tokenizer
-
-    prefix = os.path.join(str(directory), f"stdlib{n_files}")
-    if os.path.exists(prefix + ".idx"):
-        return prefix
-    os.makedirs(str(directory), exist_ok=True)
-    tok = build_tokenizer()
-    b = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
-    for _, text in itertools.islice(iter_stdlib_sources(include_tests=False), n_files):
-        ids = tok.encode(text) + [EOD]
-        b.add_document(ids, [len(ids)])
-    b.finalize(prefix + ".idx")
-    return prefix
-
-
-SMALL = ["data.split=949,50,0", "data.seq_length=32", "model.num_layers=2", "model.hidden_size=32",
-         "model.num_attention_heads=2", "model.max_position_embeddings=32", "train.micro_batch_size=2",
-         "train.global_batch_size=4", "train.train_iters=8", "train.lr_warmup_iters=2", "train.log_interval=1",
-         "train.eval_interval=4", "train.eval_iters=1", "checkpoint.save_interval=0",
-         "cluster.cpu_tasks_per_node=1"]
-
-
-def small_recipe(out, prefix, *overrides, name="t"):
-    """The tiny recipe shrunk for tests, reading `prefix`, writing under `out`."""
-    return load_recipe(TINY, [f"run.output_root={out}", f"run.name={name}", f"data.data_path=[{prefix}]",
-                              *SMALL, *overrides])
+from helpers import SMALL, TINY_RECIPE as TINY, run_dir, small_recipe, stdlib_dataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +37,6 @@ def one_thread(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def run_dir(r) -> str:
-    return os.path.join(r.run.output_root, r.run.name)
 
 
 def test_it_learns_fast(dataset, tmp_path):

@@ -1,0 +1,194 @@
+"""Helpers shared by the test modules (tests import this module, never each other).
+
+- Training: TINY_RECIPE (the tiny recipe's path), SMALL (overrides that shrink it for a CPU test),
+  stdlib_dataset (real Python stdlib sources tokenized with the GPT-2 BPE into .bin/.idx),
+  small_recipe, run_dir, free_port, torchrun_cmd.
+- Conversion: real_tokens (ids of real text), hf_logits (a converted directory's logits), rel_err,
+  OFFLINE_ENV, converter_script / offline_hub_with_gpt2_tokenizer (transformers' own Megatron GPT-2
+  converter, run offline).
+- Conversion models: VOCAB, LAYERS, H, HEADS, FFN, POS, tiny_model (a GPT with randomised
+  LayerNorms and biases), make_run (TP1 PP1 checkpoints of it, as the trainer saves them).
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from hpcmeg.checkpoint.store import save_checkpoint
+from hpcmeg.megatron.args import make_checkpoint_dict, make_megatron_args
+from hpcmeg.megatron.layout import pad_vocab_size, to_megatron_model
+from hpcmeg.model.config import GPTConfig
+from hpcmeg.model.gpt import GPT
+from hpcmeg.recipe import load_recipe
+
+TINY_RECIPE = "recipes/codeparrot_tiny.yaml"
+EOD = 50256
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# last transformers release whose wheel ships models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py
+CONVERTER_WHEEL = "transformers==4.46.3"
+CONVERTER_REL = "transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py"
+CONVERTER_WHEEL = "transformers==4.46.3"
+CONVERTER_REL = "transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py"
+
+
+SMALL = ["data.split=949,50,0", "data.seq_length=32", "model.num_layers=2", "model.hidden_size=32",
+         "model.num_attention_heads=2", "model.max_position_embeddings=32", "train.micro_batch_size=2",
+         "train.global_batch_size=4", "train.train_iters=8", "train.lr_warmup_iters=2", "train.log_interval=1",
+         "train.eval_interval=4", "train.eval_iters=1", "checkpoint.save_interval=0",
+         "cluster.cpu_tasks_per_node=1"]
+
+
+def stdlib_dataset(directory, n_files: int = 120) -> str:
+    """Tokenize the first n_files stdlib modules (sorted, tests excluded) into <dir>/stdlib.{bin,idx}."""
+    from hpcmeg.data.corpus import iter_stdlib_sources
+    from hpcmeg.data.indexed import IndexedDatasetBuilder
+    from hpcmeg.data.tokenizer import build_tokenizer
+
+    prefix = os.path.join(str(directory), f"stdlib{n_files}")
+    if os.path.exists(prefix + ".idx"):
+        return prefix
+    os.makedirs(str(directory), exist_ok=True)
+    tok = build_tokenizer()
+    b = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for _, text in itertools.islice(iter_stdlib_sources(include_tests=False), n_files):
+        ids = tok.encode(text) + [EOD]
+        b.add_document(ids, [len(ids)])
+    b.finalize(prefix + ".idx")
+    return prefix
+
+
+def small_recipe(out, prefix, *overrides, name="t"):
+    """The tiny recipe shrunk for tests, reading `prefix`, writing under `out`."""
+    return load_recipe(TINY_RECIPE, [f"run.output_root={out}", f"run.name={name}", f"data.data_path=[{prefix}]",
+                              *SMALL, *overrides])
+
+
+def run_dir(r) -> str:
+    return os.path.join(r.run.output_root, r.run.name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    """`python -m torch.distributed.run` with nproc local ranks on a free port, running hpcmeg.cli ARGS."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), "-m", "hpcmeg.cli", *args]
+
+
+def real_tokens(n: int = 2, length: int = 40) -> torch.Tensor:
+    """Token ids of real text (the stdlib's json/__init__.py) with the embedded GPT-2 tokenizer."""
+    from hpcmeg.data.tokenizer import build_tokenizer
+
+    text = open(json.__file__, encoding="utf-8").read()
+    ids = build_tokenizer().encode(text)
+    return torch.tensor([ids[i * length:(i + 1) * length] for i in range(n)])
+
+
+def hf_logits(out_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(out_dir).eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def converter_script(cache_dir: str) -> str:
+    """transformers' convert_megatron_gpt2_checkpoint.py: from the installed package when it ships
+    it (transformers <= 4.46), else extracted from that release's wheel fetched with pip (PyPI)."""
+    spec = importlib.util.find_spec("transformers")
+    installed = os.path.join(os.path.dirname(os.path.dirname(spec.origin)), CONVERTER_REL)
+    if os.path.isfile(installed):
+        return installed
+    target = os.path.join(cache_dir, CONVERTER_WHEEL.replace("==", "-"), os.path.basename(CONVERTER_REL))
+    if os.path.isfile(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
+                        "-d", os.path.dirname(target), CONVERTER_WHEEL], capture_output=True, text=True, timeout=600)
+    wheels = [f for f in os.listdir(os.path.dirname(target)) if f.endswith(".whl")]
+    if r.returncode != 0 or not wheels:
+        pytest.skip(f"transformers' Megatron converter is not installed and pip could not fetch {CONVERTER_WHEEL}: "
+                    f"{r.stderr.strip()[-300:]}")
+    with zipfile.ZipFile(os.path.join(os.path.dirname(target), wheels[0])) as z:
+        data = z.read(CONVERTER_REL)
+    with open(target + ".partial", "wb") as f:
+        f.write(data)
+    os.replace(target + ".partial", target)
+    os.remove(os.path.join(os.path.dirname(target), wheels[0]))
+    return target
+
+
+def offline_hub_with_gpt2_tokenizer(hub: str, files_from: str) -> None:
+    """An HF hub cache holding 'openai-community/gpt2' (the tokenizer the script asks for) made from
+    hpcmeg's own GPT-2 tokenizer files, so the script runs with HF_HUB_OFFLINE=1."""
+    repo = os.path.join(hub, "models--openai-community--gpt2")
+    commit = "0" * 40
+    snap = os.path.join(repo, "snapshots", commit)
+    os.makedirs(snap)
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(commit)
+    for n in ("config.json", "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json"):
+        with open(os.path.join(files_from, n), "rb") as a, open(os.path.join(snap, n), "wb") as b:
+            b.write(a.read())
+
+
+VOCAB = 50257  # the embedded GPT-2 tokenizer
+LAYERS, H, HEADS, FFN, POS = 4, 32, 4, 96, 64
+
+
+def tiny_model(seed: int = 0) -> GPT:
+    """A 4-layer GPT with the GPT-2 vocabulary; LayerNorms and biases randomized so that every
+    mapping (including bias reordering) is exercised, not just the zero/one init."""
+    torch.manual_seed(seed)
+    cfg = GPTConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                    max_position_embeddings=POS, padded_vocab_size=pad_vocab_size(VOCAB, 128, 1),
+                    hidden_dropout=0.0, attention_dropout=0.0)
+    m = GPT(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "layernorm" in n and n.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    return m.eval()
+
+
+def make_run(ckpt_dir: str, iterations=(10,), seed: int = 0) -> GPT:
+    """Save a TP1 PP1 hpcmeg checkpoint (as the trainer does) at each iteration; returns the model
+    of the last one. The recipe in the checkpoint names the embedded GPT-2 tokenizer."""
+    recipe = {"data": {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": None, "merge_file": None,
+                       "tokenizer_model": None},
+              "model": {"num_layers": LAYERS, "hidden_size": H, "num_attention_heads": HEADS, "ffn_hidden_size": FFN,
+                        "max_position_embeddings": POS, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+              "parallel": {"tensor": 1, "pipeline": 1}}
+    for k, it in enumerate(iterations):
+        m = tiny_model(seed + k)
+        args = make_megatron_args(padded_vocab_size=m.cfg.padded_vocab_size, orig_vocab_size=VOCAB, hidden_size=H,
+                                  num_layers=LAYERS, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                                  max_position_embeddings=POS, hidden_dropout=0.0, attention_dropout=0.0,
+                                  consumed_train_samples=it * 8, iteration=it)
+        ck = make_checkpoint_dict(args=args, iteration=it, model=to_megatron_model(m.state_dict(), True, 1),
+                                  optimizer=None, opt_param_scheduler=None, rng_state=None, recipe=recipe)
+        save_checkpoint(ckpt_dir, it, ck, tp_rank=0, pp_rank=0, tp_size=1, pp_size=1, is_shard_writer=True,
+                        barrier=lambda: None, is_global_rank0=True)
+    return m
