@@ -27,8 +27,6 @@ from typing import NamedTuple
 
 # Layouts the train job cannot run yet (removed as each lands): recipe key -> why.
 NOT_IMPLEMENTED = {
-    "parallel.tensor": "tensor parallelism (parallel.tensor > 1) is not implemented in hpcmeg train yet; "
-                       "use parallel.tensor=1 (data parallelism, with parallel.distributed_optimizer for memory)",
     "parallel.pipeline": "pipeline parallelism (parallel.pipeline > 1) is not implemented in hpcmeg train yet; "
                          "use parallel.pipeline=1",
 }
@@ -82,8 +80,6 @@ class ParallelDims:
         if self.vpp > 1 and self.pp == 1:
             p.append(("parallel.virtual_pipeline", "needs parallel.pipeline > 1; remove it or set parallel.pipeline"))
         if check_implemented:
-            if self.tp > 1:
-                p.append(("parallel.tensor", NOT_IMPLEMENTED["parallel.tensor"]))
             if self.pp > 1:
                 p.append(("parallel.pipeline", NOT_IMPLEMENTED["parallel.pipeline"]))
         return p

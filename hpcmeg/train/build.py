@@ -61,9 +61,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(recipe: Recipe, derived: Derived, device: torch.device):
+def build_model(recipe: Recipe, derived: Derived, device: torch.device, ctx, dims: ParallelDims):
+    """(model on `device`, tensor-parallel plan, TP RNG streams or None): the GPT built whole on the
+    CPU with the name-keyed init (the same initial weights whatever the layout), then this rank's
+    tensor-parallel shards cut out of it (hpcmeg/parallel/tensor.py), then moved to the device."""
     from hpcmeg.model.config import GPTConfig
     from hpcmeg.model.gpt import GPT
+    from hpcmeg.parallel.random import RNGStreams
+    from hpcmeg.parallel.tensor import parallelize_tensor
 
     model_cfg = recipe.model
     config = GPTConfig(num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
@@ -74,7 +79,10 @@ def build_model(recipe: Recipe, derived: Derived, device: torch.device):
                        init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device),
                        vocab_size=derived.orig_vocab_size)
     # init keyed by (train.seed, parameter name): the same initial weights whatever the layout
-    return GPT(config, init_seed=recipe.train.seed).to(device)
+    model = GPT(config, init_seed=recipe.train.seed)
+    rng = RNGStreams(recipe.train.seed, ctx.tp_rank, device) if dims.tp > 1 else None
+    plan = parallelize_tensor(model, ctx, sequence_parallel=dims.sequence_parallel, rng=rng)
+    return model.to(device), plan, rng
 
 
 def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
@@ -86,7 +94,7 @@ def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ctx, model):
+def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ctx, model, plan):
     """(buffer, optimizer, loss scaler or None) for this rank."""
     from hpcmeg.parallel.grad_buffer import main_grad_dtype
     from hpcmeg.train.optim import DynamicLossScaler, build_optimizer
@@ -94,9 +102,11 @@ def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ct
     train = recipe.train
     pdt = param_dtype_for(train.precision, ctx.device)
     buffer, optimizer = build_optimizer(
-        model, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-        param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, derived.grad_accum_steps), dp_size=dims.dp,
-        dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=dims.distributed_optimizer)
+        model, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_eps, param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, derived.grad_accum_steps),
+        dp_size=dims.dp, dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=dims.distributed_optimizer,
+        replicated=plan.replicated, partial_grads=plan.partial_grads, tp_size=dims.tp, tp_rank=ctx.tp_rank,
+        tp_group=ctx.tp_group)
     scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale) if train.precision == "fp16" else None
     return buffer, optimizer, scaler
 
@@ -204,8 +214,8 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
             if not os.path.exists(os.path.join(derived.run_dir, "recipe.yaml")):
                 write_resolved(recipe, os.path.join(derived.run_dir, "recipe.yaml"))
         seed_everything(train.seed)
-        model = build_model(recipe, derived, dev)
-        buffer, optimizer, scaler = build_optimizer_for(recipe, derived, dims, ctx, model)
+        model, plan, rng = build_model(recipe, derived, dev, ctx, dims)
+        buffer, optimizer, scaler = build_optimizer_for(recipe, derived, dims, ctx, model, plan)
         step = TrainStep(model, buffer, optimizer, precision=train.precision, grad_clip=train.clip_grad, loss_scaler=scaler,
                          compile=_auto(train.compile, dev), device=dev, dp_size=dims.dp)
         train_ds, valid_ds, _ = (vocab_checked(recipe, derived, ds) for ds in
@@ -229,18 +239,21 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
                           loss_scaler=scaler, step=step, train_dataset=train_ds, eval_set=evals, metrics=metrics,
                           throughput=Throughput(fpt, derived.tokens_per_iteration, ctx.world_size, peak),
                           megatron_args=megatron_args_fn(recipe, derived, dims), recipe_dict=to_dict(recipe), stop=stop,
-                          on_step_time=on_step_time, on_save_time=on_save_time, exit_interval=exit_interval)
+                          on_step_time=on_step_time, on_save_time=on_save_time, exit_interval=exit_interval,
+                          rng_streams=rng)
         resumed = resume(trainer, recipe, derived, ctx)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         metrics.write({"kind": "start", "iteration": trainer.state.iteration, "world_size": ctx.world_size,
-                       "data_parallel_size": ctx.dp_size, "grad_accum_steps": derived.grad_accum_steps,
+                       "data_parallel_size": ctx.dp_size, "tensor_parallel_size": ctx.tp_size,
+                       "sequence_parallel": plan.sequence_parallel, "grad_accum_steps": derived.grad_accum_steps,
                        "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
                        "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
                        "fused": model.cfg.fused, "compile": step.compile, "optimizer": optimizer.name,
                        "n_params": n_params, "flops_per_token": fpt,
                        "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
                        "recipe": recipe.source, "start": resumed})
-        metrics.print(f"hpcmeg train: {recipe.run.name} | {ctx.world_size} process(es) on {name} | DP {ctx.dp_size} x "
+        tp = "" if ctx.tp_size == 1 else f"TP {ctx.tp_size}{' + SP' if plan.sequence_parallel else ''} x "
+        metrics.print(f"hpcmeg train: {recipe.run.name} | {ctx.world_size} process(es) on {name} | {tp}DP {ctx.dp_size} x "
                       f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
                       f"{n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused} | "
                       f"compile {step.compile} | {optimizer.name} | {resumed}")

@@ -25,7 +25,8 @@ Contract
 - Checkpoints: Megatron legacy layout via hpcmeg/checkpoint/store.py (args namespace, nested model,
   optimizer {optimizer, grad_scaler} (gathered from every data-parallel shard: the same layout with
   or without the distributed optimizer, so a run resumes at any DP size), opt_param_scheduler,
-  rng_state [one entry: all DP ranks share the seed, so rank 0's RNG state is everyone's], the
+  rng_state [one entry per shard file: all DP ranks share the seed, so dp rank 0's RNG state is
+  everyone's; with TP each shard's entry carries its rank's TP stream in rng_tracker_states], the
   resolved recipe, consumed samples).
   `load_state(ckpt)` restores all of it; `load_weights(ckpt)` only the model (a 'release' start).
 - Exactness on CPU: data order is a function of consumed samples, dropout draws come from the
@@ -91,7 +92,8 @@ class Trainer:
                  train_dataset, eval_set, metrics, throughput, megatron_args: Callable[[TrainState], object],
                  recipe_dict: dict, stop: Callable[[], str | None] = lambda: None,
                  on_step_time: Callable[[float], None] = lambda s: None,
-                 on_save_time: Callable[[float], None] = lambda s: None, exit_interval: int | None = None):
+                 on_save_time: Callable[[float], None] = lambda s: None, exit_interval: int | None = None,
+                 rng_streams=None):
         self.config, self.ctx = config, ctx
         self.model, self.optimizer = model, optimizer
         self.schedule, self.loss_scaler, self.step = schedule, loss_scaler, step
@@ -100,6 +102,7 @@ class Trainer:
         self.megatron_args, self.recipe_dict = megatron_args, recipe_dict
         self.stop, self.on_step_time, self.on_save_time = stop, on_step_time, on_save_time
         self.exit_interval = exit_interval
+        self.rng_streams = rng_streams  # the TP stream (hpcmeg/parallel/random.py), None at TP 1
         self.state = TrainState()
         self._pending = None  # async checkpoint handle
         self._last_saved = None
@@ -283,7 +286,7 @@ class Trainer:
         return make_checkpoint_dict(
             args=self.megatron_args(state), iteration=state.iteration,
             model=to_megatron_model(self.model.state_dict(), is_last_stage=True, pp_size=1),
-            optimizer=opt, opt_param_scheduler=self.schedule.state_dict(), rng_state=[capture_rng_state()],
+            optimizer=opt, opt_param_scheduler=self.schedule.state_dict(), rng_state=[capture_rng_state(self.rng_streams.state_dict() if self.rng_streams else None)],
             recipe=self.recipe_dict,
             data_state={"consumed_train_samples": state.consumed_train_samples,
                         "consumed_valid_samples": state.consumed_valid_samples})
@@ -332,7 +335,9 @@ class Trainer:
         self.schedule.load_state_dict(state["opt_param_scheduler"])
         rng = state.get("rng_state")
         if rng:
-            restore_rng_state(rng[0])
+            tracker = restore_rng_state(rng[0])
+            if self.rng_streams is not None:
+                self.rng_streams.load_state_dict(tracker)
         data = (state.get("hpcmeg") or {}).get("data_state") or {}
         args = state.get("args")
         self.state = TrainState(
