@@ -84,15 +84,21 @@ def make_scheduler_state(**fields: Any) -> dict[str, Any]:
     return {k: fields[k] for k in _SCHED_KEYS}
 
 
-def make_checkpoint_dict(*, args: argparse.Namespace, iteration: int, model: dict[str, Any],
+def make_checkpoint_dict(*, args: argparse.Namespace, iteration: int, model: dict[str, Any] | list[dict[str, Any]],
                          optimizer: dict[str, Any] | None, opt_param_scheduler: dict[str, Any] | None,
                          rng_state: list[dict[str, Any]] | None, recipe: dict[str, Any] | None = None,
                          data_state: Any = None, extra: Any = None) -> dict[str, Any]:
-    """The dict saved as model_optim_rng.pt; `model` is the nested dict from to_megatron_model."""
-    if "language_model" not in model:
+    """The dict saved as model_optim_rng.pt; `model` is the nested dict from to_megatron_model, or a
+    list of them, one per virtual-pipeline chunk: saved as Megatron does, "model0" .. "model{V-1}"
+    (a list of one is "model")."""
+    models = model if isinstance(model, list) else [model]
+    if not models or any("language_model" not in m for m in models):
         raise ValueError("model must be the nested Megatron dict (use to_megatron_model on the flat state dict)")
-    ckpt: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration),
-                            "model": model}
+    ckpt: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration)}
+    if len(models) == 1:
+        ckpt["model"] = models[0]
+    else:
+        ckpt.update({f"model{v}": m for v, m in enumerate(models)})
     if optimizer is not None:
         ckpt["optimizer"] = optimizer
     if opt_param_scheduler is not None:
@@ -101,3 +107,14 @@ def make_checkpoint_dict(*, args: argparse.Namespace, iteration: int, model: dic
         ckpt["rng_state"] = rng_state
     ckpt["hpcmeg"] = {"recipe": recipe, "data_state": data_state, "extra": extra}
     return ckpt
+
+
+def checkpoint_models(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The nested model dicts of a loaded shard: [state["model"]], or the virtual-pipeline chunks
+    [state["model0"], state["model1"], ...] in chunk order."""
+    if "model" in state:
+        return [state["model"]]
+    chunks = sorted((int(k[len("model"):]), v) for k, v in state.items() if k.startswith("model") and k[5:].isdigit())
+    if not chunks or [i for i, _ in chunks] != list(range(len(chunks))):
+        raise KeyError("the checkpoint has no 'model' entry (nor 'model0', 'model1', ... of a virtual pipeline)")
+    return [v for _, v in chunks]

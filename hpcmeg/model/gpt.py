@@ -194,20 +194,22 @@ class GPT(nn.Module):
         """tokens [b, s] (first chunk) or hidden_states [b, s, h] (later pipeline chunks) -> logits
         [b, s, V] (labels None), per-token loss fp32 [b, s] (labels given), or the hidden state
         [b, s, h] (a chunk without the output layer)."""
-        if self.embedding is not None:
-            s = tokens.shape[1]
-            if s > self.cfg.max_position_embeddings:
-                raise ValueError(f"GPT.forward: sequence length {s} > max_position_embeddings="
-                                 f"{self.cfg.max_position_embeddings}; shorten the sequence or raise the config")
-            if position_ids is None:
-                position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
-            x = self.embedding(tokens, position_ids)
-            dev = tokens.device.type
-            if not self.cfg.fp32_residual_connection and torch.is_autocast_enabled(dev):
-                x = x.to(torch.get_autocast_dtype(dev))  # bf16 residual stream (Megatron's default)
-        else:
-            x = hidden_states
+        x = self.embed(tokens, position_ids) if self.embedding is not None else hidden_states
         h = self.encoder(x)
         if self.head is None:
             return h
         return self.head(h, self.output_weight(), labels)
+
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> the residual stream entering layer 0, [b, s, h] (first chunk only)."""
+        s = tokens.shape[1]
+        if s > self.cfg.max_position_embeddings:
+            raise ValueError(f"GPT.forward: sequence length {s} > max_position_embeddings="
+                             f"{self.cfg.max_position_embeddings}; shorten the sequence or raise the config")
+        if position_ids is None:
+            position_ids = torch.arange(s, device=tokens.device).unsqueeze(0)
+        x = self.embedding(tokens, position_ids)
+        dev = tokens.device.type
+        if not self.cfg.fp32_residual_connection and torch.is_autocast_enabled(dev):
+            x = x.to(torch.get_autocast_dtype(dev))  # bf16 residual stream (Megatron's default)
+        return x

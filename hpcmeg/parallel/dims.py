@@ -25,11 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-# Layouts the train job cannot run yet (removed as each lands): recipe key -> why.
-NOT_IMPLEMENTED = {
-    "parallel.pipeline": "pipeline parallelism (parallel.pipeline > 1) is not implemented in hpcmeg train yet; "
-                         "use parallel.pipeline=1",
-}
+# Layouts the train job cannot run yet (removed as each lands): recipe key -> why. Empty: every
+# layout of tensor x pipeline (x virtual pipeline) x data parallelism runs.
+NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 class Coords(NamedTuple):
@@ -80,8 +78,7 @@ class ParallelDims:
         if self.vpp > 1 and self.pp == 1:
             p.append(("parallel.virtual_pipeline", "needs parallel.pipeline > 1; remove it or set parallel.pipeline"))
         if check_implemented:
-            if self.pp > 1:
-                p.append(("parallel.pipeline", NOT_IMPLEMENTED["parallel.pipeline"]))
+            p += [(key, why) for key, why in NOT_IMPLEMENTED.items()]
         return p
 
     def batch_problems(self, global_batch: int, micro_batch: int, ranks: str = "ranks") -> list[tuple[str, str]]:
@@ -95,6 +92,11 @@ class ParallelDims:
                      f"{global_batch} is not divisible by train.micro_batch_size={micro_batch} x data-parallel size "
                      f"{self.dp} (= {self.world} {ranks} / (TP {self.tp} x PP {self.pp})); use a multiple of "
                      f"{per_step}, e.g. {good}")]
+        if self.pp > 1 and self.vpp > 1:  # the interleaved schedule's micro-batch rule (Megatron's)
+            from hpcmeg.parallel.pipeline.schedule import validate_schedule  # pure, no torch
+
+            return [("train.global_batch_size", line)
+                    for line in validate_schedule(self.pp, self.vpp, global_batch // per_step)]
         return []
 
     def model_problems(self, *, num_layers: int, num_attention_heads: int, ffn_hidden_size: int,

@@ -61,28 +61,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(recipe: Recipe, derived: Derived, device: torch.device, ctx, dims: ParallelDims):
-    """(model on `device`, tensor-parallel plan, TP RNG streams or None): the GPT built whole on the
-    CPU with the name-keyed init (the same initial weights whatever the layout), then this rank's
-    tensor-parallel shards cut out of it (hpcmeg/parallel/tensor.py), then moved to the device."""
+def gpt_config(recipe: Recipe, derived: Derived, device: torch.device):
     from hpcmeg.model.config import GPTConfig
-    from hpcmeg.model.gpt import GPT
-    from hpcmeg.parallel.random import RNGStreams
-    from hpcmeg.parallel.tensor import parallelize_tensor
 
     model_cfg = recipe.model
-    config = GPTConfig(num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
-                       num_attention_heads=model_cfg.num_attention_heads, ffn_hidden_size=derived.ffn_hidden_size,
-                       max_position_embeddings=model_cfg.max_position_embeddings,
-                       padded_vocab_size=derived.padded_vocab_size, hidden_dropout=model_cfg.hidden_dropout,
-                       attention_dropout=model_cfg.attention_dropout, layernorm_epsilon=model_cfg.layernorm_epsilon,
-                       init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device),
-                       vocab_size=derived.orig_vocab_size)
-    # init keyed by (train.seed, parameter name): the same initial weights whatever the layout
-    model = GPT(config, init_seed=recipe.train.seed)
-    rng = RNGStreams(recipe.train.seed, ctx.tp_rank, device) if dims.tp > 1 else None
-    plan = parallelize_tensor(model, ctx, sequence_parallel=dims.sequence_parallel, rng=rng)
-    return model.to(device), plan, rng
+    return GPTConfig(num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
+                     num_attention_heads=model_cfg.num_attention_heads, ffn_hidden_size=derived.ffn_hidden_size,
+                     max_position_embeddings=model_cfg.max_position_embeddings,
+                     padded_vocab_size=derived.padded_vocab_size, hidden_dropout=model_cfg.hidden_dropout,
+                     attention_dropout=model_cfg.attention_dropout, layernorm_epsilon=model_cfg.layernorm_epsilon,
+                     init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device),
+                     vocab_size=derived.orig_vocab_size)
 
 
 def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
@@ -97,18 +86,27 @@ def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
 def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ctx, model, plan):
     """(buffer, optimizer, loss scaler or None) for this rank."""
     from hpcmeg.parallel.grad_buffer import main_grad_dtype
-    from hpcmeg.train.optim import DynamicLossScaler, build_optimizer
+    from hpcmeg.train.optim import DynamicLossScaler
+    from hpcmeg.train.rank_model import rank_optimizer
 
     train = recipe.train
     pdt = param_dtype_for(train.precision, ctx.device)
-    buffer, optimizer = build_optimizer(
-        model, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
-        eps=train.adam_eps, param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, derived.grad_accum_steps),
-        dp_size=dims.dp, dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=dims.distributed_optimizer,
-        replicated=plan.replicated, partial_grads=plan.partial_grads, tp_size=dims.tp, tp_rank=ctx.tp_rank,
-        tp_group=ctx.tp_group)
+    # summed over micro batches, ranks or pipeline stages' shared embedding: fp32 (main_grad_dtype)
+    summed = derived.grad_accum_steps * (2 if dims.pp > 1 else 1)
+    buffer, optimizer = rank_optimizer(
+        model, plan, dims, ctx, param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, summed), lr=train.lr,
+        weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
     scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale) if train.precision == "fp16" else None
     return buffer, optimizer, scaler
+
+
+def activation_dtype(recipe: Recipe, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the activations between pipeline stages (the residual stream)."""
+    if param_dtype != torch.float32:
+        return param_dtype
+    if recipe.train.precision in ("bf16", "fp16") and not recipe.model.fp32_residual_connection:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[recipe.train.precision]
+    return torch.float32
 
 
 def megatron_args_fn(recipe: Recipe, derived: Derived, dims: ParallelDims):
@@ -125,7 +123,7 @@ def megatron_args_fn(recipe: Recipe, derived: Derived, dims: ParallelDims):
             attention_dropout=model_cfg.attention_dropout, hidden_dropout=model_cfg.hidden_dropout, init_method_std=model_cfg.init_method_std,
             tokenizer_type=recipe.data.tokenizer_type, vocab_file=recipe.data.vocab_file, merge_file=recipe.data.merge_file,
             tokenizer_model=recipe.data.tokenizer_model, tensor_model_parallel_size=dims.tp,
-            pipeline_model_parallel_size=dims.pp, data_parallel_size=dims.dp, world_size=dims.world,
+            pipeline_model_parallel_size=dims.pp, virtual_pipeline_model_parallel_size=dims.vpp if dims.vpp > 1 else None, data_parallel_size=dims.dp, world_size=dims.world,
             use_distributed_optimizer=dims.distributed_optimizer, sequence_parallel=dims.sequence_parallel,
             micro_batch_size=train.micro_batch_size, global_batch_size=train.global_batch_size,
             fp16=train.precision == "fp16", bf16=train.precision == "bf16", seed=train.seed, lr=train.lr, min_lr=train.min_lr,
@@ -199,7 +197,8 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
     from hpcmeg.train.data import build_datasets, eval_batches, vocab_checked
     from hpcmeg.train.metrics import MetricsLogger, Throughput, peak_flops_for
     from hpcmeg.train.schedule import schedule_from_recipe
-    from hpcmeg.train.step import TrainStep
+    from hpcmeg.model.gpt import GPT
+    from hpcmeg.train.rank_model import rank_model, rank_step
     from hpcmeg.train.trainer import Trainer
 
     dims, derived = runtime_layout(recipe, env.world_size)
@@ -213,16 +212,21 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
             write_resolved(recipe, os.path.join(derived.run_dir, "train_recipe.yaml"))
             if not os.path.exists(os.path.join(derived.run_dir, "recipe.yaml")):
                 write_resolved(recipe, os.path.join(derived.run_dir, "recipe.yaml"))
-        seed_everything(train.seed)
-        model, plan, rng = build_model(recipe, derived, dev, ctx, dims)
+        # Megatron's default stream: the same on every rank of a TP and DP group, one per pipeline stage
+        seed_everything(train.seed + 100 * ctx.pp_rank)
+        # init keyed by (train.seed, parameter name): the same initial weights whatever the layout
+        model, plan, rng = rank_model(gpt_config(recipe, derived, dev), dims, ctx, train.seed, dev)
         buffer, optimizer, scaler = build_optimizer_for(recipe, derived, dims, ctx, model, plan)
-        step = TrainStep(model, buffer, optimizer, precision=train.precision, grad_clip=train.clip_grad, loss_scaler=scaler,
-                         compile=_auto(train.compile, dev), device=dev, dp_size=dims.dp)
+        step = rank_step(model, buffer, optimizer, dims, ctx, micro_batch=train.micro_batch_size,
+                         seq_length=recipe.data.seq_length, act_dtype=activation_dtype(recipe, buffer.param_dtype),
+                         precision=train.precision, grad_clip=train.clip_grad, loss_scaler=scaler,
+                         compile=_auto(train.compile, dev), device=dev)
         train_ds, valid_ds, _ = (vocab_checked(recipe, derived, ds) for ds in
                                  build_datasets(recipe, derived, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
         evals = eval_batches(valid_ds, train.eval_iters if train.eval_interval else 0, train.micro_batch_size,
                              derived.grad_accum_steps, ctx.dp_rank, ctx.dp_size, dev)
-        n_params = model.num_params()
+        with torch.device("meta"):  # the whole model's count (this rank holds a TP/PP part of it), for MFU
+            n_params = GPT(model.cfg, init_seed=0).num_params()
         fpt = flops_per_token(n_params, recipe.model.num_layers, recipe.model.hidden_size, recipe.data.seq_length)
         peak = peak_flops_for(dev)
         if dev.type == "cuda":

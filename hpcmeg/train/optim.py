@@ -41,7 +41,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     dp_size: int = 1, dp_rank: int = 0, dp_group=None, distributed: bool = False,
                     bucket_numel: int | None = None, compiled: bool | None = None,
                     replicated: frozenset = frozenset(), partial_grads: frozenset = frozenset(),
-                    tp_size: int = 1, tp_rank: int = 0, tp_group=None
+                    tp_size: int = 1, tp_rank: int = 0, tp_group=None, tied: frozenset = frozenset(),
+                    embedding_group=None, count_tied_in_norm: bool = True, pp_size: int = 1, pp_group=None
                     ) -> tuple[ParamAndGradBuffer, "FlatAdamW"]:
     """The model's parameters moved into a ParamAndGradBuffer of `param_dtype` (gradients in
     `grad_dtype`, default fp32), and a FlatAdamW over it (sharded over the data-parallel group when
@@ -52,29 +53,41 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
     in the gradient norm on tp_rank 0 only, and the norm's sum of squares is added up over
     `tp_group`. `partial_grads` (a subset: under sequence parallelism each rank's gradient of them is
     a partial sum) are all-reduced over `tp_group` after the data-parallel reduction. Each kind gets
-    its own buffer classes, so both are contiguous runs of the buffer."""
+    its own buffer classes, so both are contiguous runs of the buffer.
+
+    Pipeline parallelism: `tied` holds the word embedding (first stage) or its head copy (last
+    stage); they get a class of their own (the same buckets and slices on both stages, so their
+    gradients can be summed over `embedding_group` after the data-parallel reduction, Megatron's
+    embedding all-reduce) and the copy is left out of the norm where `count_tied_in_norm` is False
+    (the last stage); the sum of squares is added up over `pp_group`."""
     from hpcmeg.parallel.grad_buffer import DEFAULT_BUCKET_NUMEL
 
     def kind(p) -> str:
+        if id(p) in tied:
+            return ".tied"
         return ".partial" if id(p) in partial_grads else ".replicated" if id(p) in replicated else ""
 
     groups = param_groups(model, weight_decay)
     classes, extra = [], []
     for g, name in zip(groups, ("decay", "no_decay")):
         g["classes"] = []
-        for suffix in ("", ".replicated", ".partial"):
+        for suffix in (".tied", "", ".replicated", ".partial"):
             members = [p for p in g["params"] if kind(p) == suffix]
             if members or not suffix:
                 g["classes"].append(name + suffix)
                 classes.append((name + suffix, members))
                 if suffix == ".partial":
                     extra.append((name + suffix, tp_group))
+                if suffix == ".tied":  # None: the default group (the embedding group spans the world)
+                    extra.append((name + suffix, embedding_group))
     buffer = ParamAndGradBuffer(classes, param_dtype=param_dtype, grad_dtype=grad_dtype or torch.float32,
                                 dp_size=dp_size, dp_rank=dp_rank, dp_group=dp_group, shard=distributed,
                                 bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL, extra_reductions=tuple(extra))
-    norm_skip = frozenset(c for c, _ in classes if c.endswith((".replicated", ".partial")) and tp_rank != 0)
+    norm_skip = {c for c, _ in classes if c.endswith((".replicated", ".partial")) and tp_rank != 0}
+    norm_skip |= {c for c, _ in classes if c.endswith(".tied") and not count_tied_in_norm}
+    norm_groups = ((tp_group,) if tp_size > 1 else ()) + ((pp_group,) if pp_size > 1 else ())
     return buffer, FlatAdamW(buffer, groups, lr=lr, betas=betas, eps=eps, compiled=compiled,
-                             norm_skip=norm_skip, norm_groups=(tp_group,) if tp_size > 1 else ())
+                             norm_skip=frozenset(norm_skip), norm_groups=norm_groups)
 
 
 @dataclass

@@ -162,36 +162,57 @@ class TrainStep:
     def launch(self, micro_batches: list) -> PendingStep:
         if not micro_batches:
             raise ValueError("TrainStep.run: micro_batches is empty")
-        fwd = self.forward_module()
         if self.cudagraphs:
             # CUDA graphs: the previous step's outputs are dead (loss read, grads moved to the buffer)
             torch.compiler.cudagraph_mark_step_begin()
-        masks = [mb[2] if len(mb) > 2 else None for mb in micro_batches]
-        # token count of this rank's step, so each micro batch's loss is a share of ONE mean
-        if all(m is None for m in masks):  # a plain number: no host->device copy (a sync) per step
-            n_tok = float(sum(mb[1].numel() for mb in micro_batches))
-        else:
-            n_tok = sum((m.sum() if m is not None else torch.tensor(mb[1].numel()))
-                        for m, mb in zip(masks, micro_batches)).to(self.device, torch.float32)
+        n_tok = self._token_count(micro_batches)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # 1/dp here and a SUM over ranks in the buffer = the mean over ranks (power-of-two dp sizes
         # scale exactly, so DP2 gradients equal DP1 with accumulation 2 bit for bit in fp32)
         factor = scale / (n_tok * self.dp_size)
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self.buffer.start_step(len(micro_batches))
-        for mb, mask in zip(micro_batches, masks):
+        loss_sum = self._forward_backward(micro_batches, factor)
+        self.buffer.finish_grads()
+        return self._apply(loss_sum / n_tok, scale)
+
+    def _token_count(self, micro_batches: list):
+        """Tokens of this rank's step (masked ones excluded), so each micro batch's loss is a share of ONE mean."""
+        masks = [mb[2] if len(mb) > 2 else None for mb in micro_batches]
+        if all(m is None for m in masks):  # a plain number: no host->device copy (a sync) per step
+            return float(sum(mb[1].numel() for mb in micro_batches))
+        return sum((m.sum() if m is not None else torch.tensor(mb[1].numel()))
+                   for m, mb in zip(masks, micro_batches)).to(self.device, torch.float32)
+
+    def _micro_loss(self, per_tok: torch.Tensor, mb) -> torch.Tensor:
+        """The fp32 sum of one micro batch's per-token losses, masked tokens excluded."""
+        if len(mb) > 2 and mb[2] is not None:
+            per_tok = per_tok * mb[2].to(self.device, per_tok.dtype)
+        return per_tok.float().sum()
+
+    def _forward_backward(self, micro_batches: list, factor) -> torch.Tensor:
+        """Every micro batch's forward and backward (the buffer's hooks take the gradients); returns the
+        fp32 sum of this rank's per-token losses."""
+        fwd = self.forward_module()
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for mb in micro_batches:
             tokens = mb[0].to(self.device, non_blocking=True)
             labels = mb[1].to(self.device, non_blocking=True)
             with self.autocast():
                 per_tok = fwd(tokens, labels)
-            if mask is not None:
-                per_tok = per_tok * mask.to(self.device, per_tok.dtype)
-            mb_sum = per_tok.float().sum()
-            (mb_sum * factor).backward()  # the buffer's hooks take the gradients
+            mb_sum = self._micro_loss(per_tok, mb)
+            (mb_sum * factor).backward()
             loss_sum += mb_sum.detach()
-        self.buffer.finish_grads()
-        mean_loss = loss_sum / n_tok
+        return loss_sum
 
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """fp64 [masked loss sum, token count] of one evaluation batch (the model in eval mode)."""
+        with self.autocast():
+            per_tok = self.model(tokens, labels)
+        return torch.stack([(per_tok.float() * mask).sum().double(), mask.sum().double()])
+
+    def _apply(self, mean_loss: torch.Tensor, scale: float) -> PendingStep:
+        """Unscale and check (fp16), clip, step: the optimizer half of a step, queued on the device."""
         if self.loss_scaler is not None:
             found_inf = self.optimizer.unscale_and_check_(1.0 / scale)
             if found_inf.item() > 0:  # the one sync fp16 needs before stepping

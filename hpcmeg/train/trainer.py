@@ -44,8 +44,8 @@ import torch
 
 from hpcmeg.checkpoint.safe import capture_rng_state, restore_rng_state
 from hpcmeg.checkpoint.store import save_checkpoint
-from hpcmeg.megatron.args import make_checkpoint_dict
-from hpcmeg.megatron.layout import HEAD_KEY, from_megatron_model, to_megatron_model
+from hpcmeg.megatron.args import checkpoint_models, make_checkpoint_dict
+from hpcmeg.parallel.pipeline.stages import load_megatron_models, megatron_models
 from hpcmeg.train.data import TrainBatches
 
 
@@ -258,11 +258,10 @@ class Trainer:
         for tokens, labels, mask in self.eval_set:
             tokens, labels = tokens.to(dev, non_blocking=True), labels.to(dev, non_blocking=True)
             mask = mask.to(dev, non_blocking=True)
-            with self.step.autocast():
-                per_tok = self.model(tokens, labels)
-            total[0] += (per_tok.float() * mask).sum().double()
-            total[1] += mask.sum().double()
+            total += self.step.eval_loss(tokens, labels, mask)  # (masked loss sum, tokens) in fp64
         self.model.train()
+        if self.ctx.distributed and self.ctx.pp_size > 1:  # only the last stage computed it
+            torch.distributed.all_reduce(total, group=self.ctx.pp_group)
         if self.ctx.distributed and self.ctx.dp_size > 1:
             torch.distributed.all_reduce(total, group=self.ctx.dp_group)
         val = float(total[0] / total[1])
@@ -285,7 +284,7 @@ class Trainer:
                "grad_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
         return make_checkpoint_dict(
             args=self.megatron_args(state), iteration=state.iteration,
-            model=to_megatron_model(self.model.state_dict(), is_last_stage=True, pp_size=1),
+            model=megatron_models(self.model),
             optimizer=opt, opt_param_scheduler=self.schedule.state_dict(), rng_state=[capture_rng_state(self.rng_streams.state_dict() if self.rng_streams else None)],
             recipe=self.recipe_dict,
             data_state={"consumed_train_samples": state.consumed_train_samples,
@@ -314,12 +313,11 @@ class Trainer:
             self._pending = None
 
     def load_weights(self, state: dict) -> None:
-        flat = from_megatron_model(state["model"])
-        flat.pop(HEAD_KEY, None)  # tied: equals the word embeddings
-        missing, unexpected = self.model.load_state_dict(flat, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint model does not match the recipe's model: missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]}")
+        try:
+            models = checkpoint_models(state)
+        except KeyError as e:
+            raise ValueError(str(e).strip("'\"")) from None
+        load_megatron_models(self.model, models)
         self.optimizer.masters_from_params()  # the fp32 masters follow the loaded weights
 
     def load_state(self, state: dict) -> None:

@@ -1,0 +1,70 @@
+"""One rank's model, gradient buffer, optimizer and step for any layout (TP x PP x DP), from plain values.
+
+Contract (build.py calls these with the recipe's values; the parallel tests call them directly):
+- `rank_model(config, dims, ctx, init_seed, device) -> (model, plan, rng)`: at PP 1 the GPT, at PP > 1
+  a StageModel of this pipeline rank's chunks (hpcmeg/parallel/pipeline/stages.py); built whole on
+  the CPU with the name-keyed init (every layout starts from the same weights), cut into this rank's
+  tensor-parallel shards (hpcmeg/parallel/tensor.py; `plan` says which parameters are replicated,
+  which have partial gradients), moved to `device`. `rng`: the TP RNG stream (None at TP 1).
+- `rank_optimizer(model, plan, dims, ctx, **hyper) -> (buffer, optimizer)`: ParamAndGradBuffer +
+  FlatAdamW with this rank's groups: DP (all-reduce or, with the distributed optimizer,
+  reduce-scatter), the TP plan, the tied embedding over the embedding group (first and last
+  stage), the norm summed over TP and PP and counting every parameter once.
+- `rank_step(model, buffer, optimizer, dims, ctx, *, micro_batch, seq_length, act_dtype, **kw)`: a
+  TrainStep at PP 1, else a PipelineTrainStep with its P2P sized [micro_batch, seq(/tp under SP), h].
+"""
+from __future__ import annotations
+
+import torch
+
+from hpcmeg.model.config import GPTConfig
+from hpcmeg.model.gpt import GPT
+from hpcmeg.parallel.dims import ParallelDims
+from hpcmeg.parallel.tensor import TensorParallelPlan, parallelize_tensor
+
+
+def rank_model(config: GPTConfig, dims: ParallelDims, ctx, init_seed: int, device):
+    from hpcmeg.parallel.pipeline.stages import StageModel, build_chunks
+    from hpcmeg.parallel.random import RNGStreams
+
+    rng = RNGStreams(init_seed, ctx.tp_rank, device) if dims.tp > 1 else None
+    if dims.pp == 1:
+        model = GPT(config, init_seed=init_seed)
+        plan = parallelize_tensor(model, ctx, sequence_parallel=dims.sequence_parallel, rng=rng)
+        return model.to(device), plan, rng
+    chunks = build_chunks(config, dims.pp, dims.vpp, ctx.pp_rank, init_seed)
+    plans = [parallelize_tensor(c, ctx, sequence_parallel=dims.sequence_parallel, rng=rng) for c in chunks]
+    plan = TensorParallelPlan(dims.tp, dims.sequence_parallel, frozenset().union(*(p.replicated for p in plans)),
+                              frozenset().union(*(p.partial_grads for p in plans)))
+    return StageModel(chunks, ctx.pp_rank, dims.pp).to(device), plan, rng
+
+
+def rank_optimizer(model, plan: TensorParallelPlan, dims: ParallelDims, ctx, *, param_dtype: torch.dtype,
+                   grad_dtype: torch.dtype, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                   bucket_numel: int | None = None, compiled: bool | None = None):
+    from hpcmeg.parallel.pipeline.stages import tied_parameters
+    from hpcmeg.train.optim import build_optimizer
+
+    tied = frozenset(id(p) for p in tied_parameters(model)) if dims.pp > 1 else frozenset()
+    first, last = ctx.pp_rank == 0, ctx.pp_rank == dims.pp - 1
+    return build_optimizer(
+        model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, param_dtype=param_dtype, grad_dtype=grad_dtype,
+        dp_size=dims.dp, dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=dims.distributed_optimizer,
+        bucket_numel=bucket_numel, compiled=compiled, replicated=plan.replicated, partial_grads=plan.partial_grads,
+        tp_size=dims.tp, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group, tied=tied, embedding_group=ctx.embedding_group,
+        count_tied_in_norm=first or not last, pp_size=dims.pp, pp_group=ctx.pp_group)
+
+
+def rank_step(model, buffer, optimizer, dims: ParallelDims, ctx, *, micro_batch: int, seq_length: int,
+              act_dtype: torch.dtype, **kw):
+    """kw: TrainStep's (precision, grad_clip, loss_scaler, compile, device, dp_size is set here)."""
+    from hpcmeg.train.step import TrainStep
+
+    if dims.pp == 1:
+        return TrainStep(model, buffer, optimizer, dp_size=dims.dp, **kw)
+    from hpcmeg.parallel.pipeline.p2p import PipelineP2P
+    from hpcmeg.train.pipeline_step import PipelineTrainStep
+
+    seq = seq_length // dims.tp if dims.sequence_parallel else seq_length
+    p2p = PipelineP2P.from_context(ctx, (micro_batch, seq, model.cfg.hidden_size), act_dtype)
+    return PipelineTrainStep(model, buffer, optimizer, p2p, ctx, vpp=dims.vpp, dp_size=dims.dp, **kw)
