@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--tp", type=_count(1), required=True, help="target tensor-parallel size")
     p.add_argument("--pp", type=_count(1), required=True, help="target pipeline-parallel size")
+    p.add_argument("--vpp", type=_count(1), default=1,
+                   help="target model chunks per pipeline rank (interleaved schedule: model0..model{V-1}); default 1")
     p.add_argument("--iteration", type=_count(0), default=None, help="iteration to reshard (default: latest)")
 
     p = sub.add_parser("import-hf", help="write a Megatron-layout 'release' checkpoint from a Hugging Face GPT-2 dir")

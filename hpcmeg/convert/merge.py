@@ -17,7 +17,10 @@ Tensor-parallel rules (interop doc §5.1, §6.3, §6.5), per key of one stage:
     self_attention.dense.weight, mlp.dense_4h_to_h.weight   row-parallel: input features
   replicated (every rank holds the same tensor):
     LayerNorms, position embeddings, the biases of the row-parallel layers (added after the all-reduce)
-Pipeline rules (§5.3) are ckpt_layout's stage_state_from_full / full_state_from_stages.
+Pipeline rules (§5.3) are hpcmeg.megatron.layout's stage_state_from_full / full_state_from_stages. A
+virtual-pipeline checkpoint ("model0" .. "model{V-1}" per shard, the interleaved schedule's chunks) is
+read as pp * V stages: chunk v of pipeline rank p is virtual stage v * pp + p, a contiguous run of layers
+(Megatron's interleaved map), numbered from 0 inside its chunk; split_full writes the same.
 
 The vocabulary must split evenly, so its padded size depends on TP (Megatron pads to a multiple of
 make_vocab_size_divisible_by x tp). `repad_vocab` moves between paddings: rows past the true
@@ -38,6 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hpcmeg.checkpoint.store import CheckpointWarning, load_checkpoint
+from hpcmeg.megatron.args import checkpoint_models
 from hpcmeg.megatron.layout import (HEAD_KEY, WORD_EMB, from_megatron_model, full_state_from_stages,
                                     stage_state_from_full, to_megatron_model, tp_split_dim)
 from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, TRACKER_FILENAME, checkpoint_path, iter_dirname,
@@ -131,14 +135,24 @@ def _check_full(full: dict[str, torch.Tensor], num_layers: int, where: str) -> N
 
 
 def split_full(full: dict[str, torch.Tensor], tp: int, pp: int, num_layers: int,
-               num_attention_heads: int) -> dict[tuple[int, int], dict[str, Any]]:
-    """Full flat dict (vocab already padded for `tp`) -> {(tp_rank, pp_rank): nested Megatron model}."""
-    out = {}
-    for p in range(pp):
-        stage = stage_state_from_full(full, p, pp, num_layers)
-        for t, shard in enumerate(split_tp(stage, tp, num_attention_heads)):
-            out[(t, p)] = to_megatron_model(shard, is_last_stage=p == pp - 1, pp_size=pp)
+               num_attention_heads: int, vpp: int = 1) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """Full flat dict (vocab already padded for `tp`) -> {(tp_rank, pp_rank): [nested Megatron model of
+    each virtual-pipeline chunk]} (one chunk at vpp 1). Chunk v of pipeline rank p is virtual stage
+    v * pp + p of pp * vpp contiguous runs of layers (Megatron's interleaved map), numbered from 0."""
+    stages = pp * vpp
+    out: dict[tuple[int, int], list[dict[str, Any]]] = {(t, p): [] for p in range(pp) for t in range(tp)}
+    for v in range(vpp):
+        for p in range(pp):
+            s = v * pp + p
+            stage = stage_state_from_full(full, s, stages, num_layers)
+            for t, shard in enumerate(split_tp(stage, tp, num_attention_heads)):
+                out[(t, p)].append(to_megatron_model(shard, is_last_stage=s == stages - 1, pp_size=stages))
     return out
+
+
+def virtual_stages(shards: dict[tuple[int, int], list[Any]], pp: int) -> dict[tuple[int, int], Any]:
+    """{(tp, pp rank): [chunk 0, chunk 1, ...]} -> {(tp, virtual stage v * pp + p): chunk v}."""
+    return {(t, v * pp + p): chunk for (t, p), chunks in shards.items() for v, chunk in enumerate(chunks)}
 
 
 # ------------------------------------------------------------------------ reading a whole checkpoint
@@ -158,8 +172,10 @@ class FullCheckpoint:
     tp: int
     pp: int
     iter_dir: str
-    shard_models: dict[tuple[int, int], dict[str, Any]] | None = None  # with keep_shards=True
-    shard_optimizers: dict[tuple[int, int], Any] | None = None        # with keep_shards=True
+    shard_models: dict[tuple[int, int], list[dict[str, Any]]] | None = None  # with keep_shards=True: per chunk
+    shard_optimizers: dict[tuple[int, int], Any] | None = None              # with keep_shards=True
+    vpp: int = 1
+    """Model chunks per pipeline rank ("model0", "model1", ... of the interleaved schedule)."""
 
     @property
     def recipe(self) -> dict[str, Any] | None:
@@ -238,7 +254,7 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
     iteration = resolve_iteration(ckpt_dir, iteration)
     iter_dir = os.path.join(ckpt_dir, iter_dirname(iteration))
     tp, pp = _layout_of(iter_dir)
-    models: dict[tuple[int, int], dict[str, Any]] = {}
+    models: dict[tuple[int, int], list[dict[str, Any]]] = {}
     optimizers: dict[tuple[int, int], Any] = {}
     base: dict[str, Any] = {}
     for p in range(pp):
@@ -254,10 +270,19 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
                 raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, t, p, pp)}: cannot be read")
             state = got[1]
             path = checkpoint_path(ckpt_dir, iteration, t, p, pp)
-            if not isinstance(state.get("model"), dict):
-                raise CheckpointReadError(f"{path}: no 'model' entry (virtual-pipeline 'model0' checkpoints are not "
-                                          f"supported)")
-            models[(t, p)] = state.pop("model")
+            try:
+                chunks = checkpoint_models(state)
+            except KeyError:
+                raise CheckpointReadError(f"{path}: no 'model' entry (nor 'model0', 'model1', ... of a virtual "
+                                          f"pipeline): not a Megatron GPT checkpoint") from None
+            if not all(isinstance(c, dict) for c in chunks):
+                raise CheckpointReadError(f"{path}: its model entry is not a dict of tensors")
+            if models and len(chunks) != len(next(iter(models.values()))):
+                raise CheckpointReadError(f"{path}: holds {len(chunks)} model chunk(s) where shard (0, 0) holds "
+                                          f"{len(next(iter(models.values())))}")
+            models[(t, p)] = chunks
+            for k in [k for k in state if k == "model" or (k.startswith("model") and k[5:].isdigit())]:
+                del state[k]
             if keep_shards:
                 optimizers[(t, p)] = state.get("optimizer")
             if (t, p) == (0, 0):
@@ -275,8 +300,9 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
     a_pp = getattr(args, "pipeline_model_parallel_size", pp)
     if (a_tp, a_pp) != (tp, pp):
         raise CheckpointReadError(f"{iter_dir}: holds tp={tp} x pp={pp} shards but its args say tp={a_tp} pp={a_pp}")
+    vpp = len(models[(0, 0)])
     try:
-        full = merge_shards(models, tp, pp, args.num_layers, where=iter_dir)
+        full = merge_shards(virtual_stages(models, pp), tp, pp * vpp, args.num_layers, where=iter_dir)
     except ValueError as e:
         raise CheckpointReadError(str(e)) from None
     except KeyError as e:  # a foreign or damaged model dict
@@ -285,7 +311,7 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
                                   f"not a legacy Megatron GPT checkpoint") from None
     return FullCheckpoint(full=full, args=args, base=base, iteration=iteration, tp=tp, pp=pp, iter_dir=iter_dir,
                           shard_models=models if keep_shards else None,
-                          shard_optimizers=optimizers if keep_shards else None)
+                          shard_optimizers=optimizers if keep_shards else None, vpp=vpp)
 
 
 # ------------------------------------------------------------------------------ atomic output dirs

@@ -1,7 +1,8 @@
 """Offline resharding: rewrite a Megatron-layout checkpoint for another tensor/pipeline layout.
 
 Contract
-  reshard_checkpoint(ckpt_dir, out_dir, tp, pp, iteration=None) -> out_dir
+  reshard_checkpoint(ckpt_dir, out_dir, tp, pp, iteration=None, vpp=1) -> out_dir (vpp > 1: the
+    interleaved schedule's "model0" .. "model{V-1}" chunks per shard; any source vpp is read)
     Reads one iteration (default: the tracker's) of ckpt_dir, merges it (merge.load_full_checkpoint),
     re-pads the vocabulary for the new TP (Megatron: multiple of make_vocab_size_divisible_by x tp;
     rows of real tokens untouched, padding rows dropped or zero-filled), splits it by Megatron's rules
@@ -78,9 +79,11 @@ def _param_order(keys) -> list[str]:
     return sorted(keys, key=rank)
 
 
-def _opt_names(flat: dict[str, Any]) -> list[str]:
-    order = _param_order(flat)
-    return [k for k in order if flat[k].ndim >= 2] + [k for k in order if flat[k].ndim < 2]
+def _opt_names(flats: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(chunk, key) in the trainer's optimizer order: the chunks' parameters in chunk order, the
+    decayed ones (ndim >= 2) first, then the rest (hpcmeg.train.optim.param_groups over the model)."""
+    order = [(v, k) for v, flat in enumerate(flats) for k in _param_order(flat)]
+    return [x for x in order if flats[x[0]][x[1]].ndim >= 2] + [x for x in order if flats[x[0]][x[1]].ndim < 2]
 
 
 def _merge_optimizer(ck: FullCheckpoint) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
@@ -92,51 +95,56 @@ def _merge_optimizer(ck: FullCheckpoint) -> tuple[dict[str, dict[str, Any]], dic
         inner = (opt or {}).get("optimizer") if isinstance(opt, dict) else None
         if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
             raise ValueError(f"shard (tp={t}, pp={p}) has no torch optimizer state")
-        flat = from_megatron_model(ck.shard_models[(t, p)])
+        flats = [from_megatron_model(m) for m in ck.shard_models[(t, p)]]
         try:
-            names = _opt_names(flat)
+            names = _opt_names(flats)
         except KeyError as e:
             raise ValueError(f"unknown parameter {e} in shard (tp={t}, pp={p})") from None
         groups = inner["param_groups"]
         ids = [i for g in groups for i in g["params"]]
-        n_decay = sum(1 for k in names if flat[k].ndim >= 2)
+        n_decay = sum(1 for v, k in names if flats[v][k].ndim >= 2)
         if len(ids) != len(names) or len(groups) != 2 or len(groups[0]["params"]) != n_decay:
             raise ValueError(f"shard (tp={t}, pp={p}): optimizer groups do not follow hpcmeg's param_groups layout")
         for key in moments:
-            moments[key][(t, p)] = {}
-        for i, name in zip(ids, names):
+            for v in range(len(flats)):
+                moments[key][(t, v * ck.pp + p)] = {}
+        for i, (v, name) in zip(ids, names):
             st = inner["state"].get(i)
-            if st is None or any(key not in st or tuple(st[key].shape) != tuple(flat[name].shape) for key in moments):
+            if st is None or any(key not in st or tuple(st[key].shape) != tuple(flats[v][name].shape) for key in moments):
                 raise ValueError(f"shard (tp={t}, pp={p}): optimizer state of {name} is missing or has another shape")
             for key in moments:
-                moments[key][(t, p)][name] = st[key]
+                moments[key][(t, v * ck.pp + p)][name] = st[key]
             meta.setdefault("step", st.get("step"))
         meta.setdefault("groups", [{k: v for k, v in g.items() if k != "params"} for g in groups])
         meta.setdefault("grad_scaler", opt.get("grad_scaler"))
     full = {}
+    stages = ck.pp * ck.vpp
     for key, shards in moments.items():
-        stages = [merge_tp([shards[(t, p)] for t in range(ck.tp)]) for p in range(ck.pp)]
-        full[key] = full_state_from_stages(stages, ck.args.num_layers)
+        merged = [merge_tp([shards[(t, s)] for t in range(ck.tp)]) for s in range(stages)]
+        full[key] = full_state_from_stages(merged, ck.args.num_layers)
     return full, meta
 
 
 def _split_optimizer(moments: dict[str, dict[str, Any]], meta: dict[str, Any], tp: int, pp: int, num_layers: int,
-                     heads: int, orig: int, padded: int) -> dict[tuple[int, int], dict[str, Any]]:
+                     heads: int, orig: int, padded: int, vpp: int = 1) -> dict[tuple[int, int], dict[str, Any]]:
+    stages = pp * vpp
     per_key = {}
     for key, full in moments.items():
         full = repad_vocab(full, orig, padded)  # new padding rows: zero moments, like a fresh parameter
-        per_key[key] = {(t, p): sh for p in range(pp)
-                        for t, sh in enumerate(split_tp(stage_state_from_full(full, p, pp, num_layers), tp, heads))}
+        per_key[key] = {(t, s): sh for s in range(stages)
+                        for t, sh in enumerate(split_tp(stage_state_from_full(full, s, stages, num_layers), tp, heads))}
     out = {}
-    for key_tp in per_key["exp_avg"]:
-        m1, m2 = per_key["exp_avg"][key_tp], per_key["exp_avg_sq"][key_tp]
-        names = _opt_names(m1)
-        n_decay = sum(1 for k in names if m1[k].ndim >= 2)
-        state = {i: {"step": meta["step"].clone() if hasattr(meta["step"], "clone") else meta["step"],
-                     "exp_avg": m1[k], "exp_avg_sq": m2[k]} for i, k in enumerate(names)}
-        groups = [dict(meta["groups"][0], params=list(range(n_decay))),
-                  dict(meta["groups"][1], params=list(range(n_decay, len(names))))]
-        out[key_tp] = {"optimizer": {"state": state, "param_groups": groups}, "grad_scaler": meta["grad_scaler"]}
+    for p in range(pp):
+        for t in range(tp):
+            m1 = [per_key["exp_avg"][(t, v * pp + p)] for v in range(vpp)]
+            m2 = [per_key["exp_avg_sq"][(t, v * pp + p)] for v in range(vpp)]
+            names = _opt_names(m1)
+            n_decay = sum(1 for v, k in names if m1[v][k].ndim >= 2)
+            state = {i: {"step": meta["step"].clone() if hasattr(meta["step"], "clone") else meta["step"],
+                         "exp_avg": m1[v][k], "exp_avg_sq": m2[v][k]} for i, (v, k) in enumerate(names)}
+            groups = [dict(meta["groups"][0], params=list(range(n_decay))),
+                      dict(meta["groups"][1], params=list(range(n_decay, len(names))))]
+            out[(t, p)] = {"optimizer": {"state": state, "param_groups": groups}, "grad_scaler": meta["grad_scaler"]}
     return out
 
 
@@ -185,17 +193,19 @@ def true_vocab_size(ck: FullCheckpoint) -> int | None:
 
 
 def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration: int | str | None = None,
-                       on_note: Callable[[str], None] = lambda msg: None) -> str:
+                       on_note: Callable[[str], None] = lambda msg: None, vpp: int = 1) -> str:
     """See the file header."""
-    if tp < 1 or pp < 1:
-        raise ReshardError(f"--tp {tp} --pp {pp}: sizes must be >= 1")
+    if tp < 1 or pp < 1 or vpp < 1:
+        raise ReshardError(f"--tp {tp} --pp {pp} --vpp {vpp}: sizes must be >= 1")
+    if vpp > 1 and pp == 1:
+        raise ReshardError(f"--vpp {vpp} needs --pp > 1 (virtual stages are chunks of pipeline stages)")
     check_output_dir(out_dir)  # before loading every shard, not after
     ck = load_full_checkpoint(ckpt_dir, iteration, keep_shards=True)
     a = ck.args
     if a.num_attention_heads % tp:
         raise ReshardError(f"num_attention_heads={a.num_attention_heads} is not divisible by --tp {tp}")
-    if a.num_layers % pp:
-        raise ReshardError(f"num_layers={a.num_layers} is not divisible by --pp {pp}")
+    if a.num_layers % (pp * vpp):
+        raise ReshardError(f"num_layers={a.num_layers} is not divisible by --pp {pp}" + (f" x --vpp {vpp}" if vpp > 1 else ""))
     rows = ck.full[WORD_EMB].shape[0]
     orig = true_vocab_size(ck) or rows
     div = getattr(a, "make_vocab_size_divisible_by", None) or 128
@@ -204,23 +214,27 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
 
     args = argparse.Namespace(**vars(a))
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     args.padded_vocab_size, args.orig_vocab_size = padded, orig
     dp = getattr(a, "data_parallel_size", None) or 1
     args.world_size = tp * pp * dp
     hp = dict(ck.base.get("hpcmeg") or {})
     recipe = copy.deepcopy(hp.get("recipe"))
     if isinstance(recipe, dict):
-        recipe.setdefault("parallel", {}).update(tensor=tp, pipeline=pp)
+        par = recipe.setdefault("parallel", {})
+        par.update(tensor=tp, pipeline=pp)
+        if vpp > 1 or par.get("virtual_pipeline"):
+            par["virtual_pipeline"] = vpp if vpp > 1 else None
     extra = {"previous": hp.get("extra"),
              "resharded_from": {"checkpoint_dir": os.path.abspath(ckpt_dir), "iteration": ck.iteration,
-                                "tp": ck.tp, "pp": ck.pp, "padded_vocab_size": rows}}
+                                "tp": ck.tp, "pp": ck.pp, "vpp": ck.vpp, "padded_vocab_size": rows}}
     kept = {k: v for k, v in ck.base.items()
             if k not in ("args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
                          "rng_state", "hpcmeg")}
     optimizers: dict[tuple[int, int], Any] = {}
     try:
         moments, meta = _merge_optimizer(ck)
-        optimizers = _split_optimizer(moments, meta, tp, pp, a.num_layers, a.num_attention_heads, orig, padded)
+        optimizers = _split_optimizer(moments, meta, tp, pp, a.num_layers, a.num_attention_heads, orig, padded, vpp)
     except ValueError as e:
         extra["optimizer_dropped"] = str(e)  # weights-only: start from it with checkpoint.load
         on_note(f"optimizer state not resharded ({e}); the new checkpoint holds weights, schedule and "
@@ -228,7 +242,7 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
     ck.shard_models = ck.shard_optimizers = None
     iteration_value = 0 if ck.iteration == RELEASE_DIRNAME else int(ck.base.get("iteration", ck.iteration))
     states = {}
-    for key, model in split_full(full, tp, pp, a.num_layers, a.num_attention_heads).items():
+    for key, model in split_full(full, tp, pp, a.num_layers, a.num_attention_heads, vpp).items():
         st = make_checkpoint_dict(args=args, iteration=iteration_value, model=model, optimizer=optimizers.get(key),
                                   opt_param_scheduler=ck.base.get("opt_param_scheduler"),
                                   rng_state=ck.base.get("rng_state"),
@@ -243,9 +257,11 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
 def cli_reshard(args: argparse.Namespace) -> int:
     try:
         out = reshard_checkpoint(args.ckpt_dir, args.out_dir, args.tp, args.pp, args.iteration,
-                                 on_note=lambda msg: print(f"hpcmeg reshard: note: {msg}", file=sys.stderr))
+                                 on_note=lambda msg: print(f"hpcmeg reshard: note: {msg}", file=sys.stderr),
+                                 vpp=getattr(args, "vpp", 1))
     except (CheckpointReadError, ReshardError, OutputDirError, OSError) as e:
         print(f"hpcmeg reshard: {one_line(e)}", file=sys.stderr)
         return 1
-    print(f"hpcmeg reshard: wrote {out} (tp={args.tp}, pp={args.pp})")
+    vpp = getattr(args, "vpp", 1)
+    print(f"hpcmeg reshard: wrote {out} (tp={args.tp}, pp={args.pp}{f', vpp={vpp}' if vpp > 1 else ''})")
     return 0
