@@ -1,6 +1,7 @@
 """Parallel layouts through the real local Slurm cluster: `hpcmeg submit --stages train` on 2
 emulated nodes, compared with one process training the same recipe in this test.
 - TP2 x DP2 over 2 nodes x 2 tasks (TP inside a node, DP across): losses and norms rtol 1e-5.
+- PP2 x DP2 over 2 nodes x 2 tasks (a stage per node): losses and norms rtol 1e-5.
 
 - DP2 over 2 nodes x 1 task with the distributed optimizer (gloo between the two slurmd "nodes"):
   the losses equal the single process's (accumulation 2) to fp32 round-off of the logged DP mean,
@@ -89,3 +90,32 @@ def test_tp2_inside_a_node_dp2_across_nodes_matches_one_process(slurm_cluster, t
     assert [x["grad_norm"] for x in m["train"]] == pytest.approx([x["grad_norm"] for x in one["train"]], rel=1e-5)
     assert sorted(p.name for p in (rd / "checkpoints" / "iter_0000006").iterdir() if p.name.startswith("mp_rank")) \
         == ["mp_rank_00", "mp_rank_01"]
+
+
+def test_pp2_dp2_on_two_nodes_matches_one_process(slurm_cluster, tmp_path, tiny_dataset):
+    """2 emulated nodes x 2 tasks, PP2 x DP2 (stage 0 on node1, stage 1 on node2: activations cross the
+    'network'), 1F1B with 2 micro batches per DP rank, against one process with 4."""
+    over = TINY + [f"data.data_path=[{tiny_dataset}]", "train.train_iters=6", "train.log_interval=1",
+                   "checkpoint.save_interval=0", "train.global_batch_size=8", "train.micro_batch_size=2",
+                   "model.num_layers=2"]
+    on_slurm = over + ["run.output_root=" + str(tmp_path / "slurm"), "cluster.nodes=2", "cluster.cpu_tasks_per_node=2",
+                       "parallel.pipeline=2"]
+    hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm", *sets(on_slurm),
+           "--stages", "train", "--wait", cwd=tmp_path, timeout=500)
+    rd = tmp_path / "slurm" / "codeparrot-tiny"
+    assert status(rd)["stages"]["train"]["state"] == "COMPLETED"
+    m = read_metrics(str(rd / "metrics.jsonl"))
+    start = m["start"][0]
+    assert (start["world_size"], start["pipeline_parallel_size"], start["data_parallel_size"]) == (4, 2, 2)
+
+    from hpcmeg.recipe import load_recipe
+
+    r = load_recipe(str(REPO / "recipes" / "codeparrot_tiny.yaml"),
+                    over + ["run.output_root=" + str(tmp_path / "one"), "cluster.cpu_tasks_per_node=1"])
+    torch.set_num_threads(1)
+    assert train(r) == EXIT_OK
+    one = read_metrics(str(tmp_path / "one" / "codeparrot-tiny" / "metrics.jsonl"))
+    assert [x["loss"] for x in m["train"]] == pytest.approx([x["loss"] for x in one["train"]], rel=1e-5)
+    assert [x["grad_norm"] for x in m["train"]] == pytest.approx([x["grad_norm"] for x in one["train"]], rel=1e-5)
+    assert sorted(p.name for p in (rd / "checkpoints" / "iter_0000006").iterdir() if p.name.startswith("mp_rank")) \
+        == ["mp_rank_00_000", "mp_rank_00_001"]

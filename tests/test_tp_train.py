@@ -12,59 +12,24 @@ and the resharded TP1 checkpoint continues the TP2 loss curve.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from helpers import (OFFLINE_ENV, SMALL, TINY_RECIPE, converter_script, hf_logits,
-                     offline_hub_with_gpt2_tokenizer, real_tokens, rel_err, stdlib_dataset, torchrun_cmd)
+from helpers import (OFFLINE_ENV, assert_curves_close, assert_weights_close, converter_script, curve, hf_logits,
+                     offline_hub_with_gpt2_tokenizer, real_tokens, rel_err, stdlib_dataset, train_cli as train)
 from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.cli import main as hpcmeg_main
 from hpcmeg.convert.merge import load_full_checkpoint
-from hpcmeg.train.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 
-BASE = [e for e in SMALL if not e.startswith("cluster.")] + [
-    "train.train_iters=8", "train.eval_interval=4", "train.eval_iters=1", "checkpoint.save_interval=4",
-    "checkpoint.keep_last=null", "train.global_batch_size=4", "train.micro_batch_size=2"]
 TP1 = ["model.make_vocab_size_divisible_by=256"]
 TP2 = ["parallel.tensor=2", "model.make_vocab_size_divisible_by=128"]
-
-
-def train(nproc: int, out, prefix, name: str, extra: list[str], sigterm_after_first_log: bool = False) -> str:
-    sets = [f"run.output_root={out}", f"run.name={name}", f"data.data_path=[{prefix}]", *BASE, *extra]
-    args = ["train", TINY_RECIPE] + [x for s in sets for x in ("--set", s)]
-    cmd = [sys.executable, "-m", "hpcmeg.cli", *args] if nproc == 1 else torchrun_cmd(nproc, *args)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    rd = os.path.join(str(out), name)
-    if sigterm_after_first_log:
-        metrics = os.path.join(rd, "metrics.jsonl")
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 300
-        while time.time() < deadline and p.poll() is None:
-            if os.path.exists(metrics) and read_metrics(metrics)["train"]:
-                break
-            time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=300)
-        assert json.load(open(os.path.join(rd, "train_status.json")))["status"] == "preempted", err[-3000:]
-        cmd = [sys.executable, "-m", "hpcmeg.cli", *args] if nproc == 1 else torchrun_cmd(nproc, *args)
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return rd
-
-
-def curve(rd: str):
-    m = read_metrics(os.path.join(rd, "metrics.jsonl"))
-    return [(x["iteration"], x["loss"], x["grad_norm"]) for x in m["train"]], m
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +39,6 @@ def runs(tmp_path_factory):
     return {"out": out, "prefix": prefix,
             "tp1": train(1, out, prefix, "tp1", TP1),
             "tp2": train(2, out, prefix, "tp2", TP2)}
-
-
-def assert_curves_close(a, b):
-    assert [x[0] for x in a] == [x[0] for x in b]
-    assert [x[1] for x in a] == pytest.approx([x[1] for x in b], rel=1e-5)
-    assert [x[2] for x in a] == pytest.approx([x[2] for x in b], rel=1e-5)
-
-
-def assert_weights_close(a: dict, b: dict, steps: int = 8, lr: float = 0.002):
-    """Adam's sign-like first steps: round-off in a near-zero gradient can move an element the other way
-    (see tests/test_tp_model.py); all within 2 x steps x lr, nearly all within rtol 1e-4 / atol 1e-5."""
-    for k in b:
-        d = (a[k].float() - b[k].float()).abs()
-        assert d.max() <= 2 * steps * lr, (k, d.max().item())
-        off = int((d > 1e-5 + 1e-4 * b[k].float().abs()).sum())
-        assert k.endswith("query_key_value.bias") or off <= 2 + d.numel() // 1000, (k, off, d.max().item())
 
 
 def test_tp2_sp_and_tp2xdp2_equal_one_process(runs):

@@ -249,6 +249,7 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         metrics.write({"kind": "start", "iteration": trainer.state.iteration, "world_size": ctx.world_size,
                        "data_parallel_size": ctx.dp_size, "tensor_parallel_size": ctx.tp_size,
+                       "pipeline_parallel_size": ctx.pp_size, "virtual_pipeline_size": dims.vpp,
                        "sequence_parallel": plan.sequence_parallel, "grad_accum_steps": derived.grad_accum_steps,
                        "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
                        "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
@@ -257,6 +258,8 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
                        "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
                        "recipe": recipe.source, "start": resumed})
         tp = "" if ctx.tp_size == 1 else f"TP {ctx.tp_size}{' + SP' if plan.sequence_parallel else ''} x "
+        if ctx.pp_size > 1:
+            tp += f"PP {ctx.pp_size}{f' (V {dims.vpp})' if dims.vpp > 1 else ''} x "
         metrics.print(f"hpcmeg train: {recipe.run.name} | {ctx.world_size} process(es) on {name} | {tp}DP {ctx.dp_size} x "
                       f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
                       f"{n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused} | "

@@ -244,6 +244,9 @@ class Trainer:
                "loss": loss, "lr": win.lr, "grad_norm": win.grad_norm, "loss_scale": win.loss_scale,
                "skipped": win.skipped, **self.throughput.compute(win.steps, now - win.t0),
                "peak_mem_gib": peak_memory_gib(self.ctx.device)}
+        bubble = getattr(self.step, "bubble", None)  # pipeline: the last step's measured and ideal idle share
+        if bubble is not None:
+            rec["pipeline_bubble"], rec["pipeline_bubble_ideal"] = bubble
         self.metrics.train(rec)
 
     # --------------------------------------------------------------------------------- eval
