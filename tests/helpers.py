@@ -247,3 +247,36 @@ def assert_weights_close(a: dict, b: dict, steps: int = 8, lr: float = 0.002):
         assert d.max() <= 2 * steps * lr, (k, d.max().item())
         off = int((d > 1e-5 + 1e-4 * b[k].float().abs()).sum())
         assert k.endswith("query_key_value.bias") or off <= 2 + d.numel() // 1000, (k, off, d.max().item())
+
+
+def run_transformers_converter(shard: str, tokenizer_dir: str, tmp_path) -> tuple[dict, dict]:
+    """transformers' own Megatron GPT-2 converter on a copy of a TP1 PP1 shard file, offline (its hub
+    cache holds 'openai-community/gpt2' made from `tokenizer_dir`): (its state dict, its config)."""
+    cache = os.environ.get("HPCMEG_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "hpcmeg"))
+    script = converter_script(cache)
+    work = tmp_path / "theirs"  # the script writes next to its input
+    work.mkdir()
+    (work / "model_optim_rng.pt").write_bytes(open(shard, "rb").read())
+    hub = str(tmp_path / "hub")
+    offline_hub_with_gpt2_tokenizer(hub, tokenizer_dir)
+    # older script versions call torch.load with the default weights_only=True (torch >= 2.6), which
+    # refuses argparse.Namespace; allow-listing it is the documented fix and needs no hpcmeg import
+    wrapper = ("import argparse, runpy, sys, torch\n"
+               "torch.serialization.add_safe_globals([argparse.Namespace])\n"
+               f"sys.argv = ['convert_megatron_gpt2_checkpoint.py', {str(work / 'model_optim_rng.pt')!r}]\n"
+               f"runpy.run_path({script!r}, run_name='__main__')\n")
+    env = {**os.environ, **OFFLINE_ENV, "HF_HUB_CACHE": hub, "HF_HOME": str(tmp_path / "hf_home")}
+    r = subprocess.run([sys.executable, "-c", wrapper], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return torch.load(str(work / "pytorch_model.bin"), weights_only=True), json.load(open(work / "config.json"))
+
+
+def random_batches(n: int, rows: int, seq: int, vocab: int, seed: int = 11) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n (tokens, labels) batches of random ids, [rows, seq] each, labels shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (rows, seq + 1), generator=g)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from helpers import (FFN, HEADS, LAYERS, OFFLINE_ENV, POS, VOCAB, H, converter_script, hf_logits, make_run,  # noqa: F401
-                     offline_hub_with_gpt2_tokenizer, real_tokens, rel_err)
+from helpers import (FFN, HEADS, LAYERS, OFFLINE_ENV, POS, VOCAB, H, hf_logits, make_run, real_tokens,  # noqa: F401
+                     rel_err, run_transformers_converter)
 from hpcmeg.cli import main as hpcmeg_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,30 +182,11 @@ def test_all_is_all_or_nothing(run, tmp_path, capsys):
 def test_transformers_converter_agrees(run, tmp_path):
     from safetensors.torch import load_file
 
-    cache = os.environ.get("HPCMEG_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "hpcmeg"))
-    script = converter_script(cache)
     ours_dir = str(tmp_path / "ours")
     assert hpcmeg_main(["convert", run["ckpt"], ours_dir]) == 0
     ours = load_file(os.path.join(ours_dir, "model.safetensors"))
-    # the script writes next to its input: give it a copy of the TP1 PP1 shard
-    work = tmp_path / "theirs"
-    work.mkdir()
-    src = os.path.join(run["ckpt"], "iter_0000010", "mp_rank_00", "model_optim_rng.pt")
-    (work / "model_optim_rng.pt").write_bytes(open(src, "rb").read())
-    hub = str(tmp_path / "hub")
-    offline_hub_with_gpt2_tokenizer(hub, ours_dir)
-    # older script versions call torch.load with the default weights_only=True (torch >= 2.6), which
-    # refuses argparse.Namespace; allow-listing it is the documented fix and needs no hpcmeg import
-    wrapper = ("import argparse, runpy, sys, torch\n"
-               "torch.serialization.add_safe_globals([argparse.Namespace])\n"
-               f"sys.argv = ['convert_megatron_gpt2_checkpoint.py', {str(work / 'model_optim_rng.pt')!r}]\n"
-               f"runpy.run_path({script!r}, run_name='__main__')\n")
-    env = {**os.environ, **OFFLINE_ENV, "HF_HUB_CACHE": hub, "HF_HOME": str(tmp_path / "hf_home")}
-    r = subprocess.run([sys.executable, "-c", wrapper], env=env, capture_output=True, text=True, timeout=300,
-                       cwd=str(tmp_path))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    theirs = torch.load(str(work / "pytorch_model.bin"), weights_only=True)
-    their_cfg = json.load(open(work / "config.json"))
+    theirs, their_cfg = run_transformers_converter(
+        os.path.join(run["ckpt"], "iter_0000010", "mp_rank_00", "model_optim_rng.pt"), ours_dir, tmp_path)
     our_cfg = json.load(open(os.path.join(ours_dir, "config.json")))
     # the known leak we fix: their config keeps Megatron's padded vocabulary
     assert their_cfg["vocab_size"] == 50304 and our_cfg["vocab_size"] == VOCAB

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import random_batches
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.context import context_for
@@ -31,12 +32,7 @@ CFG = GPTConfig(num_layers=LAYERS, hidden_size=64, num_attention_heads=4, ffn_hi
 
 
 def batches(n: int, rows: int, seed: int = 11):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, 500, (rows, SEQ + 1), generator=g)
-        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-    return out
+    return random_batches(n, rows, SEQ, 500, seed)
 
 
 def global_grads(model, buffer) -> dict[str, torch.Tensor]:

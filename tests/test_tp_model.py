@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import random_batches
 from hpcmeg.convert.merge import split_tp
 from hpcmeg.megatron.layout import tp_split_dim
 from hpcmeg.model.config import GPTConfig
@@ -44,12 +45,7 @@ def model(seed: int = 3) -> GPT:
 
 
 def batches(n: int, rows: int, seed: int = 11):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, 500, (rows, SEQ + 1), generator=g)
-        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
-    return out
+    return random_batches(n, rows, SEQ, 500, seed)
 
 
 def gathered(name: str, t: torch.Tensor, group, tp: int) -> torch.Tensor:

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import (OFFLINE_ENV, assert_curves_close, assert_weights_close, converter_script, curve, hf_logits,
-                     offline_hub_with_gpt2_tokenizer, real_tokens, rel_err, stdlib_dataset, train_cli as train)
+from helpers import (assert_curves_close, assert_weights_close, curve, hf_logits, real_tokens, rel_err,
+                     run_transformers_converter, stdlib_dataset, train_cli as train)
 from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.cli import main as hpcmeg_main
 from hpcmeg.convert.merge import load_full_checkpoint
@@ -118,24 +116,10 @@ def test_tp2_checkpoint_converts_reshards_and_resumes_as_tp1(runs, dist_pool, tm
     # reshard to TP1, then transformers' own converter reads the same weights as our convert
     tp1 = str(tmp_path / "tp1")
     assert hpcmeg_main(["reshard", ckpt, tp1, "--tp", "1", "--pp", "1"]) == 0
-    work = tmp_path / "theirs"
-    work.mkdir()
-    shutil.copy(os.path.join(tp1, "iter_0000008", "mp_rank_00", "model_optim_rng.pt"), work / "model_optim_rng.pt")
-    cache = os.environ.get("HPCMEG_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "hpcmeg"))
-    script = converter_script(cache)
-    hub = str(tmp_path / "hub")
-    offline_hub_with_gpt2_tokenizer(hub, hf)
-    wrapper = ("import argparse, runpy, sys, torch\n"
-               "torch.serialization.add_safe_globals([argparse.Namespace])\n"
-               f"sys.argv = ['convert_megatron_gpt2_checkpoint.py', {str(work / 'model_optim_rng.pt')!r}]\n"
-               f"runpy.run_path({script!r}, run_name='__main__')\n")
-    env = {**os.environ, **OFFLINE_ENV, "HF_HUB_CACHE": hub, "HF_HOME": str(tmp_path / "hf_home")}
-    r = subprocess.run([sys.executable, "-c", wrapper], env=env, capture_output=True, text=True, timeout=300,
-                       cwd=str(tmp_path))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     from safetensors.torch import load_file
 
-    theirs = torch.load(str(work / "pytorch_model.bin"), weights_only=True)
+    theirs, _ = run_transformers_converter(os.path.join(tp1, "iter_0000008", "mp_rank_00", "model_optim_rng.pt"),
+                                           hf, tmp_path)
     ours = load_file(os.path.join(hf, "model.safetensors"))
     for k, v in ours.items():
         t = theirs[k][:vocab] if k == "transformer.wte.weight" else theirs[k]
