@@ -253,7 +253,7 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
             for key, text in dims.problems():  # layouts the train job cannot run yet: said here, before
                 refuse(key, text)              # anything is submitted (sizes are fine at this point)
     if ok("train.train_iters", "train.train_samples") and (t.train_iters is None) == (t.train_samples is None):
-        refuse("train.train_iters", f"set exactly one of train.train_iters and train.train_samples")
+        refuse("train.train_iters", "set exactly one of train.train_iters and train.train_samples")
     if ok("train.min_lr", "train.lr") and t.min_lr > t.lr:
         refuse("train.min_lr", f"{t.min_lr} is above train.lr={t.lr}; lower train.min_lr")
     sched = ("train.lr", "train.min_lr", "train.lr_decay_style", "train.lr_decay_iters", "train.lr_warmup_iters",
@@ -280,7 +280,7 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
         except ValueError as e:
             refuse("data.data_path", f"{e}")
     if ok("data.data_path", "data.inputs") and not blend and not r.data.inputs:
-        refuse("data.inputs", f"give JSONL inputs to preprocess (data.inputs) or existing datasets (data.data_path)")
+        refuse("data.inputs", "give JSONL inputs to preprocess (data.inputs) or existing datasets (data.data_path)")
     if ok("cluster.executor") and c.executor == "slurm":
         for key in ("time", "preprocess_time", "convert_time"):
             if ok(f"cluster.{key}") and c.time_limit_minutes(getattr(c, key)) is None:

@@ -37,6 +37,19 @@ def slurm_cluster():
     return {"nodes": 2, "partition": "debug", "preempt_partition": "urgent"}
 
 
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    """A tokenized dataset made once (locally) for the tests that only train."""
+    from cli_helpers import corpus_shards, hpcmeg
+
+    tmp = tmp_path_factory.mktemp("tinydata")
+    (src,) = corpus_shards(tmp, n=1)
+    prefix = tmp / "cp"
+    hpcmeg("preprocess", "--input", str(src), "--output-prefix", str(prefix), "--json-keys", "content",
+           "--append-eod", "--workers", "1", "--quiet")
+    return str(prefix) + "_content_document"
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return REPO

@@ -43,8 +43,6 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_
 # last transformers release whose wheel ships models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py
 CONVERTER_WHEEL = "transformers==4.46.3"
 CONVERTER_REL = "transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py"
-CONVERTER_WHEEL = "transformers==4.46.3"
-CONVERTER_REL = "transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py"
 
 
 SMALL = ["data.split=949,50,0", "data.seq_length=32", "model.num_layers=2", "model.hidden_size=32",

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from test_submit_slurm import TINY, corpus_shards, hpcmeg, longest_silence, sets, timed
+from cli_helpers import TINY, corpus_shards, hpcmeg, longest_silence, sets, timed
 
 pytestmark = pytest.mark.slurm
 

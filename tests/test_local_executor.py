@@ -16,8 +16,7 @@ import pytest
 from conftest import REPO, hpcmeg_cmd
 from hpcmeg.launch.rundir import read_markers
 from hpcmeg.megatron.names import latest_iteration
-from test_submit_slurm import (TINY, corpus_shards, hpcmeg, longest_silence, sets, status, timed,  # noqa: F401
-                               tiny_dataset)
+from cli_helpers import TINY, corpus_shards, hpcmeg, longest_silence, sets, status, timed
 
 
 @pytest.mark.slow  # 45-75 s on 2 busy cores; an acceptance test, so it must exist

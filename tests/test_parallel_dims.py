@@ -56,7 +56,7 @@ def test_validate_gives_one_line_naming_the_key(sets, key):
     with pytest.raises(RecipeError) as e:
         load_recipe(TINY, sets)
     (line,) = e.value.problems
-    assert line.startswith(f"--set") or key in line
+    assert line.startswith("--set") or key in line
     assert key in line
 
 

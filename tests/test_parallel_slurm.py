@@ -20,7 +20,7 @@ from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.megatron.names import EXIT_OK
 from hpcmeg.train.entry import train
 from hpcmeg.train.metrics import read_metrics
-from test_submit_slurm import TINY, hpcmeg, sets, status, tiny_dataset  # noqa: E402,F401  (Slurm test helpers)
+from cli_helpers import TINY, hpcmeg, sets, status
 
 pytestmark = [pytest.mark.slurm, pytest.mark.dist]
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO
 from hpcmeg.launch.rundir import read_markers
 from hpcmeg.megatron.names import latest_iteration
-from test_submit_slurm import TINY, hpcmeg, sets, status, tiny_dataset, wait_states  # noqa: F401 (fixture)
+from cli_helpers import TINY, hpcmeg, sets, status, wait_states
 
 pytestmark = pytest.mark.slurm
 ITERS = 40

@@ -3,7 +3,6 @@
 import gzip
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -6,7 +6,6 @@ checked by pid + start time after the parent exited or was killed.
 """
 
 import gzip
-import json
 import os
 import random
 import signal

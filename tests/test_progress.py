@@ -116,6 +116,12 @@ def test_log_follower_and_stage_description(tmp_path):
     assert describe_stage(run) == "RUNNING on node2"
     arr = {"state": "RUNNING", "detail": "1 COMPLETED, 1 RUNNING", "tasks": {"0": {}, "1": {}}}
     assert describe_stage(arr) == "RUNNING (1 COMPLETED, 1 RUNNING)"
+    # failed within one poll: where and for how long it ran; a job that never ran says only its state
+    failed = {"state": "FAILED", "detail": "", "tasks": {"": {"state": "FAILED", "nodes": "node1", "elapsed": "00:00:04"}}}
+    assert describe_stage(failed) == "FAILED on node1 after 00:00:04"
+    never = {"state": "CANCELLED", "detail": "", "tasks": {"": {"state": "CANCELLED", "nodes": "None assigned",
+                                                                "elapsed": "00:00:00"}}}
+    assert describe_stage(never) == "CANCELLED"
     assert shown("iteration  10/200 | consumed samples 80 | loss 9.8")
     assert not shown("Traceback (most recent call last):")
     assert not shown("hpcmeg train: checkpoint.load: bad") and shown("validation at iteration 50 | val loss 3.2")

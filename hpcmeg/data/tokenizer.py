@@ -155,7 +155,7 @@ def _check_merges(merge_file: str, vocab: dict[str, int], fix: str) -> None:
                     if tok not in vocab:
                         raise TokenizerFileError(f"--merge-file {merge_file}:{n}: token {tok!r} is not in the "
                                                  f"vocabulary; {fix}")
-    except UnicodeDecodeError as e:
+    except UnicodeDecodeError:
         after = f" after line {n}" if n else ""
         raise TokenizerFileError(f"--merge-file {merge_file}: not a merges.txt (not UTF-8 text{after}); "
                                  f"{fix}") from None

@@ -85,7 +85,7 @@ def train_bpe(inputs: Sequence[str] | str, output_dir: str, vocab_size: int = 32
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     try:
         tok.train_from_iterator(counted, trainer=trainer)
-    except Exception as e:  # the Rust trainer re-raises the iterator's exception wrapped or as is
+    except Exception:  # the Rust trainer re-raises the iterator's exception wrapped or as is
         if counted.error is not None:
             raise counted.error from None
         raise

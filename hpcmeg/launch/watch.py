@@ -96,8 +96,8 @@ class Ticker:
 
 
 def describe_stage(s: dict) -> str:
-    """One stage's state for a transition line: 'PENDING (Dependency)', 'RUNNING on node1', ...
-    (array stages: their counts)."""
+    """One stage's state for a transition line: 'PENDING (Dependency)', 'RUNNING on node1',
+    'FAILED on node1 after 00:00:04', ... (array stages: their counts)."""
     tasks = list(s["tasks"].values())
     state = s["state"]
     if len(tasks) > 1:
@@ -105,8 +105,13 @@ def describe_stage(s: dict) -> str:
     t = tasks[0] if tasks else {}
     if state == "PENDING" and t.get("reason"):
         return f"PENDING ({t['reason']})"
-    if state in ("RUNNING", "COMPLETING") and t.get("nodes"):
-        return f"{state} on {t['nodes']}"
+    nodes = t.get("nodes", "")
+    ran = nodes not in ("", "None assigned", "(null)", "None")
+    if state in ("RUNNING", "COMPLETING") and ran:
+        return f"{state} on {nodes}"
+    if state != "COMPLETED" and ran and t.get("elapsed"):
+        # a job that fails within one Slurm poll is never seen RUNNING: say where and how long it ran
+        return f"{state} on {nodes} after {t['elapsed']}"
     return state
 
 

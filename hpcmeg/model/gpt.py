@@ -27,7 +27,6 @@ attention core is the `attend` method, and the output layer is the `head` module
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
