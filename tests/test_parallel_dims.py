@@ -44,6 +44,20 @@ def test_not_implemented_layouts_are_refused_until_they_land():
     assert NOT_IMPLEMENTED == {}
 
 
+def test_a_tensor_parallel_group_across_nodes_is_warned_about():
+    # 2 nodes x 8 GPUs: TP8 and TP4 groups stay inside a node; TP16 spans both; TP 3 splits groups
+    assert ParallelDims(16, tp=8).placement_warnings(8, nodes=2) == []
+    assert ParallelDims(16, tp=4, pp=2).placement_warnings(8, nodes=2) == []
+    (w,) = ParallelDims(16, tp=16).placement_warnings(8, nodes=2)
+    assert "parallel.tensor=16" in w and "span nodes" in w
+    assert ParallelDims(12, tp=3).placement_warnings(4, nodes=3) != []
+    assert ParallelDims(8, tp=8).placement_warnings(8, nodes=1) == []  # one node: nothing to cross
+    # and the group members really are one node's ranks when tp divides the ranks per node
+    for tp in (1, 2, 4, 8):
+        for group in ParallelDims(16, tp=tp).groups()["tp"]:
+            assert len({rank // 8 for rank in group}) == 1
+
+
 @pytest.mark.parametrize("sets,key", [
     (["parallel.tensor=2", "cluster.cpu_tasks_per_node=2", "model.num_attention_heads=3", "model.hidden_size=126"],
      "model.num_attention_heads"),

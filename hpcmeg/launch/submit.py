@@ -41,7 +41,7 @@ from hpcmeg.launch.container import ContainerError
 from hpcmeg.launch.preflight import preflight, slurm_refusals
 from hpcmeg.launch.provenance import write_record
 from hpcmeg.launch.rundir import RunDir, dataset_is_current, input_manifest, read_json, write_atomic, write_jobs
-from hpcmeg.recipe import Recipe, RecipeError, derive, dump_yaml, load_recipe
+from hpcmeg.recipe import Recipe, RecipeError, derive, dump_yaml, load_recipe, recipe_dims
 
 ALL_STAGES = ("preprocess", "train", "convert")
 
@@ -113,7 +113,8 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
     problems, notes = preflight(r, d, host_python, stages, dry_run, submitting and not dry_run)
     if problems:
         raise RecipeError(problems)
-    for line in env_warnings:
+    c = r.cluster
+    for line in env_warnings + recipe_dims(r).placement_warnings(c.tasks_per_node(), c.nodes):
         print(f"hpcmeg: warning: {line}", file=sys.stderr)
     for name in jobenv.secret_looking(r.cluster):
         print(f"hpcmeg: warning: cluster.env.{name} looks like a credential and is written into recipe.yaml "

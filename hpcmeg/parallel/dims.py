@@ -8,7 +8,8 @@ Contract
 - ``dp = world // (tp * pp)``; ``grad_accum(global_batch, micro_batch)`` is the number of micro
   batches per optimizer step on each rank (ValueError when it does not divide);
   ``batch_problems`` / ``model_problems`` are the checks that tie the layout to the batch and the
-  model (heads % tp, ffn % tp, layers % (pp * vpp), seq % tp under sequence parallelism).
+  model (heads % tp, ffn % tp, layers % (pp * vpp), seq % tp under sequence parallelism);
+  ``placement_warnings`` names layouts that run but put a TP group across nodes.
 - Rank order is Megatron's default 'tp-dp-pp', fastest-varying first:
       global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
   so TP groups are runs of consecutive ranks (keep TP inside a node), DP groups are strided by
@@ -97,6 +98,17 @@ class ParallelDims:
 
             return [("train.global_batch_size", line)
                     for line in validate_schedule(self.pp, self.vpp, global_batch // per_step)]
+        return []
+
+    def placement_warnings(self, ranks_per_node: int, nodes: int) -> list[str]:
+        """Layouts that run but slowly: a tensor-parallel group split across nodes all-reduces every
+        layer's activations over the network (Megatron's advice: TP within a node). With the rank
+        order above a TP group stays on one node exactly when ranks_per_node % tp == 0."""
+        if nodes > 1 and self.tp > 1 and ranks_per_node % self.tp:
+            return [f"parallel.tensor={self.tp} does not divide the {ranks_per_node} ranks per node, so tensor-"
+                    f"parallel groups span nodes and every layer's all-reduce crosses the network; keep "
+                    f"parallel.tensor a divisor of cluster.gpus_per_node (use parallel.pipeline or data "
+                    f"parallelism across nodes)"]
         return []
 
     def model_problems(self, *, num_layers: int, num_attention_heads: int, ffn_hidden_size: int,
