@@ -100,12 +100,14 @@ def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ct
     return buffer, optimizer, scaler
 
 
-def activation_dtype(recipe: Recipe, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the activations between pipeline stages (the residual stream)."""
+def activation_dtype(precision: str, param_dtype: torch.dtype, fp32_residual: bool) -> torch.dtype:
+    """The dtype of the activations between pipeline stages (the residual stream): the parameters'
+    dtype, or under autocast (fp32 parameters) the autocast dtype unless the model keeps an fp32
+    residual stream (GPTConfig.fp32_residual_connection, hpcmeg/model/gpt.py)."""
     if param_dtype != torch.float32:
         return param_dtype
-    if recipe.train.precision in ("bf16", "fp16") and not recipe.model.fp32_residual_connection:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}[recipe.train.precision]
+    if precision in ("bf16", "fp16") and not fp32_residual:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return torch.float32
 
 
@@ -215,10 +217,12 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
         # Megatron's default stream: the same on every rank of a TP and DP group, one per pipeline stage
         seed_everything(train.seed + 100 * ctx.pp_rank)
         # init keyed by (train.seed, parameter name): the same initial weights whatever the layout
-        model, plan, rng = rank_model(gpt_config(recipe, derived, dev), dims, ctx, train.seed, dev)
+        cfg = gpt_config(recipe, derived, dev)
+        model, plan, rng = rank_model(cfg, dims, ctx, train.seed, dev)
         buffer, optimizer, scaler = build_optimizer_for(recipe, derived, dims, ctx, model, plan)
         step = rank_step(model, buffer, optimizer, dims, ctx, micro_batch=train.micro_batch_size,
-                         seq_length=recipe.data.seq_length, act_dtype=activation_dtype(recipe, buffer.param_dtype),
+                         seq_length=recipe.data.seq_length, act_dtype=activation_dtype(
+                             train.precision, buffer.param_dtype, cfg.fp32_residual_connection),
                          precision=train.precision, grad_clip=train.clip_grad, loss_scaler=scaler,
                          compile=_auto(train.compile, dev), device=dev)
         train_ds, valid_ds, _ = (vocab_checked(recipe, derived, ds) for ds in
