@@ -195,5 +195,6 @@ def test_tp1_is_untouched():
     ctx = context_for(ParallelDims(1), 0, 0, "cpu")
     plan = parallelize_tensor(m, ctx)
     assert plan.tp_size == 1 and not plan.replicated
-    assert not m.encoder.layers[0].self_attention._forward_hooks and type(m.head).__name__ == "LMHead"
+    assert type(m.head).__name__ == "LMHead"  # no hooks anywhere, so the compiled step is the plain model's
+    assert not any(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks for mod in m.modules())
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
