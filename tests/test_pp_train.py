@@ -127,3 +127,16 @@ def test_tp2xpp2_resume_reshard_and_convert(runs, dist_pool, tmp_path):
     hf = str(tmp_path / "hf")
     assert hpcmeg_main(["convert", one, hf]) == 0
     assert rel_err(hf_logits(hf, tokens), last[0][..., :50257]) < 1e-5
+
+
+def test_pp2_under_bf16_autocast_follows_one_process(runs):
+    """bf16 autocast with fp32 parameters (the CPU mixed-precision path): the residual stream, and so
+    the activations sent between stages, are bf16. PP2 runs and follows PP1's curve; bf16 rounding of
+    differently-ordered sums allows ~1e-2, not fp32's 1e-5."""
+    bf16 = LAYERS4 + ["train.precision=bf16", "model.make_vocab_size_divisible_by=256", "train.train_iters=4",
+                      "checkpoint.save_interval=0", "train.eval_interval=0"]
+    ref, _ = curve(train(1, runs["out"], runs["prefix"], "bf16pp1", bf16))
+    got, m = curve(train(2, runs["out"], runs["prefix"], "bf16pp2", bf16 + ["parallel.pipeline=2"]))
+    assert m["start"][0]["pipeline_parallel_size"] == 2 and len(got) == len(ref) == 4
+    assert [x[1] for x in got] == pytest.approx([x[1] for x in ref], rel=1e-2)
+    assert all(torch.isfinite(torch.tensor(x[2])) for x in got)
