@@ -13,7 +13,7 @@ Targets:
                   the trainer's own per-iteration callback;
   nano            the compiled nanoGPT-style anchor's step (bench/anchors_gpt2.py's Nano and loop
                   body, replicated here because the anchor's run() has no per-step hook).
-Usage: python bench/profile_step.py --targets trainer,nano [--size 124M] [--tok DIR]
+Usage: python bench/profile_step.py --targets trainer,nano [--size 124M] [--tok DIR] [--set K=V ...]
 Writes <out>/profile_<tag>.{json,md}.
 """
 from __future__ import annotations
@@ -196,6 +196,9 @@ def main() -> None:
     ap.add_argument("--data", default=os.path.join(ROOT, "runs", "bench-data"))
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "bench", "results")))
     ap.add_argument("--tag", default="h200")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="recipe override for the trainer target (e.g. model.hidden_dropout=0.1 "
+                         "train.global_batch_size=24: the user path's dropout and accumulation)")
     a = ap.parse_args()
     data = None
     if any(t.startswith("trainer") for t in a.targets.split(",")):
@@ -208,7 +211,7 @@ def main() -> None:
             if t == "nano":
                 results[t] = profile_nano(a.size, a.warm, a.active)
             else:
-                results[t] = profile_trainer(a.size, data, a.warm, a.active)
+                results[t] = profile_trainer(a.size, data, a.warm, a.active, extra=a.sets)
         except Exception as ex:  # keep the other targets
             results[t] = {"error": repr(ex)[:400]}
         results[t]["seconds"] = round(time.time() - t0, 1)

@@ -1,0 +1,82 @@
+"""bench/nano_anchor.py, the dropout + accumulation anchor of bench/user_path.py: at dropout 0 it is the
+project's baseline model (bench/anchors_gpt2.py's Nano) with the same weights; dropout acts only in
+training mode; its batches are next-token windows of the token file; user_path's item grammar."""
+import importlib
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+L, D, H, V = 2, 32, 4, 97
+
+
+@pytest.fixture(scope="module")
+def baseline(monkeypatch_module):
+    monkeypatch_module.setenv("LDH", f"{L},{D},{H}")
+    monkeypatch_module.setenv("VOCAB", str(V))
+    import anchors_gpt2
+    return importlib.reload(anchors_gpt2)  # module constants come from the environment
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def _pair(baseline, dropout):
+    import nano_anchor
+    torch.manual_seed(0)
+    ref = baseline.Nano()
+    m = nano_anchor.Nano(nano_anchor.NanoConfig(L, D, H, V, 1024, dropout))
+    m.load_state_dict(ref.state_dict())  # same parameter names: the twin adds only dropout modules
+    return ref, m
+
+
+def test_dropout_zero_is_the_baseline_function(baseline):
+    ref, m = _pair(baseline, 0.0)
+    x = torch.randint(0, V, (2, 1024))
+    y = torch.randint(0, V, (2, 1024))
+    torch.testing.assert_close(m(x, y), ref(x, y), rtol=0, atol=0)
+    m(x, y).backward()
+    ref(x, y).backward()
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+def test_dropout_only_in_training(baseline):
+    ref, m = _pair(baseline, 0.3)
+    x, y = torch.randint(0, V, (2, 1024)), torch.randint(0, V, (2, 1024))
+    assert not torch.equal(m(x, y), ref(x, y))  # training mode: dropout changes the loss
+    m.eval()
+    torch.testing.assert_close(m(x, y), ref(x, y), rtol=0, atol=0)
+
+
+def test_batches_are_next_token_windows(tmp_path):
+    import nano_anchor
+    toks = np.arange(5000, dtype=np.uint16) % 50000
+    path = tmp_path / "t.bin"
+    toks.tofile(path)
+    x, y = nano_anchor.Batches(str(path), 3, 16, device="cpu")()
+    assert x.shape == y.shape == (3, 16)
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    for row in x:  # a contiguous window of the file
+        start = int(row[0])
+        assert torch.equal(row, torch.from_numpy(toks[start:start + 16].astype(np.int64)))
+
+
+def test_user_path_items():
+    import user_path
+    kind, o = user_path.parse_item("hpcmeg:d=0,gbs=12,set=train.compile=off|model.init_method_std=0.01", "124M")
+    assert kind == "hpcmeg" and o["hd"] == o["ad"] == 0.0 and o["gbs"] == 12 and o["mb"] == 12
+    assert o["set"] == ["train.compile=off", "model.init_method_std=0.01"]
+    kind, o = user_path.parse_item("nano", "1.3B")
+    assert (o["hd"], o["mb"], o["gbs"]) == (user_path.RECIPE_DROPOUT, 8, 64)  # the recipe's dropout by default
+    with pytest.raises(SystemExit, match="unknown key"):
+        user_path.parse_item("nano:dropout=0.1", "124M")
