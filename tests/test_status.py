@@ -18,7 +18,7 @@ import pytest
 from hpcmeg.launch import status as ST
 from hpcmeg.launch.rundir import (RunDir, dataset_is_current, input_manifest, manifest_path, marker_state, read_json, read_markers, write_jobs, write_manifest, write_marker)
 from hpcmeg.megatron.names import committed_iterations, latest_iteration
-from hpcmeg.launch.supervisor import convert_iteration, effective_train_rc, train_outcome
+from hpcmeg.launch.supervisor import _SlurmEnds, convert_iteration, effective_train_rc, train_outcome
 
 
 @pytest.mark.parametrize("rc,end,verdict,action", [
@@ -227,3 +227,15 @@ def test_logs_select_print_and_follow(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "train.5.r1.1.log" in out and "after restart" in out
     assert ST.cli_logs(str(tmp_path / "nope")) == 2
+
+
+def test_slurm_ending_writes_its_marker_at_the_first_signal():
+    """Slurm SIGKILLs the batch shell KillWait s after SIGTERM (5 s on the local cluster), perhaps before
+    the step has finished saving: the supervisor's handler must put what matters on disk at once, once."""
+    import signal as sig
+
+    calls = []
+    ends = _SlurmEnds(on_first=lambda: calls.append(1))
+    ends(sig.SIGTERM, None)
+    ends(sig.SIGTERM, None)  # scancel's second TERM, or a requeue's
+    assert ends.signal == sig.SIGTERM and calls == [1]

@@ -20,8 +20,9 @@ ever reads it, so host/container Python versions never meet). It runs in the bat
 
 Signals: the train job's ``--signal=TERM@lead`` has no ``B:``, so it reaches the step's ranks and not
 this process (verified on Slurm 22.05). This process only gets SIGTERM when Slurm itself ends the
-job (scancel, ``scontrol requeue``, preemption, hard time limit); then it lets the step finish its
-save, writes ``interrupted`` and leaves requeueing to Slurm: Slurm requeues (preemption/requeue) or
+job (scancel, ``scontrol requeue``, preemption, hard time limit); then it writes ``interrupted`` at
+once (Slurm's SIGKILL follows KillWait seconds later), lets the step finish its save, rewrites the
+marker with the step's exit code and leaves requeueing to Slurm: Slurm requeues (preemption/requeue) or
 not (cancel, timeout), and the restarted job resumes from the latest checkpoint.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hpcmeg.launch.causes import failure_cause
 from hpcmeg.launch.rundir import (RunDir, input_manifest, read_json, write_manifest, write_marker)
@@ -105,14 +106,23 @@ def step_cause(run: RunDir, stage: str) -> Optional[str]:
 
 
 class _SlurmEnds:
-    """Records SIGTERM (Slurm ending the whole job); replaces submitit's handlers in this process."""
+    """Records SIGTERM (Slurm ending the whole job); replaces submitit's handlers in this process.
 
-    def __init__(self) -> None:
+    ``on_first`` runs once, at the first signal: Slurm SIGKILLs this process KillWait seconds later
+    (30 s by default, 5 on some sites and on the local test cluster) whether or not the step has
+    finished its save by then, so whatever must be on disk after an ending (the ``interrupted``
+    marker) is written at once and only refined after the step ends, if there is time."""
+
+    def __init__(self, on_first: Optional[Callable[[], None]] = None) -> None:
         self.signal: Optional[int] = None
+        self.on_first = on_first
 
     def __call__(self, signum, frame) -> None:  # noqa: ARG002
-        if self.signal is None:
+        first = self.signal is None
+        if first:
             self.signal = signum
+        if first and self.on_first is not None:
+            self.on_first()  # a Python-level handler: runs in the main thread between bytecodes
         print(f"[hpcmeg supervisor] got {signal.Signals(signum).name}: Slurm is ending this job; waiting for the "
               f"step to finish its save", flush=True)
 
@@ -183,7 +193,10 @@ def run_train(task: dict) -> dict:
     start_it = latest_iteration(ckpt)
     guard.on_start(restart, start_it)
     write_marker(run, "train", "started", start_iteration=start_it, **host_info())
-    ends = _SlurmEnds().install()
+    ends = _SlurmEnds(on_first=lambda: write_marker(
+        run, "train", "interrupted", exit_code=None, iteration=latest_iteration(ckpt),
+        reason="Slurm ended the job (requeue, preemption, cancel or time limit); written at the signal, "
+               "before the step had ended")).install()
     env = {}
     end_time = _job_end_time()
     if end_time:
