@@ -2,8 +2,8 @@
 
 - Training: TINY_RECIPE (the tiny recipe's path), SMALL (overrides that shrink it for a CPU test),
   stdlib_dataset (real Python stdlib sources tokenized with the GPT-2 BPE into .bin/.idx),
-  small_recipe, run_dir, free_port, torchrun_cmd.
-- `hpcmeg train` under torchrun: TRAIN_BASE (8 iterations of the shrunk tiny recipe, checkpoints
+  small_recipe, run_dir, free_port, torchrun_cmd, Ranks / run_ranks (N local ranks started directly).
+- `hpcmeg train` on N local ranks: TRAIN_BASE (8 iterations of the shrunk tiny recipe, checkpoints
   at 4 and 8), train_cli (one run, optionally stopped by SIGTERM and resumed), curve,
   assert_curves_close, assert_weights_close (Adam's round-off bound across layouts).
 - Conversion: real_tokens (ids of real text), hf_logits (a converted directory's logits), rel_err,
@@ -91,6 +91,61 @@ def torchrun_cmd(nproc: int, *args: str) -> list[str]:
     """`python -m torch.distributed.run` with nproc local ranks on a free port, running hpcmeg.cli ARGS."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port()), "-m", "hpcmeg.cli", *args]
+
+
+class Ranks:
+    """nproc local ranks of `python -m hpcmeg.cli ARGS`, started directly with the variables torchrun
+    sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as hpcmeg's
+    local executor starts them. torchrun itself costs a torch import and an agent per launch (~3 s
+    on 2 cores); the multi-process tests launch ~25 times. One torchrun test stays
+    (tests/test_dp.py). Like srun --kill-on-bad-exit, the others are stopped when one rank fails.
+    Output goes to files (pipes of N ranks could fill while we wait on one); stdout of all ranks,
+    rank order, is returned as torchrun would merge it."""
+
+    def __init__(self, nproc: int, args: list[str], env: dict):
+        import tempfile
+        port = str(free_port())
+        self.logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
+        self.procs = [subprocess.Popen([sys.executable, "-m", "hpcmeg.cli", *args], stdout=o, stderr=e, text=True,
+                                       env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+                                                LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                                                MASTER_PORT=port))
+                      for r, (o, e) in enumerate(self.logs)]
+
+    def poll(self):
+        return None if any(p.poll() is None for p in self.procs) else self.returncode()
+
+    def returncode(self) -> int:
+        return next((p.returncode for p in self.procs if p.returncode), 0)
+
+    def send_signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        deadline = time.time() + timeout
+        while any(p.poll() is None for p in self.procs):
+            if any(p.returncode for p in self.procs):  # one rank failed: stop the rest
+                self.send_signal(signal.SIGKILL)
+            if time.time() > deadline:
+                self.send_signal(signal.SIGKILL)
+                raise subprocess.TimeoutExpired("hpcmeg.cli ranks", timeout)
+            time.sleep(0.05)
+        out = []
+        for f in itertools.chain.from_iterable(zip(*self.logs)):
+            f.seek(0)
+            out.append(f.read())
+            f.close()
+        n = len(self.procs)
+        return "".join(out[:n]), "".join(out[n:])
+
+
+def run_ranks(nproc: int, args: list[str], env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Ranks(...) to the end: a CompletedProcess (returncode: the first non-zero rank's, else 0)."""
+    r = Ranks(nproc, args, env)
+    out, err = r.communicate(timeout)
+    return subprocess.CompletedProcess(args, r.returncode(), out, err)
 
 
 def real_tokens(n: int = 2, length: int = 40) -> torch.Tensor:
@@ -206,22 +261,20 @@ TRAIN_BASE = [e for e in SMALL if not e.startswith("cluster.")] + [
 def train_cli(nproc: int, out, prefix, name: str, extra: list[str], sigterm_after_first_log: bool = False) -> str:
     sets = [f"run.output_root={out}", f"run.name={name}", f"data.data_path=[{prefix}]", *TRAIN_BASE, *extra]
     args = ["train", TINY_RECIPE] + [x for s in sets for x in ("--set", s)]
-    cmd = [sys.executable, "-m", "hpcmeg.cli", *args] if nproc == 1 else torchrun_cmd(nproc, *args)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     rd = os.path.join(str(out), name)
     if sigterm_after_first_log:
         metrics = os.path.join(rd, "metrics.jsonl")
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = Ranks(nproc, args, env)
         deadline = time.time() + 300
         while time.time() < deadline and p.poll() is None:
             if os.path.exists(metrics) and read_metrics(metrics)["train"]:
                 break
             time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGTERM)  # every rank, as torchrun and srun pass it on
         _, err = p.communicate(timeout=300)
         assert json.load(open(os.path.join(rd, "train_status.json")))["status"] == "preempted", err[-3000:]
-        cmd = [sys.executable, "-m", "hpcmeg.cli", *args] if nproc == 1 else torchrun_cmd(nproc, *args)
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    p = run_ranks(nproc, args, env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return rd
 
