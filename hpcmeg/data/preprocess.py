@@ -40,6 +40,9 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+if __name__ == "__main__":  # `python -m hpcmeg.data.preprocess`: as `hpcmeg preprocess` (cli.no_blas_threads says why)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import numpy as np
 
 from hpcmeg.data import indexed
