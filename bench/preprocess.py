@@ -13,8 +13,8 @@ ratio, the tokens being the same), reported beside each tool's medians and the r
 host's load average is recorded before every run. The outputs must be byte-identical (.bin and
 .idx), which checks that the token ids are identical.
 
-A second table runs hpcmeg on the corpus repeated 1x and 4x to show that peak memory does not
-grow with corpus size.
+A second table runs hpcmeg on the corpus repeated 1x and 4x (--scales) to show that peak memory
+does not grow with corpus size.
 
 Megatron is not part of hpcmeg: point --megatron-dir at a checkout outside the repository (the
 `fetch` of NVIDIA/Megatron-LM) and --megatron-pythonpath at whatever it needs to import (triton,
@@ -138,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-tests", action="store_true", help="corpus without the stdlib test suites")
     ap.add_argument("--scale-runs", type=int, default=3, help="hpcmeg runs per corpus size in the memory table")
+    ap.add_argument("--scales", type=lambda v: sorted({int(x) for x in v.split(",")} | {1}), default=[1, 4],
+                    help="corpus repetitions for the memory table, comma-separated (default 1,4; 1 is always run)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "preprocess"))
     ap.add_argument("--note", default="", help="a sentence for the results file (e.g. what else loaded the host)")
     args = ap.parse_args(argv)
@@ -145,11 +147,14 @@ def main(argv=None) -> int:
     os.makedirs(args.workdir, exist_ok=True)
     corpus = os.path.join(args.workdir, "stdlib.jsonl")
     stats = write_stdlib_corpus(corpus, key="content", include_tests=not args.no_tests)
-    corpus4 = os.path.join(args.workdir, "stdlib_x4.jsonl")
-    with open(corpus4, "wb") as out:
-        for _ in range(4):
-            with open(corpus, "rb") as f:
-                shutil.copyfileobj(f, out)
+    scaled = {1: corpus}
+    for mult in args.scales:
+        if mult > 1:
+            scaled[mult] = os.path.join(args.workdir, f"stdlib_x{mult}.jsonl")
+            with open(scaled[mult], "wb") as out:
+                for _ in range(mult):
+                    with open(corpus, "rb") as f:
+                        shutil.copyfileobj(f, out)
 
     vocab, merges = default_gpt2_files()
     mcwd = os.path.join(args.workdir, "megatron_cwd")
@@ -190,7 +195,8 @@ def main(argv=None) -> int:
     ds.close()
 
     scale = {}
-    for mult, inp in ((1, corpus), (4, corpus4)):
+    for mult in args.scales:
+        inp = scaled[mult]
         scale[mult] = [run_measured(hp_cmd(inp, os.path.join(args.workdir, f"hp_x{mult}")), args.workdir, hp_env)
                        for _ in range(args.scale_runs)]
 
