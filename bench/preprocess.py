@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
     hp_rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     loads = [x["load_1min"] for v in rows.values() for x in v]
-    command = "python bench/preprocess.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python bench/preprocess.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     result = {"corpus": {"files": stats.files, "source_mb": stats.bytes / 1e6, "documents": docs, "tokens": tokens},
               "workers": args.workers, "runs": args.runs, "identical_outputs": identical,
               "ratio_tokens_per_s": ratio, "ratio_basis": "median of pairwise ratios (Megatron wall / hpcmeg wall)",
