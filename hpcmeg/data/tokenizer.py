@@ -38,13 +38,15 @@ EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenization regex (contractions, letters, numbers, other, whitespace runs)
 GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The same regex for tiktoken. tiktoken runs it with fancy_regex, which needs its backtracking VM
-# for the lookahead `(?!\S)` and then drives every top-level alternative from that VM, one call into
-# the `regex` crate each. Grouping the four lookahead-free alternatives makes them ONE call (one
-# `regex` crate search) per piece, so most pieces never reach the VM: about 25% less time per token
-# on code. It is the same regex: a top-level alternation tries its branches left to right and the
-# first that matches wins (leftmost-first, as the `regex` crate also implements it), and nothing
-# follows the group inside its branch, so grouping changes neither the order in which the
-# alternatives are tried nor what each one matches.
+# for the lookahead `(?!\S)` and so drives every match from that VM, trying the top-level
+# alternatives one by one, each a separate call into the `regex` crate. Grouping the four
+# lookahead-free alternatives makes them ONE such call (one `regex` crate search) per piece, and
+# only whitespace runs go on to the lookahead branch: about 25% less time per token on code
+# (bench/results/preprocess_stages.md; perf still puts about a third of tiktoken's time in the VM).
+# It is the same regex: a top-level alternation tries its branches left to right and the first that
+# matches wins (leftmost-first, as the `regex` crate also implements it), and nothing follows the
+# group inside its branch, so grouping changes neither the order in which the alternatives are
+# tried nor what each one matches.
 GPT2_SPLIT_PATTERN_FAST = r"""(?:'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+)|\s+(?!\S)|\s+"""
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
 
