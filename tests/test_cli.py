@@ -72,3 +72,24 @@ def test_submit_dry_run_codeparrot_small(tmp_path):
     assert any("train" in p.name for p in scripts)
     train = next(p for p in scripts if p.name.startswith("train") and p.suffix == ".sbatch").read_text()
     assert "--requeue" in train and "--signal=TERM@" in train
+
+
+def test_passthrough_tools_start_without_blas_threads_or_recipe(monkeypatch):
+    """`hpcmeg preprocess` & co.: OpenBLAS asked for no threads before numpy is imported (a user's
+    own setting wins), and a normal return never imports hpcmeg.recipe (cli._recipe_error)."""
+    import os
+    import sys
+
+    from hpcmeg import cli
+
+    monkeypatch.setitem(cli.PASSTHROUGH, "probe", ("builtins", "len", "a test tool"))
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    assert cli.main(["probe", "x", "y"]) == 2  # len(["x", "y"]): the tool's return value is the exit code
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    cli.main(["probe"])
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
+    code = ("import sys; from hpcmeg import cli; cli.PASSTHROUGH['probe'] = ('builtins', 'len', ''); "
+            "cli.main(['probe']); print('hpcmeg.recipe' in sys.modules, 'numpy' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.stdout.split() == ["False", "False"], r.stderr

@@ -1,13 +1,15 @@
-"""Tokenizers: tiktoken fast path == `tokenizers` twin on real stdlib text; HF directory; training layout."""
+"""Tokenizers: tiktoken fast path (fast split regex) == tiktoken with GPT-2's own regex == `tokenizers`
+twin on real stdlib text and on edge cases; HF directory; training layout."""
 
 import json
 import os
+import random
 
 import pytest
 
 from hpcmeg.data.corpus import write_stdlib_corpus
-from hpcmeg.data.tokenizer import (HuggingFaceTokenizer, TiktokenBPE, TokenizersBPE, build_tokenizer,
-                                   bytes_to_unicode, default_gpt2_files)
+from hpcmeg.data.tokenizer import (GPT2_SPLIT_PATTERN, GPT2_SPLIT_PATTERN_FAST, HuggingFaceTokenizer, TiktokenBPE,
+                                   TokenizersBPE, build_tokenizer, bytes_to_unicode, default_gpt2_files)
 from hpcmeg.data.tokenizer_train import main as train_main
 
 
@@ -47,6 +49,26 @@ def test_tiktoken_equals_tokenizers_on_stdlib(stdlib_texts, fast, plain):
         n += len(a)
     assert n > 200_000  # the comparison covered a real amount of code
     assert fast.decode(fast.encode(texts[0])) == texts[0]
+
+
+def test_fast_split_pattern_equals_gpt2_pattern(stdlib_texts, fast, plain):
+    """GPT2_SPLIT_PATTERN_FAST (the default) is GPT-2's regex with its lookahead-free alternatives grouped:
+    same pieces, so same ids, as tiktoken with the plain pattern and as `tokenizers`, on code and on
+    strings built to hit every alternative and the whitespace-run rules (run before a word / at the
+    end / of one character, non-ASCII and non-space whitespace, contractions, specials)."""
+    assert fast.split_pattern == GPT2_SPLIT_PATTERN_FAST != GPT2_SPLIT_PATTERN
+    ref = TiktokenBPE(split_pattern=GPT2_SPLIT_PATTERN)
+    edge = ["", " ", "  ", "\n", "x ", "x  ", " x", "  x", "\n    def f():\n        return 1\n", "a \n\tb", "a\t\n  b",
+            "x\r\n\r\n  y", "  123  4.5", "  ...!?", "don't 's 've 're 'll 'm 'd 'S", " 's", "  'll", "\u00a0\u00a0x",
+            "\u3000 \u3000y", "a\u2028\u2029b", "\x0b\x0c\x85z", "٣٤ ٥", "<|endoftext|>  x", "x  <|endoftext|>\n"]
+    rng = random.Random(0)
+    alphabet = [" ", " ", " ", "\n", "\t", "\r", "\u00a0", "\u3000", "a", "Z", "é", "日", "1", "٣", ".", "(", "'", "s",
+                "ll", "_", "🙂", "\x00", "<|endoftext|>"]
+    fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 30))) for _ in range(3000)]
+    _, texts = stdlib_texts
+    for t in edge + fuzz + texts:
+        a = fast.encode(t)
+        assert a == ref.encode(t) == plain.encode(t), repr(t[:80])
 
 
 def test_special_token_parsing():

@@ -4,8 +4,9 @@ Contract
 - `expand_inputs(specs)`: each spec is a file or a glob; globs expand in sorted order; no match, a
   missing file or a directory is a MissingPathError (exit 2) naming the spec. Order between specs is kept.
 - `iter_line_batches(paths, batch_bytes)`: yields `LineBatch`es of WHOLE lines (`.jsonl` or gzip
-  `.jsonl.gz`, sniffed by the gzip magic), about `batch_bytes` each, never spanning two files, with
-  the 1-based number of their first line. Memory: one batch plus one read block. A file that cannot
+  `.jsonl.gz`, sniffed by the gzip magic), never spanning two files, with the 1-based number of
+  their first line. Each batch but a file's last is the fewest whole lines that reach `batch_bytes`
+  (a line longer than that is a batch of its own). Memory: one batch plus one read block. A file that cannot
   be read to its end (truncated or corrupt gzip, an I/O error) raises InputReadError (a DataError,
   exit 1) naming the file and the line where reading stopped, never EOFError/zlib.error.
 - `first_document_keys(path)`: the keys of the file's first non-blank line (None when that line is
@@ -119,13 +120,13 @@ def iter_line_batches(paths: Sequence[str], batch_bytes: int = 1 << 20) -> Itera
     seq = 0
     for path in paths:
         line_no = 1
-        pending: list[bytes] = []
+        pending: list[bytes] = []  # whole lines read and not yet yielded, `size` bytes
         size = 0
         with open_maybe_gzip(path) as f:
-            carry = b""
+            carry = b""  # the start of a line whose end is not read yet
             while True:
                 try:
-                    block = f.read(max(_READ_BLOCK, batch_bytes))
+                    block = f.read(_READ_BLOCK)
                 except _READ_ERRORS as e:  # the line where reading stopped: complete lines so far + 1
                     done = line_no + sum(p.count(b"\n") for p in pending) + carry.count(b"\n")
                     raise read_error(path, e, done) from None
@@ -137,14 +138,21 @@ def iter_line_batches(paths: Sequence[str], batch_bytes: int = 1 << 20) -> Itera
                     carry = block
                     continue
                 carry = block[cut + 1:]
-                pending.append(block[:cut + 1])
-                size += cut + 1
-                if size >= batch_bytes:
+                # cut the block's whole lines into batches of at least batch_bytes, each ending at the
+                # first line end that reaches it: batches smaller than a read block are what keeps
+                # the workers evenly busy at the start and the end of a run
+                start, end_of_lines = 0, cut + 1
+                while size + end_of_lines - start >= batch_bytes:
+                    end = block.index(b"\n", start + batch_bytes - size - 1) + 1
+                    pending.append(block[start:end])
                     data = b"".join(pending)
                     yield LineBatch(path, line_no, data, seq)
                     seq += 1
                     line_no += data.count(b"\n")
-                    pending, size = [], 0
+                    pending, size, start = [], 0, end
+                if start < end_of_lines:
+                    pending.append(block[start:end_of_lines])
+                    size += end_of_lines - start
             if carry:
                 pending.append(carry)
             if pending:

@@ -17,7 +17,7 @@ Protocol: at most IN_FLIGHT (2) tasks per worker, so a worker finds its next tas
 finishes one (it never idles while the parent reads input or writes output). Every send happens in
 a sender thread (one per worker in the parent, one in each worker) and every recv in a main thread
 that only waits for its peer's sender, so no side ever blocks on a send while the other blocks on a
-send: no deadlock, whatever the message sizes (~1 MB tasks, ~1 MB results, socket buffers ~200 kB).
+send: no deadlock, whatever the message sizes (tasks and results of a few hundred kB to MBs, socket buffers ~200 kB).
 
 Stop and failure: the parent polls `stop` at least every POLL_S; on any exception (a StopSignal's
 Interrupted, a read error in the task iterator, a worker failure) every worker gets SIGTERM (its
