@@ -1,7 +1,7 @@
 """GPT-2 training throughput on one GPU: hpcmeg's step against the anchors, in one process.
 
 Owns the benchmark table of issue 4 point 5, and the helpers the other train benches share
-(gpt2_files, stdlib_dataset, bench_recipe, run_trainer). For each size (124M = 12/768/12,
+(gpt2_files, stdlib_dataset, bench_recipe, run_trainer, write_results). For each size (124M = 12/768/12,
 355M = 24/1024/16; seq 1024, micro batch 12, bf16, vocab 50257 padded to 50304 for hpcmeg) it runs
   * hpcmeg through the trainer's real code path (variant `trainer`):
     hpcmeg.train.build.build_trainer on a recipe built in code, the real data loader over a
@@ -175,7 +175,7 @@ def retable(path: str, warmup: int) -> None:
                                         SIZES[size]))
         md.append(f"## {size}\n\n{table(rows, report['peak_tflops'] * 1e12)}\n")
     tag = os.path.basename(path)[len("train_throughput_"):-len(".json")]
-    _write(os.path.dirname(path), tag, report, "\n".join(md))
+    write_results(os.path.dirname(path), "train_throughput", tag, report, "\n".join(md))
     print("\n".join(md))
 
 
@@ -351,16 +351,17 @@ def main() -> None:
                 rows.append(dict(variant=item, error=repr(ex)[:400]))
             print(json.dumps(rows[-1]), flush=True)
             _fresh()
-            _write(a.out, a.tag, report, "\n".join(md + [f"## {size}\n\n{table(rows, peak)}\n"]))
+            write_results(a.out, "train_throughput", a.tag, report, "\n".join(md + [f"## {size}\n\n{table(rows, peak)}\n"]))
         md.append(f"## {size}\n\n{table(rows, peak)}\n")
         print(f"\n{size}\n{table(rows, peak)}\n", flush=True)
-        _write(a.out, a.tag, report, "\n".join(md))
+        write_results(a.out, "train_throughput", a.tag, report, "\n".join(md))
 
 
-def _write(out: str, tag: str, report: dict, md: str) -> None:
+def write_results(out: str, stem: str, tag: str, report: dict, md: str) -> None:
+    """<out>/<stem>_<tag>.json and .md, each written to a temporary name and renamed."""
     os.makedirs(out, exist_ok=True)
     for ext, text in (("json", json.dumps(report, indent=1)), ("md", md)):
-        path = os.path.join(out, f"train_throughput_{tag}.{ext}")
+        path = os.path.join(out, f"{stem}_{tag}.{ext}")
         with open(path + ".tmp", "w") as f:
             f.write(text)
         os.replace(path + ".tmp", path)

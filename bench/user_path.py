@@ -234,21 +234,11 @@ def main() -> None:
                 r = dict(error=repr(ex)[:600])
             rows.append(dict(row=row, seconds=round(time.time() - t0, 1), **r))
             print(json.dumps(rows[-1]), flush=True)
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
-            _write(a.out, a.tag, report, "\n".join(md + [f"## {size}\n\n{table(rows)}\n"]))
+            tt._fresh()
+            tt.write_results(a.out, "user_path", a.tag, report, "\n".join(md + [f"## {size}\n\n{table(rows)}\n"]))
         md.append(f"## {size}\n\n{table(rows)}\n")
         print(f"\n{size}\n{table(rows)}\n", flush=True)
-        _write(a.out, a.tag, report, "\n".join(md))
-
-
-def _write(out: str, tag: str, report: dict, md: str) -> None:
-    os.makedirs(out, exist_ok=True)
-    for ext, text in (("json", json.dumps(report, indent=1)), ("md", md)):
-        path = os.path.join(out, f"user_path_{tag}.{ext}")
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        tt.write_results(a.out, "user_path", a.tag, report, "\n".join(md))
 
 
 if __name__ == "__main__":
