@@ -13,7 +13,7 @@ Targets:
                   the trainer's own per-iteration callback;
   nano            the compiled nanoGPT-style anchor's step (bench/anchors_gpt2.py's Nano and loop
                   body, replicated here because the anchor's run() has no per-step hook).
-Usage: python bench/profile_step.py --targets trainer,nano [--size 124M] [--tok DIR] [--set K=V ...]
+Usage: python bench/profile_step.py --targets trainer,nano [--size 124M] [--tok DIR] [--set K=V ...] [--ops]
 Writes <out>/profile_<tag>.{json,md}.
 """
 from __future__ import annotations
@@ -83,27 +83,53 @@ def summarize(trace_path: str, steps: int) -> dict:
         k[0] += e["dur"]
         k[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
+    launched = _launching_ops(ev, ks)
     return {
         "steps": steps, "wall_ms_per_step": round((t1 - t0) / 1e3 / steps, 3),
         "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
         "kernels_per_step": round(len(ks) / steps, 1),
         "ms_per_step_by_category": {c: round(v / 1e3 / steps, 3) for c, v in sorted(by_cat.items(), key=lambda x: -x[1])},
         "top_kernels": [{"name": n[:160], "category": v[2], "ms_per_step": round(v[0] / 1e3 / steps, 3),
-                         "calls_per_step": round(v[1] / steps, 1)} for n, v in top],
+                         "calls_per_step": round(v[1] / steps, 1),
+                         **({"launched_by": launched[n]} if n in launched else {})} for n, v in top],
     }
 
 
-def _profiler(active: int, warm: int):
+def _launching_ops(ev: list, kernels: list) -> dict[str, list]:
+    """kernel name -> the 3 commonest host ops (name + input shapes) that launched it, when the trace has
+    CPU events (--ops): kernel args.correlation = runtime launch's; launch's args['External id'] = the
+    op's. Kernels replayed from a CUDA graph have no op (their launch is cudaGraphLaunch)."""
+    ops = {e["args"]["External id"]: f"{e['name']} {e['args'].get('Input Dims', '')}".strip()
+           for e in ev if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    if not ops:
+        return {}
+    by_corr = {e["args"]["correlation"]: ops.get(e["args"].get("External id"))
+               for e in ev if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    out: dict[str, dict[str, int]] = {}
+    for k in kernels:
+        op = by_corr.get(k.get("args", {}).get("correlation"))
+        if op:
+            c = out.setdefault(k["name"], {})
+            c[op] = c.get(op, 0) + 1
+    return {n: [f"{op} x{cnt}" for op, cnt in sorted(c.items(), key=lambda x: -x[1])[:3]] for n, c in out.items()}
+
+
+def _profiler(active: int, warm: int, ops: bool = False):
+    """CUDA activity only by default (least overhead); ops=True adds host ops with their input shapes,
+    so summarize() can name what launched each eager kernel (the host side then runs slower)."""
     from torch.profiler import ProfilerActivity, profile, schedule
-    return profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=warm, active=active, repeat=1))
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])
+    return profile(activities=acts, record_shapes=ops,
+                   schedule=schedule(wait=0, warmup=warm, active=active, repeat=1))
 
 
-def profile_trainer(size: str, data: dict, warm: int, active: int, extra: list[str] | None = None) -> dict:
+def profile_trainer(size: str, data: dict, warm: int, active: int, extra: list[str] | None = None,
+                    ops: bool = False) -> dict:
     L, D, H = tt.SIZES[size]
     iters = warm + active + 12  # compile + CUDA-graph recording happen in the first few iterations
     r = tt.bench_recipe(data["out"], f"prof_{size}_{int(time.time())}", data["prefix"],
                         data["vocab"], data["merge"], size=(L, D, H), iters=iters, warmup=2, extra=extra)
-    prof = _profiler(active, 2)
+    prof = _profiler(active, 2, ops)
     seen = []
 
     def on_step(s: float) -> None:  # the trainer calls this once per iteration
@@ -181,6 +207,7 @@ def to_md(results: dict) -> str:
         lines += [f"| {c} | {v} |" for c, v in r["ms_per_step_by_category"].items()]
         lines.append("\n| kernel | category | ms/step | calls/step |\n|---|---|---|---|")
         lines += [f"| `{k['name'][:100]}` | {k['category']} | {k['ms_per_step']} | {k['calls_per_step']} |"
+                  + (f" {'; '.join(k['launched_by'])} |" if k.get("launched_by") else "")
                   for k in r["top_kernels"][:25]]
         lines.append("")
     return "\n".join(lines)
@@ -199,6 +226,8 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="recipe override for the trainer target (e.g. model.hidden_dropout=0.1 "
                          "train.global_batch_size=24: the user path's dropout and accumulation)")
+    ap.add_argument("--ops", action="store_true",
+                    help="trainer target: also record host ops and shapes, to name what launches each eager kernel")
     a = ap.parse_args()
     data = None
     if any(t.startswith("trainer") for t in a.targets.split(",")):
@@ -211,7 +240,7 @@ def main() -> None:
             if t == "nano":
                 results[t] = profile_nano(a.size, a.warm, a.active)
             else:
-                results[t] = profile_trainer(a.size, data, a.warm, a.active, extra=a.sets)
+                results[t] = profile_trainer(a.size, data, a.warm, a.active, extra=a.sets, ops=a.ops)
         except Exception as ex:  # keep the other targets
             results[t] = {"error": repr(ex)[:400]}
         results[t]["seconds"] = round(time.time() - t0, 1)

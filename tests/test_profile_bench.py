@@ -38,3 +38,24 @@ def test_trainer_timing_leaves_out_the_drain():
     t = tt.trainer_timing(times, warmup=2, mb=12, n_params=124_475_904, size=(12, 768, 12))
     assert t["step_ms"] == 24.0 and t["timed_iterations"] == 4 and t["last_iteration_ms"] == 48.0
     assert t["tokens_per_s"] == round(12 * 1024 / 0.024)
+
+
+def test_kernels_are_attributed_to_the_host_op_that_launched_them(tmp_path):
+    """With host ops in the trace (--ops): kernel -> its runtime launch (correlation) -> the op
+    (External id), with input shapes; a kernel replayed from a CUDA graph has no op and gets none."""
+    import profile_step
+
+    ev = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::sum", "ts": 0, "dur": 5,
+         "args": {"External id": 7, "Input Dims": [[12288, 768], []]}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1,
+         "args": {"External id": 7, "correlation": 100}},
+        {"ph": "X", "cat": "kernel", "name": "reduce_kernel<128, 4>", "ts": 10, "dur": 15, "args": {"correlation": 100}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 2, "dur": 1, "args": {"correlation": 101}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 30, "dur": 5, "args": {"correlation": 101}},
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    top = {k["name"]: k for k in profile_step.summarize(str(path), steps=1)["top_kernels"]}
+    assert top["reduce_kernel<128, 4>"]["launched_by"] == ["aten::sum [[12288, 768], []] x1"]
+    assert "launched_by" not in top["triton_poi_fused_add_0"]
