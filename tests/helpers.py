@@ -141,6 +141,18 @@ class Ranks:
         return "".join(out[:n]), "".join(out[n:])
 
 
+def stop_after_first_log(ranks: Ranks, metrics: str, timeout: float = 300) -> str:
+    """Once rank 0 has logged a training step to `metrics`, SIGTERM every rank (as torchrun and srun
+    pass it on: the ranks agree, save, exit 3) and wait; returns their stderr."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and ranks.poll() is None:
+        if os.path.exists(metrics) and read_metrics(metrics)["train"]:
+            break
+        time.sleep(0.05)
+    ranks.send_signal(signal.SIGTERM)
+    return ranks.communicate(timeout=timeout)[1]
+
+
 def run_ranks(nproc: int, args: list[str], env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
     """Ranks(...) to the end: a CompletedProcess (returncode: the first non-zero rank's, else 0)."""
     r = Ranks(nproc, args, env)
@@ -264,15 +276,7 @@ def train_cli(nproc: int, out, prefix, name: str, extra: list[str], sigterm_afte
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     rd = os.path.join(str(out), name)
     if sigterm_after_first_log:
-        metrics = os.path.join(rd, "metrics.jsonl")
-        p = Ranks(nproc, args, env)
-        deadline = time.time() + 300
-        while time.time() < deadline and p.poll() is None:
-            if os.path.exists(metrics) and read_metrics(metrics)["train"]:
-                break
-            time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)  # every rank, as torchrun and srun pass it on
-        _, err = p.communicate(timeout=300)
+        err = stop_after_first_log(Ranks(nproc, args, env), os.path.join(rd, "metrics.jsonl"))
         assert json.load(open(os.path.join(rd, "train_status.json")))["status"] == "preempted", err[-3000:]
     p = run_ranks(nproc, args, env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]

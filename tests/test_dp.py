@@ -17,7 +17,8 @@ import torch
 
 from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.train.metrics import read_metrics
-from helpers import SMALL, TINY_RECIPE as TINY, Ranks, free_port, run_ranks, stdlib_dataset, torchrun_cmd
+from helpers import (SMALL, TINY_RECIPE as TINY, Ranks, free_port, run_ranks, stdlib_dataset, stop_after_first_log,
+                     torchrun_cmd)
 
 pytestmark = pytest.mark.dist
 
@@ -168,21 +169,11 @@ def _assert_same_state(a: dict, b: dict, optimizer: bool = True) -> None:
 
 def _interrupted(nproc: int, out, prefix, name: str, extra: list[str]) -> str:
     """`hpcmeg train` on nproc ranks, SIGTERM to every rank once rank 0 logged a step, then again."""
-    import signal
-    import time
-
     sets = [f"run.output_root={out}", f"run.name={name}", f"data.data_path=[{prefix}]", *extra]
     args = ["train", TINY] + [x for s in sets for x in ("--set", s)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    metrics = os.path.join(str(out), name, "metrics.jsonl")
     p = Ranks(nproc, args, env)
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
-        if os.path.exists(metrics) and read_metrics(metrics)["train"]:
-            break
-        time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)  # as torchrun and srun pass it on: the ranks agree, save, exit 3
-    _, err = p.communicate(timeout=300)
+    err = stop_after_first_log(p, os.path.join(str(out), name, "metrics.jsonl"))
     status = json.load(open(os.path.join(str(out), name, "train_status.json")))
     assert status["status"] == "preempted", (p.returncode(), err[-3000:])
     r = run_ranks(nproc, args, env, timeout=600)

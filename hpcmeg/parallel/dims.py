@@ -23,12 +23,14 @@ Contract
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 # Layouts the train job cannot run yet (removed as each lands): recipe key -> why. Empty: every
 # layout of tensor x pipeline (x virtual pipeline) x data parallelism runs.
-NOT_IMPLEMENTED: dict[str, str] = {}
+NOT_IMPLEMENTED: Mapping[str, str] = MappingProxyType({})  # read-only: nothing is refused today
 
 
 class Coords(NamedTuple):
