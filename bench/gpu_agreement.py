@@ -130,17 +130,99 @@ def model_checks(rows):
         print(f"TrainStep {name} vs eager: loss rel {dl:.2e}, grad-norm rel {dg:.2e} {'ok' if ok else 'FAIL'}", flush=True)
 
 
+def dropout_and_accumulation_checks(rows):
+    """The Triton keep-mask against its bit-exact PyTorch twin; the compiled model with it under CUDA
+    graphs (reproducible for a seed, close to torch's dropout); bucketed gradient accumulation
+    against the per-parameter twin through the whole compiled step."""
+    if fused.HAVE_TRITON_DROPOUT:
+        from hpcmeg.model import triton_dropout
+        for shape, p in (((12, 1024, 768), 0.1), ((3, 1001, 37), 0.5)):
+            seed = triton_dropout.draw_seed(torch.device("cuda"))
+            k = triton_dropout.keep_mask(seed, list(shape), p)
+            r = triton_dropout.reference_keep_mask(seed, list(shape), p)
+            n = k.numel()
+            frac = k.float().mean().item()
+            sigma = (p * (1 - p) / n) ** 0.5
+            ok = torch.equal(k, r) and abs(frac - (1 - p)) < 6 * sigma
+            rows.append(dict(check=f"triton keep-mask {shape} p={p} vs twin (bitwise), keep fraction",
+                             keep_fraction=frac, ok=ok))
+            print(f"keep-mask {shape} p={p}: equal={torch.equal(k, r)} keep {frac:.5f} {'ok' if ok else 'FAIL'}",
+                  flush=True)
+        # the cost where it matters: compiled bias-dropout-add + LayerNorm, forward + backward, at
+        # 124M's activation shape, Triton mask vs torch's dropout (Inductor's in-kernel draw) vs none
+        from triton.testing import do_bench
+        x = torch.randn(12, 1024, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        res, bias = torch.randn_like(x), torch.randn(768, device="cuda", dtype=torch.bfloat16)
+        w, lb = torch.ones(768, device="cuda", dtype=torch.bfloat16), torch.zeros(768, device="cuda", dtype=torch.bfloat16)
+        times = {}
+        for impl, p in (("triton", 0.1), ("native", 0.1), ("native", 0.0)):
+            f = torch.compile(lambda a, impl=impl, p=p: fused.bias_dropout_add_layer_norm(
+                a, bias, res, p, True, w, lb, 1e-5, dropout_impl=impl))
+
+            def step(f=f):
+                o, h = f(x)
+                (o.float().sum() + h.float().sum()).backward()
+            times[f"{impl} p={p}"] = do_bench(step, warmup=10, rep=100)
+        seed = triton_dropout.draw_seed(torch.device("cuda"))
+        times["keep_mask alone"] = do_bench(lambda: triton_dropout.keep_mask(seed, [12, 1024, 768], 0.1))
+        rows.append(dict(check="timing: compiled bias-dropout-add+LN fwd+bwd [12,1024,768] bf16 (ms)",
+                         times_ms=times, ok=None))
+        print("bias-dropout-add+LN fwd+bwd ms:", {k: round(v, 4) for k, v in times.items()}, flush=True)
+    cfg = GPTConfig(4, 256, 4, 1024, 256, 1024, hidden_dropout=0.1, attention_dropout=0.1, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    d = torch.randint(0, 1024, (4, 257), device="cuda", generator=g)
+    mbs = [(d[:2, :-1], d[:2, 1:]), (d[2:, :-1], d[2:, 1:])]
+
+    def curve(dropout_impl="triton", accumulate="bucketed", drop=True):
+        torch.manual_seed(0)
+        c = dataclasses.replace(cfg, dropout_impl=dropout_impl)
+        if not drop:
+            c = dataclasses.replace(c, hidden_dropout=0.0, attention_dropout=0.0)
+        m = GPT(c).cuda()
+        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, accumulate=accumulate)
+        st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")  # default: CUDA graphs
+        out = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
+        torch._dynamo.reset()
+        return out, buf.param_data.clone()
+    a, _ = curve()
+    b, _ = curve()
+    nat, _ = curve("native")
+    dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, nat))
+    ok = a == b and dl < 2e-2
+    rows.append(dict(check="compiled+CUDA graphs, dropout 0.1: triton mask reproducible; vs native dropout",
+                     max_rel_err=dl, ok=ok, curves={"triton": a, "triton_again": b, "native": nat}))
+    print(f"dropout triton reproducible={a == b}, loss rel vs native {dl:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    f, pf = curve(drop=False)
+    q, pq = curve(accumulate="per_param", drop=False)
+    diff = rel(pf.float(), pq.float())
+    ok = diff < 1e-3 and max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(f, q)) < 1e-3
+    rows.append(dict(check="bucketed vs per_param accumulation, compiled step, 4 steps x 2 micro batches",
+                     max_rel_err=diff, bitwise=torch.equal(pf, pq), ok=ok))
+    print(f"accumulation bucketed vs per_param: params rel {diff:.2e} bitwise={torch.equal(pf, pq)} "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--parts", default="ops,model,dropout", help="comma list of ops, model, dropout")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     rows = []
-    op_checks(rows)
+    if "ops" in parts:
+        op_checks(rows)
     try:
-        model_checks(rows)
+        if "model" in parts:
+            model_checks(rows)
     except Exception as ex:
         rows.append(dict(check="model_checks", error=repr(ex)[:400], ok=False))
         print("model checks failed:", repr(ex)[:400], flush=True)
+    try:
+        if "dropout" in parts:
+            dropout_and_accumulation_checks(rows)
+    except Exception as ex:
+        rows.append(dict(check="dropout_and_accumulation_checks", error=repr(ex)[:400], ok=False))
+        print("dropout/accumulation checks failed:", repr(ex)[:400], flush=True)
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), flash_attn=fused.HAVE_FLASH_ATTN)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "gpu_agreement.json")

@@ -133,6 +133,9 @@ class ModelConfig:
     """LayerNorm epsilon."""
     fused: str = "auto"
     """Fused kernels: auto (on for CUDA), on, off (the plain PyTorch twins)."""
+    dropout_impl: str = "triton"
+    """Fused path on CUDA: triton (a Philox keep-mask kernel, 4 draws per call) or native (torch's
+    dropout; Inductor draws inside its fused kernels). CPU always uses native."""
 
 
 @dataclass
@@ -181,6 +184,9 @@ class TrainConfig:
     """Validation batches per evaluation."""
     compile: str = "auto"
     """torch.compile: auto (on for CUDA), on, off."""
+    grad_accumulation: str = "bucketed"
+    """How each micro batch's gradients enter the fp32 main grads: bucketed (multi-tensor, a bucket
+    at a time) or per_param (one copy/add per parameter: the plain twin, bit-identical, slower)."""
     device: str = "auto"
     """auto (CUDA when available), cuda or cpu."""
     exit_duration_minutes: Optional[float] = ranged(None, gt=0, null="no limit")
@@ -350,9 +356,11 @@ class ConvertConfig:
 CHOICES = {
     ("data", "tokenizer_type"): ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
     ("model", "fused"): ("auto", "on", "off"),
+    ("model", "dropout_impl"): ("triton", "native"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "precision"): ("bf16", "fp16", "fp32"),
     ("train", "compile"): ("auto", "on", "off"),
+    ("train", "grad_accumulation"): ("bucketed", "per_param"),
     ("train", "device"): ("auto", "cuda", "cpu"),
     ("cluster", "executor"): ("slurm", "local"),
     ("container", "runtime"): ("apptainer", "pyxis", "none"),

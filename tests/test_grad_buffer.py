@@ -119,6 +119,67 @@ def test_hooks_sum_micro_batches_and_zero_unused_params():
     assert torch.count_nonzero(buf.grad_data[a:b]) == 0
 
 
+def _accumulated(accumulate: str, n_micro: int, param_dtype, unused: bool = False, bucket_numel: int = 3000):
+    m = tiny_gpt()
+    buf, _ = build_optimizer(m, 1e-3, param_dtype=param_dtype, grad_dtype=torch.float32,
+                             bucket_numel=bucket_numel, accumulate=accumulate)
+    pos = m.embedding.position_embeddings.weight
+    (x, y), = batches(1, 2 * n_micro, seed=7)
+    for p in m.parameters():  # last step's values: the first micro batch must overwrite, never add
+        a, b = buf.locate(p)
+        buf.grad_data[a:b] = 3.0
+    buf.start_step(n_micro)
+    for i in range(n_micro):
+        pos.requires_grad_(not (unused and i % 2 == 0))  # some micro batches leave a parameter out
+        m(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]).sum().backward()
+        assert all(p.grad is None for p in m.parameters())  # moved by the end of each backward
+    pos.requires_grad_(True)
+    buf.finish_grads()
+    return buf
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_micro,unused", [(1, False), (3, False), (3, True)])
+def test_bucketed_accumulation_equals_per_param_bitwise(param_dtype, n_micro, unused):
+    """The multi-tensor bucketed path (staging buffer for bf16 -> fp32) against the plain twin: the
+    same fp32 main grads bit for bit, padding zero, with several buckets, accumulation and a
+    parameter that gets no gradient in some micro batches (partial buckets)."""
+    fast = _accumulated("bucketed", n_micro, param_dtype, unused)
+    plain = _accumulated("per_param", n_micro, param_dtype, unused)
+    assert len(fast.buckets) > 3 and any(len(bk.params) > 1 for bk in fast.buckets)
+    assert torch.equal(fast.grad_data, plain.grad_data)
+    used = torch.zeros(fast.numel, dtype=torch.bool)
+    for p in fast.params:
+        a, b = fast.locate(p)
+        used[a:b] = True
+    assert torch.count_nonzero(fast.grad_data[~used]) == 0  # padding and gaps stay zero
+    assert torch.count_nonzero(fast.grad_data[used]) > 0.9 * used.sum()
+
+
+def test_bucketed_accumulation_with_one_big_bucket_and_bf16_main_grads():
+    # one bucket holding everything (the staging path over one flat range) and grad_dtype == param
+    # dtype (no conversion: multi-tensor copy straight into the main grads)
+    for bucket_numel in (10 ** 9, 3000):
+        fast = _accumulated("bucketed", 2, torch.bfloat16, bucket_numel=bucket_numel)
+        plain = _accumulated("per_param", 2, torch.bfloat16, bucket_numel=bucket_numel)
+        assert torch.equal(fast.grad_data, plain.grad_data)
+    m = tiny_gpt()
+    a, _ = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, accumulate="bucketed")
+    (x, y), = batches(1, 2)
+    a.start_step(1)
+    m(x, y).sum().backward()
+    a.finish_grads()
+    ref = tiny_gpt()
+    r, _ = build_optimizer(ref, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, accumulate="per_param")
+    r.start_step(1)
+    ref(x, y).sum().backward()
+    r.finish_grads()
+    assert a.grad_data.dtype == torch.bfloat16 and torch.equal(a.grad_data, r.grad_data)
+    assert torch.count_nonzero(a.grad_data) > 0.9 * sum(p.numel() for p in m.parameters())
+    with pytest.raises(ValueError, match="accumulate="):
+        build_optimizer(tiny_gpt(), 1e-3, accumulate="fused")
+
+
 def test_flat_adamw_matches_torch_adamw():
     m, ref = tiny_gpt(), tiny_gpt()
     buf, opt = build_optimizer(m, 1e-2, weight_decay=0.1)

@@ -5,6 +5,11 @@ What "fused" means here, op by op:
     in and out), else PyTorch SDPA with a backend priority list (cuDNN > flash > mem-efficient
     > math by default: on Hopper cuDNN's kernel is the fastest SDPA backend; the list falls
     through when a backend refuses the inputs, e.g. dropout or CPU tensors).
+  * dropout (embedding output, residual branches): on CUDA a bool keep-mask from the Philox
+    kernel of triton_dropout.py (4 random numbers per Philox call; Inductor's own lowering draws
+    one per element inside the fused kernel, which made the bias-dropout-add+LN kernel 61 us
+    instead of 18 us at 124M on the H200), the scaling fused by Inductor; GPTConfig.dropout_impl
+    'native' keeps torch's dropout. Attention dropout stays inside the SDPA kernel.
   * layer_norm / bias_gelu / bias_dropout_add(_layer_norm): written as one expression each on
     the native kernels (F.layer_norm, tanh F.gelu). Alone they are a few kernels; under
     torch.compile of the block/model (TrainStep(compile=True)) Inductor fuses each into one
@@ -45,9 +50,10 @@ from hpcmeg.model.ops import cross_entropy_with_lse
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 try:
     from hpcmeg.model import triton_ce as _triton_ce  # noqa: F401
-    HAVE_TRITON_CE = True
+    from hpcmeg.model import triton_dropout
+    HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = True
 except ImportError:  # no triton (CPU-only installs): the Inductor/eager formulation below
-    HAVE_TRITON_CE = False
+    HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = False
 
 _SDPA_ORDER = {
     "auto": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -72,16 +78,33 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
     return F.gelu(F.linear(x, weight, bias), approximate="tanh")
 
 
-def bias_dropout_add(x, bias, residual, p: float, training: bool):
+def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:
+    """Whether dropout of x takes the Triton keep-mask (CUDA only: on CPU the op would run its
+    PyTorch twin, slower than torch's dropout)."""
+    return impl == "triton" and HAVE_TRITON_DROPOUT and x.is_cuda
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, impl: str = "triton") -> torch.Tensor:
+    """Dropout; on CUDA with impl 'triton' the keep-mask comes from triton_dropout's Philox kernel
+    (a bool [x.shape] tensor, 4 draws per Philox call) and the scaling x * keep / (1 - p) is left to
+    Inductor, which fuses it (and its backward, grad * keep / (1 - p)) into the neighbouring kernel.
+    The seed is drawn from torch's generator, so torch.manual_seed / the saved RNG state replay it."""
+    if not training or p == 0:
+        return x
+    if _mask_kernel_for(x, impl):
+        keep = torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
+        return x * keep * (1.0 / (1.0 - p))
+    return F.dropout(x, p=p, training=True)
+
+
+def bias_dropout_add(x, bias, residual, p: float, training: bool, dropout_impl: str = "triton"):
     if bias is not None:
         x = x + bias.to(x.dtype)  # keep the residual in x's dtype (bias is an fp32 param under autocast)
-    if training and p > 0:
-        x = F.dropout(x, p=p, training=True)
-    return residual + x
+    return residual + dropout(x, p, training, dropout_impl)
 
 
-def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps):
-    out = bias_dropout_add(x, bias, residual, p, training)
+def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton"):
+    out = bias_dropout_add(x, bias, residual, p, training, dropout_impl)
     return out, F.layer_norm(out, (out.shape[-1],), ln_weight, ln_bias, eps)
 
 

@@ -44,9 +44,12 @@ class Embedding(nn.Module):
         self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.p = cfg.hidden_dropout
+        self.dropout_impl = cfg.dropout_impl if cfg.fused else None
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
+        if self.dropout_impl is not None:
+            return fused_ops.dropout(x, self.p, self.training, self.dropout_impl)
         return F.dropout(x, p=self.p, training=self.training)
 
 
@@ -97,14 +100,15 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.p, self.eps = cfg.hidden_dropout, cfg.layernorm_epsilon
         self.ops = fused_ops if cfg.fused else plain_ops
+        self.drop_kw = {"dropout_impl": cfg.dropout_impl} if cfg.fused else {}  # the plain twins have one dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ln1, ln2w = self.input_layernorm, self.post_attention_layernorm
         attn, attn_bias = self.self_attention(self.ops.layer_norm(x, ln1.weight, ln1.bias, self.eps))
         x, h = self.ops.bias_dropout_add_layer_norm(attn, attn_bias, x, self.p, self.training,
-                                                    ln2w.weight, ln2w.bias, self.eps)
+                                                    ln2w.weight, ln2w.bias, self.eps, **self.drop_kw)
         out, out_bias = self.mlp(h)
-        return self.ops.bias_dropout_add(out, out_bias, x, self.p, self.training)
+        return self.ops.bias_dropout_add(out, out_bias, x, self.p, self.training, **self.drop_kw)
 
 
 class Encoder(nn.Module):

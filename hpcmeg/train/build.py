@@ -71,7 +71,7 @@ def gpt_config(recipe: Recipe, derived: Derived, device: torch.device):
                      padded_vocab_size=derived.padded_vocab_size, hidden_dropout=model_cfg.hidden_dropout,
                      attention_dropout=model_cfg.attention_dropout, layernorm_epsilon=model_cfg.layernorm_epsilon,
                      init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device),
-                     vocab_size=derived.orig_vocab_size)
+                     vocab_size=derived.orig_vocab_size, dropout_impl=model_cfg.dropout_impl)
 
 
 def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
@@ -95,7 +95,8 @@ def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ct
     summed = derived.grad_accum_steps * (2 if dims.pp > 1 else 1)
     buffer, optimizer = rank_optimizer(
         model, plan, dims, ctx, param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, summed), lr=train.lr,
-        weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+        weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+        accumulate=train.grad_accumulation)
     scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale) if train.precision == "fp16" else None
     return buffer, optimizer, scaler
 

@@ -42,11 +42,11 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     bucket_numel: int | None = None, compiled: bool | None = None,
                     replicated: frozenset = frozenset(), partial_grads: frozenset = frozenset(),
                     tp_size: int = 1, tp_rank: int = 0, tp_group=None, tied: frozenset = frozenset(),
-                    embedding_group=None, count_tied_in_norm: bool = True, pp_size: int = 1, pp_group=None
-                    ) -> tuple[ParamAndGradBuffer, "FlatAdamW"]:
+                    embedding_group=None, count_tied_in_norm: bool = True, pp_size: int = 1, pp_group=None,
+                    accumulate: str = "bucketed") -> tuple[ParamAndGradBuffer, "FlatAdamW"]:
     """The model's parameters moved into a ParamAndGradBuffer of `param_dtype` (gradients in
     `grad_dtype`, default fp32), and a FlatAdamW over it (sharded over the data-parallel group when
-    `distributed`). Call before torch.compile; do not move or re-cast the model afterwards.
+    `distributed`); `accumulate` is the buffer's gradient path (bucketed | per_param). Call before torch.compile; do not move or re-cast the model afterwards.
 
     Tensor parallelism (hpcmeg/parallel/tensor.py's plan): `replicated` holds the ids of parameters
     every TP rank has whole (LayerNorms, row-parallel biases, position embeddings): they are counted
@@ -82,7 +82,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     extra.append((name + suffix, embedding_group))
     buffer = ParamAndGradBuffer(classes, param_dtype=param_dtype, grad_dtype=grad_dtype or torch.float32,
                                 dp_size=dp_size, dp_rank=dp_rank, dp_group=dp_group, shard=distributed,
-                                bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL, extra_reductions=tuple(extra))
+                                bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL, extra_reductions=tuple(extra),
+                                accumulate=accumulate)
     norm_skip = {c for c, _ in classes if c.endswith((".replicated", ".partial")) and tp_rank != 0}
     norm_skip |= {c for c, _ in classes if c.endswith(".tied") and not count_tied_in_norm}
     norm_groups = ((tp_group,) if tp_size > 1 else ()) + ((pp_group,) if pp_size > 1 else ())

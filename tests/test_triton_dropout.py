@@ -1,0 +1,172 @@
+"""hpcmeg/model/triton_dropout.py: the Philox keep-mask twin (CPU), its known-answer vectors, the
+Triton kernel against the twin bit for bit in Triton's CPU interpreter, the custom op (opcheck),
+and the op inside torch.compile (Inductor, CPU) with gradients.
+
+The same kernel compiled for the GPU is not checked here (no GPU on this machine).
+"""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hpcmeg.model import triton_dropout as td
+
+
+def _seed(v: int) -> torch.Tensor:
+    return torch.tensor([v], dtype=torch.int64)
+
+
+def test_philox_known_answer_vectors():
+    """Random123's published KAT for philox4x32_10 (tests/kat_vectors of
+    github.com/DEShawResearch/random123): counter words 0-3, key words 0-1 -> output words 0-3.
+    Independent of Triton's code, so the twin is pinned to the standard generator."""
+    kat = [
+        ("00000000 00000000 00000000 00000000", "00000000 00000000", "6627e8d5 e169c58d bc57ac4c 9b00dbd8"),
+        ("ffffffff ffffffff ffffffff ffffffff", "ffffffff ffffffff", "408f276d 41c83b0e a20bc7c6 6d5451fd"),
+        ("243f6a88 85a308d3 13198a2e 03707344", "a4093822 299f31d0", "d16cfe09 94fdcceb 5001e420 24126ea1"),
+    ]
+    for ctr, key, want in kat:
+        words = [torch.tensor([int(w, 16)], dtype=torch.int64) for w in (ctr + " " + key).split()]
+        got = " ".join(f"{int(w):08x}" for w in td.philox4x32_10(*words))
+        assert got == want, (ctr, key)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_twin_keep_fraction_and_determinism(p):
+    n = 200_000  # not a multiple of 4 * BLOCK = 4096: the last program is a partial one
+    a = td.reference_keep_mask(_seed(1234), [n], p)
+    assert a.dtype == torch.bool and a.shape == (n,)
+    # binomial: the keep fraction has std sqrt(p (1 - p) / n) (6.7e-4 at p = 0.1, 1.1e-3 at 0.5); 5 std
+    tol = 5 * math.sqrt(p * (1 - p) / n)
+    assert abs(a.float().mean().item() - (1 - p)) < tol
+    # ...and so does each of the four Philox output words (flat elements k*BLOCK.. of each program)
+    words = a[: (n // (4 * td.BLOCK)) * 4 * td.BLOCK].view(-1, 4, td.BLOCK)
+    for k in range(4):
+        assert abs(words[:, k].float().mean().item() - (1 - p)) < 2 * tol
+    assert torch.equal(td.reference_keep_mask(_seed(1234), [n], p), a)  # pure function of the seed
+    b = td.reference_keep_mask(_seed(1235), [n], p)
+    # independent masks disagree on a fraction 2 p (1 - p) of the elements
+    assert abs((a != b).float().mean().item() - 2 * p * (1 - p)) < 2 * tol
+    # element i depends on (seed, i) only: a shorter mask is a prefix, a reshaped one the same bits
+    assert torch.equal(td.reference_keep_mask(_seed(1234), [5000], p), a[:5000])
+    assert torch.equal(td.reference_keep_mask(_seed(1234), [8, 25_000], p), a.view(8, 25_000))
+
+
+def test_twin_edge_cases():
+    s = _seed(2**62 - 1)  # high key word non-zero
+    assert bool(td.reference_keep_mask(s, [3, 4097], 0.0).all())  # u >= 0 always: p = 0 keeps all
+    assert not bool(td.reference_keep_mask(s, [3, 4097], 1.0).any())  # u < 1 always
+    e = td.reference_keep_mask(s, [0, 7], 0.1)
+    assert e.shape == (0, 7) and e.dtype == torch.bool
+    assert td.reference_keep_mask(s, [], 0.5).shape == ()
+    with pytest.raises(ValueError):
+        td.reference_keep_mask(s, [4], 1.5)
+    with pytest.raises(ValueError):
+        td.reference_keep_mask(s.to(torch.int32), [4], 0.1)
+
+
+def test_custom_op_opcheck_and_fake():
+    """torch.library.opcheck (schema, fake/meta, aot dispatch) on CPU inputs: the op's twin path."""
+    seed = td.draw_seed("cpu")
+    assert seed.dtype == torch.int64 and seed.shape == (1,) and 0 <= int(seed) < 2**62
+    for shape, p in (([3, 4100], 0.1), ([0], 0.5), ([7], 0.0)):
+        torch.library.opcheck(td.dropout_keep_mask, (seed, shape, p))
+        assert torch.equal(td.dropout_keep_mask(seed, shape, p), td.reference_keep_mask(seed, shape, p))
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        f = td.dropout_keep_mask(torch.empty(1, dtype=torch.int64), [2, 3], 0.1)
+    assert f.shape == (2, 3) and f.dtype == torch.bool
+
+
+def test_inside_torch_compile_with_grad():
+    """draw_seed + the op in one fullgraph Inductor (CPU) graph: runs, reproducible under
+    torch.manual_seed, fresh masks otherwise, and d(out)/dx = keep / (1 - p)."""
+    p = 0.1
+
+    def f(x):
+        return x * td.dropout_keep_mask(td.draw_seed(x.device), list(x.shape), p) * (1 / (1 - p))
+
+    cf = torch.compile(f, backend="inductor", fullgraph=True)
+    x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    torch.manual_seed(5)
+    y1 = cf(x)
+    torch.manual_seed(5)
+    y2 = cf(x)
+    y3 = cf(x)
+    assert torch.equal(y1, y2)
+    assert not torch.equal(y1, y3)
+    keep = y1.detach() != 0  # x ~ N(0, 1) has no zeros
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.02  # n = 6000: std 3.9e-3
+    torch.testing.assert_close(y1.detach(), x.detach() * keep * (1 / (1 - p)), rtol=0, atol=0)
+    y1.sum().backward()
+    torch.testing.assert_close(x.grad, keep.float() * (1 / (1 - p)), rtol=0, atol=0)
+
+
+# Run as a file (not `python -c`): @triton.jit reads the kernel's source with inspect.
+_INTERPRETER_CHECK = r"""
+import torch
+import triton
+import triton.language as tl
+from hpcmeg.model import triton_dropout as td
+
+M = 0xFFFFFFFF
+
+@triton.jit
+def _words(seed_ptr, out_ptr, start, BLOCK: tl.constexpr):
+    # raw Philox words and uniforms of counters start + [0, BLOCK), as triton.language.random draws them
+    c = start + tl.arange(0, BLOCK).to(tl.int64)
+    seed = tl.load(seed_ptr)
+    r0, r1, r2, r3 = tl.randint4x(seed, c)
+    u0, u1, u2, u3 = tl.rand4x(seed, c)
+    j = tl.arange(0, BLOCK)
+    tl.store(out_ptr + 0 * BLOCK + j, r0.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(out_ptr + 1 * BLOCK + j, r1.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(out_ptr + 2 * BLOCK + j, r2.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(out_ptr + 3 * BLOCK + j, r3.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(out_ptr + 4 * BLOCK + j, u0.to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(out_ptr + 5 * BLOCK + j, u1.to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(out_ptr + 6 * BLOCK + j, u2.to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(out_ptr + 7 * BLOCK + j, u3.to(tl.int32, bitcast=True).to(tl.int64))
+
+# 1. raw words and uniforms, counters across 2**32 (high counter word 0 then 1), a seed > 2**32
+B = 64
+seed = torch.tensor([0x0123456789ABCDEF], dtype=torch.int64)
+start = 2**32 - B // 2
+out = torch.empty(8 * B, dtype=torch.int64)
+_words[(1,)](seed, out, start, BLOCK=B)
+c = torch.arange(start, start + B, dtype=torch.int64)
+z = torch.zeros_like(c)
+ref = td.philox4x32_10(c & M, c >> 32, z, z, seed & M, (seed >> 32) & M)
+for k in range(4):
+    assert torch.equal(out[k * B:(k + 1) * B], ref[k]), ("word", k)
+    u = td._uniform(ref[k])
+    assert torch.equal(out[(4 + k) * B:(5 + k) * B].to(torch.int32).view(torch.float32), u), ("uniform", k)
+
+# 2. the keep-mask kernel (the launch keep_mask does, minus its CUDA device guard) against the twin
+for v in (1234, 2**62 - 1):
+    s = torch.tensor([v], dtype=torch.int64)
+    for shape in ([7], [3, 4100], [2 * 4 * td.BLOCK], [0, 5]):
+        for p in (0.0, 0.1, 0.5, 1.0):
+            got = torch.empty(shape, dtype=torch.bool)
+            n = got.numel()
+            if n:
+                td._keep_mask_kernel[(triton.cdiv(n, 4 * td.BLOCK),)](s, got, n, p, BLOCK=td.BLOCK,
+                                                                     num_warps=td.NUM_WARPS)
+            assert torch.equal(got, td.reference_keep_mask(s, shape, p)), (v, shape, p)
+print("ok")
+"""
+
+
+def test_kernel_matches_twin_in_the_interpreter(tmp_path):
+    """hpcmeg/model/triton_dropout.py's kernel (and triton.language.random's raw Philox words and
+    uniforms) run by Triton's CPU interpreter against the PyTorch twin, bit for bit."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
+    script = tmp_path / "check_triton_dropout.py"
+    script.write_text(_INTERPRETER_CHECK)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
