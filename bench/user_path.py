@@ -201,8 +201,8 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = True
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
                cudnn=torch.backends.cudnn.version(), date=time.strftime("%Y-%m-%d %H:%M:%S"),
-               commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                     text=True).stdout.strip() or os.environ.get("HPCMEG_COMMIT", "?"))
+               commit=os.environ.get("HPCMEG_COMMIT") or subprocess.run(  # the device's .git can be stale: pass it
+                   ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?")
     peak = measure_bf16_peak()
     print(json.dumps(env), f"bf16 peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     report = dict(env=env, peak_tflops=round(peak / 1e12, 1), items=a.items, sizes={})

@@ -1,0 +1,101 @@
+"""Which host ops launch the aten reduce_kernel calls inside the compiled backward (issue 19)?
+
+Compiles a 2-layer GPT at 124M widths (micro batch 12, seq 1024, bf16 parameters, dropout 0.1, the
+trainer's fused path) WITHOUT CUDA graphs, so Inductor's fallback calls are visible as host ops, and
+lists, for forward+backward, every host op that launched a non-Triton kernel with its shapes and
+kernel names; then the same for candidate formulations of the LayerNorm. Also dumps Inductor's
+output code lines that call aten/extern kernels. Usage: python bench/reduction_probe.py --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from hpcmeg.model import fused, ops  # noqa: E402
+from hpcmeg.model.config import GPTConfig  # noqa: E402
+from hpcmeg.model.gpt import GPT  # noqa: E402
+
+
+def probe(tag, out):
+    torch.manual_seed(0)
+    cfg = GPTConfig(2, 768, 12, 3072, 1024, 50304, hidden_dropout=0.1, attention_dropout=0.1, fused=True)
+    m = GPT(cfg).cuda().to(torch.bfloat16)
+    f = torch.compile(m)
+    x = torch.randint(0, 50257, (12, 1024), device="cuda")
+
+    def step():
+        f(x, x).float().sum().backward()
+        for p in m.parameters():
+            p.grad = None
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    import tempfile
+    import profile_step
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as t:
+        prof.export_chrome_trace(t.name)
+        ev = json.load(open(t.name))["traceEvents"]
+    kernels = [e for e in ev if e.get("cat") == "kernel"]
+    by = profile_step._launching_ops(ev, kernels)
+    agg = collections.defaultdict(lambda: [0, 0.0])
+    for k in kernels:
+        if k["name"].startswith("triton") or any(w in k["name"] for w in ("nvjet", "cudnn", "gemm", "_ce_fwd", "_keep_mask")):
+            continue
+        agg[k["name"][:100]][0] += 1
+        agg[k["name"][:100]][1] += k.get("dur", 0)
+    res = [dict(kernel=n, calls=c, us=round(d, 1), ops=by.get(next(k["name"] for k in kernels if k["name"].startswith(n)), []))
+           for n, (c, d) in sorted(agg.items(), key=lambda x: -x[1][1])]
+    for r in res:
+        print(tag, json.dumps(r)[:600], flush=True)
+    torch._dynamo.reset()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    report = {}
+    report["current"] = probe("current", a.out)
+    # candidate: the LayerNorm as its plain fp32 formula (autograd of primitives under Inductor)
+    orig_ln, orig_bdaln = fused.layer_norm, fused.bias_dropout_add_layer_norm
+
+    def bdaln_plain_ln(x, bias, residual, p, training, w, b, eps, dropout_impl="triton"):
+        o = fused.bias_dropout_add(x, bias, residual, p, training, dropout_impl)
+        return o, ops.layer_norm(o, w, b, eps)
+    fused.layer_norm, fused.bias_dropout_add_layer_norm = ops.layer_norm, bdaln_plain_ln
+    try:
+        report["plain_ln"] = probe("plain_ln", a.out)
+    finally:
+        fused.layer_norm, fused.bias_dropout_add_layer_norm = orig_ln, orig_bdaln
+    with open(os.path.join(a.out, "reduction_probe.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    # Inductor's generated wrappers: every line calling a non-Triton kernel (aten fallbacks, extern mm)
+    import glob
+    import re
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_" + os.environ.get("USER", "root"))
+    lines = collections.Counter()
+    for fn in glob.glob(os.path.join(cache, "**", "*.py"), recursive=True):
+        for ln in open(fn, errors="replace"):
+            if re.search(r"aten\.|extern_kernels\.|torch\.ops\.", ln) and "import" not in ln:
+                lines[re.sub(r"buf\d+|arg\d+_\d+|primals_\d+|tangents_\d+|getitem_\d+|\d+", "#", ln.strip())[:200]] += 1
+    with open(os.path.join(a.out, "reduction_probe_wrapper_lines.txt"), "w") as fh:
+        for ln, n in lines.most_common(200):
+            fh.write(f"{n:5d} {ln}\n")
+
+
+if __name__ == "__main__":
+    main()
