@@ -47,20 +47,19 @@ def cache_paths(cache_dir: str, md5: str, kind: str, split: str, names: Sequence
     return paths
 
 
-# mode None: the user's umask decides (fsutil.default_mode), like every other output. The 0o600 these
+# File modes: fsutil's default (the user's umask decides), like every other output. The 0o600 these
 # files once had was tempfile.mkstemp's, not a choice: an index_cache_dir shared by a project's users
 # must be readable by them, and nothing in it is private (sample indices of public data).
-_CACHE_FILE_MODE = None
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write `data` to `path` atomically (hpcmeg.fsutil)."""
-    fsutil.write_bytes_atomic(path, data, mode=_CACHE_FILE_MODE)
+    fsutil.write_bytes_atomic(path, data)
 
 
 def atomic_save_npy(path: str, array: np.ndarray) -> None:
     """np.save to `path` atomically (hpcmeg.fsutil); a failing save leaves the old file and no temp."""
-    with fsutil.atomic_path(path, mode=_CACHE_FILE_MODE) as tmp:
+    with fsutil.atomic_path(path) as tmp:
         with open(tmp, "wb") as f:  # a file object: np.save would append ".npy" to a bare name
             np.save(f, np.ascontiguousarray(array), allow_pickle=False)
 
