@@ -147,6 +147,7 @@ class ParamAndGradBuffer:
         self._handles: list = []
         # bucketed accumulation: this micro batch's gradients not yet moved, per bucket, as (param, grad)
         self._pending: list[list] = [[] for _ in self.buckets]
+        self._pending_ids: list[set] = [set() for _ in self.buckets]
         self._flush_queued = False
         self._staging: torch.Tensor | None = None  # [largest multi-parameter bucket], the grads' dtype
         self._bucket_gaps = [self._gaps(bk) for bk in self.buckets]
@@ -199,11 +200,11 @@ class ParamAndGradBuffer:
     def _take_grad(self, p: torch.Tensor) -> None:
         """accumulate="bucketed": keep the gradient until its bucket is complete for this micro batch."""
         b = self._bucket_of[id(p)]
-        pending = self._pending[b]
-        if any(q is p for q, _ in pending):  # a second gradient before the bucket filled: move the first
+        if id(p) in self._pending_ids[b]:  # a second gradient before the bucket filled: move the first
             self._flush(b)
-            pending = self._pending[b]
+        pending = self._pending[b]
         pending.append((p, p.grad))
+        self._pending_ids[b].add(id(p))
         p.grad = None
         if not self._flush_queued:  # whatever is still pending when this backward ends goes in then
             self._flush_queued = True
@@ -222,6 +223,7 @@ class ParamAndGradBuffer:
         """Move bucket b's pending gradients into its main grads: first gradients of the step are
         copied, later ones added (micro batches sum in grad_dtype)."""
         items, self._pending[b] = self._pending[b], []
+        self._pending_ids[b] = set()
         bk = self.buckets[b]
         firsts = {self._count[id(p)] == 0 for p, _ in items}
         if len(items) == len(bk.params) > 1 and len(firsts) == 1:
