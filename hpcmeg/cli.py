@@ -16,7 +16,7 @@ import sys
 # Subcommands that are drop-ins for existing tools keep their own parser (same flags as
 # Megatron's scripts), so their arguments are passed through untouched.
 PASSTHROUGH = {
-    "preprocess": ("hpcmeg.data.preprocess", "main",
+    "preprocess": ("hpcmeg.data.preprocess_cli", "main",
                    "tokenize JSONL into Megatron .bin/.idx (drop-in for tools/preprocess_data.py)"),
     "merge-datasets": ("hpcmeg.data.indexed", "merge_main",
                        "merge several .bin/.idx datasets into one (tools/merge_datasets.py)"),

@@ -13,7 +13,8 @@ import pytest
 
 from hpcmeg.data.corpus import write_stdlib_corpus
 from hpcmeg.data.indexed import IndexedDataset, dataset_exists
-from hpcmeg.data.preprocess import BadInputError, main, preprocess_files
+from hpcmeg.data.preprocess import BadInputError, preprocess_files
+from hpcmeg.data.preprocess_cli import main
 from hpcmeg.data.tokenizer import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
