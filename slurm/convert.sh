@@ -10,6 +10,8 @@
 # the i-th committed iteration; tasks beyond the list exit 0), or "100,200" (task i converts the i-th).
 # Output: OUT_DIR/iter_XXXXXXX/. Runs `hpcmeg convert` inside the container; CPU only. srun gets
 # --cpus-per-task=$SLURM_CPUS_PER_TASK explicitly (Slurm 22.05+ does not pass it on to the step).
+# That container / version-check / --cpus-per-task part is slurm/common.sh, shared with train.sh: keep
+# it beside this file when you copy it, or set HPCMEG_ROOT=<the hpcmeg checkout>.
 #
 #SBATCH --job-name=hpcmeg-convert
 #SBATCH --ntasks=1
@@ -33,6 +35,25 @@ RUN_DIR=${RUN_DIR:-$(dirname "$CKPT_DIR")}           # the run directory (hpcmeg
 
 log() { printf '[convert.sh %(%F %T)T] %s\n' -1 "$*"; }
 die() { log "ERROR: $*"; exit 1; }
+# slurm/common.sh (container_setup). sbatch runs a spool copy of this file, so it is looked up:
+# $HPCMEG_ROOT/slurm when HPCMEG_ROOT is set, else beside this file, else beside the script sbatch was
+# given (scontrol's Command=), else $SLURM_SUBMIT_DIR/slurm.
+common_sh() {
+  local c
+  if [ -n "${HPCMEG_ROOT:-}" ]; then c=$HPCMEG_ROOT/slurm/common.sh
+  else
+    c=$(dirname "${BASH_SOURCE[0]}")/common.sh
+    if [ ! -f "$c" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+      c=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' | head -n 1)
+      c=$(dirname "${c:-/nonexistent/x}")/common.sh
+    fi
+    [ -f "$c" ] || [ -z "${SLURM_SUBMIT_DIR:-}" ] || c=$SLURM_SUBMIT_DIR/slurm/common.sh
+  fi
+  [ -f "$c" ] && printf '%s\n' "$c"
+}
+common=$(common_sh) || die "slurm/common.sh not found (${HPCMEG_ROOT:+HPCMEG_ROOT=$HPCMEG_ROOT; }sbatch runs a copy of this script): set HPCMEG_ROOT=<the hpcmeg checkout> or keep common.sh beside the script you submit"
+# shellcheck source=common.sh source-path=SCRIPTDIR
+. "$common"
 
 tracker="$CKPT_DIR/latest_checkpointed_iteration.txt"
 [ -f "$tracker" ] || die "no checkpoint in $CKPT_DIR (no latest_checkpointed_iteration.txt)"
@@ -57,24 +78,8 @@ it=${its[$task]}
 [[ "$it" =~ ^[0-9]+$ ]] || die "ITERATIONS=$ITERATIONS: '$it' is not an iteration number"
 [ -d "$CKPT_DIR/$(printf 'iter_%07d' "$it")" ] || die "iteration $it has no checkpoint in $CKPT_DIR"
 
-read -r -a hpcmeg_cmd <<< "$HPCMEG"
-srun_container=()
-prefix=()
-case "$CONTAINER_RUNTIME" in
-  none) ;;
-  apptainer) prefix=(apptainer exec --bind "$BINDS" "$IMAGE") ;;
-  pyxis) srun_container=(--container-image="$IMAGE" --container-mounts="$BINDS" --no-container-mount-home) ;;
-  *) die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: use none, apptainer or pyxis" ;;
-esac
-if [ "$CONTAINER_RUNTIME" != none ]; then
-  unset PYTHONPATH PYTHONHOME VIRTUAL_ENV   # the host's Python paths must not shadow the image's packages
-fi
-if [ "$VERSION_CHECK" = 1 ] && [ -f "$RUN_DIR/hpcmeg_version.json" ]; then
-  export HPCMEG_VERSION_FILE="$RUN_DIR/hpcmeg_version.json"
-  if [ "$CONTAINER_RUNTIME" = none ]; then export HPCMEG_VERSION_SIDE="the command '$HPCMEG' on the node"
-  else export HPCMEG_VERSION_SIDE="the $CONTAINER_RUNTIME image $IMAGE"; fi
-fi
-cpus=(); [ -n "${SLURM_CPUS_PER_TASK:-}" ] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+# shellcheck disable=SC2119  # no options: IMAGE is not checked here, no --nv (CPU only)
+container_setup
 out="$OUT_DIR/$(printf 'iter_%07d' "$it")"
 log "array task $task: converting iteration $it -> $out"
 srun --ntasks=1 "${cpus[@]}" "${srun_container[@]}" "${prefix[@]}" \

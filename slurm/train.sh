@@ -23,6 +23,8 @@
 # job's value on to a step, so on sites with CPU binding each rank would get one core).
 # Version check: when RUN_DIR holds hpcmeg_version.json (written by `hpcmeg submit`, also --dry-run),
 # every rank checks that its hpcmeg is the one that wrote the run (VERSION_CHECK=0 skips it).
+# The container / version-check / --cpus-per-task part is slurm/common.sh, shared with convert.sh: keep
+# it beside this file when you copy it, or set HPCMEG_ROOT=<the hpcmeg checkout>.
 #
 #SBATCH --job-name=hpcmeg-train
 #SBATCH --nodes=1
@@ -51,30 +53,28 @@ EXIT_REQUEUE=3                                       # hpcmeg train: "saved, req
 log() { printf '[train.sh %(%F %T)T] %s\n' -1 "$*"; }
 die() { log "ERROR: $*"; exit 1; }
 iteration() { local t; t=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null) || t=-1; [ "$t" = release ] && t=0; echo "$t"; }
+# slurm/common.sh (container_setup). sbatch runs a spool copy of this file, so it is looked up:
+# $HPCMEG_ROOT/slurm when HPCMEG_ROOT is set, else beside this file, else beside the script sbatch was
+# given (scontrol's Command=), else $SLURM_SUBMIT_DIR/slurm.
+common_sh() {
+  local c
+  if [ -n "${HPCMEG_ROOT:-}" ]; then c=$HPCMEG_ROOT/slurm/common.sh
+  else
+    c=$(dirname "${BASH_SOURCE[0]}")/common.sh
+    if [ ! -f "$c" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+      c=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' | head -n 1)
+      c=$(dirname "${c:-/nonexistent/x}")/common.sh
+    fi
+    [ -f "$c" ] || [ -z "${SLURM_SUBMIT_DIR:-}" ] || c=$SLURM_SUBMIT_DIR/slurm/common.sh
+  fi
+  [ -f "$c" ] && printf '%s\n' "$c"
+}
+common=$(common_sh) || die "slurm/common.sh not found (${HPCMEG_ROOT:+HPCMEG_ROOT=$HPCMEG_ROOT; }sbatch runs a copy of this script): set HPCMEG_ROOT=<the hpcmeg checkout> or keep common.sh beside the script you submit"
+# shellcheck source=common.sh source-path=SCRIPTDIR
+. "$common"
 
 [ -f "$RECIPE" ] || die "RECIPE=$RECIPE: no such file (sbatch --export=ALL,RECIPE=/path/recipe.yaml)"
-read -r -a hpcmeg_cmd <<< "$HPCMEG"
-srun_container=()
-prefix=()
-case "$CONTAINER_RUNTIME" in
-  none) ;;
-  apptainer) [ -n "$IMAGE" ] || die "CONTAINER_RUNTIME=apptainer needs IMAGE=/path/image.sif"
-             nv=(); [ -n "${SLURM_GPUS_ON_NODE:-}${SLURM_JOB_GPUS:-}" ] && nv=(--nv)
-             prefix=(apptainer exec "${nv[@]}" --bind "$BINDS" "$IMAGE") ;;
-  pyxis) [ -n "$IMAGE" ] || die "CONTAINER_RUNTIME=pyxis needs IMAGE=registry#image:tag or /path/image.sqsh"
-         srun_container=(--container-image="$IMAGE" --container-mounts="$BINDS" --no-container-mount-home) ;;
-  *) die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME: use none, apptainer or pyxis" ;;
-esac
-
-if [ "$CONTAINER_RUNTIME" != none ]; then
-  unset PYTHONPATH PYTHONHOME VIRTUAL_ENV   # the host's Python paths must not shadow the image's packages
-fi
-if [ "$VERSION_CHECK" = 1 ] && [ -f "$RUN_DIR/hpcmeg_version.json" ]; then
-  export HPCMEG_VERSION_FILE="$RUN_DIR/hpcmeg_version.json"
-  if [ "$CONTAINER_RUNTIME" = none ]; then export HPCMEG_VERSION_SIDE="the command '$HPCMEG' on the node"
-  else export HPCMEG_VERSION_SIDE="the $CONTAINER_RUNTIME image $IMAGE"; fi
-fi
-cpus=(); [ -n "${SLURM_CPUS_PER_TASK:-}" ] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+container_setup --require-image --nv
 restart=${SLURM_RESTART_COUNT:-0}
 mkdir -p "$LOG_DIR"
 before=$(iteration)
