@@ -14,6 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+# MKL's conditional numerical reproducibility, before anything loads torch (MKL reads it once) and
+# inherited by every process the tests start (Slurm jobs included): on AVX-512 machines MKL picks
+# GEMM code paths by the operands' memory alignment, so the same fp32 GEMM on the same values could
+# differ in the last bit between a DP rank and a single process: tests/test_parallel_slurm.py's
+# bit-for-bit DP2 == one process failed in every run on such a machine without this (and with
+# MKL_CBWR=AVX2) and passed 6 out of 6 with it. "AUTO,STRICT" keeps the auto-detected code path and makes it alignment-independent.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
