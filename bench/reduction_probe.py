@@ -60,6 +60,10 @@ def probe(tag, out):
            for n, (c, d) in sorted(agg.items(), key=lambda x: -x[1][1])]
     for r in res:
         print(tag, json.dumps(r)[:600], flush=True)
+    from triton.testing import do_bench
+    ms = do_bench(step, warmup=5, rep=40)
+    print(tag, f"fwd+bwd {ms:.3f} ms", flush=True)
+    res.append(dict(fwd_bwd_ms=round(ms, 4)))
     torch._dynamo.reset()
     return res
 
@@ -67,9 +71,20 @@ def probe(tag, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only-split", action="store_true", help="current and split_reductions=False only")
     a = ap.parse_args()
     report = {}
     report["current"] = probe("current", a.out)
+    import torch._inductor.config as icfg
+    icfg.split_reductions = False  # does the aten.sum come from the second stage of a split reduction?
+    try:
+        report["no_split_reductions"] = probe("no_split", a.out)
+    finally:
+        icfg.split_reductions = True
+    if a.only_split:
+        with open(os.path.join(a.out, "reduction_probe_split.json"), "w") as fh:
+            json.dump(report, fh, indent=1)
+        return
     # candidate: the LayerNorm as its plain fp32 formula (autograd of primitives under Inductor)
     orig_ln, orig_bdaln = fused.layer_norm, fused.bias_dropout_add_layer_norm
 
