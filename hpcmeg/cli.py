@@ -40,7 +40,7 @@ HANDLERS = {
     "validate": ("hpcmeg.cli", "cli_validate"),
     "demo": ("hpcmeg.demo", "cli_demo"),
     "smoke": ("hpcmeg.launch.smoke", "cli_smoke"),
-    "smoke-probe": ("hpcmeg.launch.smoke", "cli_probe"),
+    "smoke-probe": ("hpcmeg.launch.smoke_probe", "cli_probe"),
 }
 
 DESCRIPTION = """\
