@@ -145,9 +145,8 @@ class ParamAndGradBuffer:
         self._n_micro = 1
         self._next_launch = 0
         self._handles: list = []
-        # bucketed accumulation: this micro batch's gradients not yet moved, per bucket, as (param, grad)
-        self._pending: list[list] = [[] for _ in self.buckets]
-        self._pending_ids: list[set] = [set() for _ in self.buckets]
+        # bucketed accumulation: this micro batch's gradients not yet moved, per bucket, id(param) -> (param, grad)
+        self._pending: list[dict[int, tuple]] = [{} for _ in self.buckets]
         self._flush_queued = False
         self._staging: torch.Tensor | None = None  # [largest multi-parameter bucket], the grads' dtype
         self._bucket_gaps = [self._gaps(bk) for bk in self.buckets]
@@ -200,11 +199,10 @@ class ParamAndGradBuffer:
     def _take_grad(self, p: torch.Tensor) -> None:
         """accumulate="bucketed": keep the gradient until its bucket is complete for this micro batch."""
         b = self._bucket_of[id(p)]
-        if id(p) in self._pending_ids[b]:  # a second gradient before the bucket filled: move the first
+        if id(p) in self._pending[b]:  # a second gradient before the bucket filled: move the first
             self._flush(b)
         pending = self._pending[b]
-        pending.append((p, p.grad))
-        self._pending_ids[b].add(id(p))
+        pending[id(p)] = (p, p.grad)
         p.grad = None
         if not self._flush_queued:  # whatever is still pending when this backward ends goes in then
             self._flush_queued = True
@@ -222,8 +220,7 @@ class ParamAndGradBuffer:
     def _flush(self, b: int) -> None:
         """Move bucket b's pending gradients into its main grads: first gradients of the step are
         copied, later ones added (micro batches sum in grad_dtype)."""
-        items, self._pending[b] = self._pending[b], []
-        self._pending_ids[b] = set()
+        items, self._pending[b] = list(self._pending[b].values()), {}
         bk = self.buckets[b]
         firsts = {self._count[id(p)] == 0 for p, _ in items}
         if len(items) == len(bk.params) > 1 and len(firsts) == 1:
