@@ -118,6 +118,9 @@ def test_bias_dropout_add_layer_norm_eval_and_train():
     torch.manual_seed(3); p = ops.bias_dropout_add(x, bias, res, 0.3, True)
     torch.testing.assert_close(f, p, **TOL)
     assert not torch.allclose(f, res + x + bias)  # dropout really dropped something
+    torch.manual_seed(4); f = fused.dropout(x, 0.3, True)  # CPU: both are torch's dropout
+    torch.manual_seed(4); p = ops.dropout(x, 0.3, True)
+    assert torch.equal(f, p) and torch.equal(fused.dropout(x, 0.3, False), x)
 
 
 def test_causal_attention_matches_math():

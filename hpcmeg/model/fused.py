@@ -84,14 +84,14 @@ def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:
     return impl == "triton" and HAVE_TRITON_DROPOUT and x.is_cuda
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, impl: str = "triton") -> torch.Tensor:
-    """Dropout; on CUDA with impl 'triton' the keep-mask comes from triton_dropout's Philox kernel
+def dropout(x: torch.Tensor, p: float, training: bool, dropout_impl: str = "triton") -> torch.Tensor:
+    """Dropout; on CUDA with dropout_impl 'triton' the keep-mask comes from triton_dropout's Philox kernel
     (a bool [x.shape] tensor, 4 draws per Philox call) and the scaling x * keep / (1 - p) is left to
     Inductor, which fuses it (and its backward, grad * keep / (1 - p)) into the neighbouring kernel.
     The seed is drawn from torch's generator, so torch.manual_seed / the saved RNG state replay it."""
     if not training or p == 0:
         return x
-    if _mask_kernel_for(x, impl):
+    if _mask_kernel_for(x, dropout_impl):
         keep = torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
         return x * keep * (1.0 / (1.0 - p))
     return F.dropout(x, p=p, training=True)

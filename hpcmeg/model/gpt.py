@@ -38,19 +38,25 @@ from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.init import init_value
 
 
+def _ops_for(cfg: GPTConfig):
+    """(the op module, the keyword that picks the fused dropout) the config asks for: the plain twins
+    have one dropout and take no such keyword."""
+    if cfg.fused:
+        return fused_ops, {"dropout_impl": cfg.dropout_impl}
+    return plain_ops, {}
+
+
 class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.p = cfg.hidden_dropout
-        self.dropout_impl = cfg.dropout_impl if cfg.fused else None
+        self.ops, self.drop_kw = _ops_for(cfg)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
-        if self.dropout_impl is not None:
-            return fused_ops.dropout(x, self.p, self.training, self.dropout_impl)
-        return F.dropout(x, p=self.p, training=self.training)
+        return self.ops.dropout(x, self.p, self.training, **self.drop_kw)
 
 
 class SelfAttention(nn.Module):
@@ -99,8 +105,7 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = MLP(cfg)
         self.p, self.eps = cfg.hidden_dropout, cfg.layernorm_epsilon
-        self.ops = fused_ops if cfg.fused else plain_ops
-        self.drop_kw = {"dropout_impl": cfg.dropout_impl} if cfg.fused else {}  # the plain twins have one dropout
+        self.ops, self.drop_kw = _ops_for(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ln1, ln2w = self.input_layernorm, self.post_attention_layernorm

@@ -38,12 +38,17 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
     return bias_gelu(F.linear(x, weight), bias)
 
 
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """torch's dropout (fused.py's twin draws its mask from a Philox kernel on CUDA)."""
+    return F.dropout(x, p=p, training=training)
+
+
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                      p: float, training: bool) -> torch.Tensor:
     """residual + dropout(x + bias): the end of every residual branch."""
     if bias is not None:
         x = x + bias.to(x.dtype)  # keep the residual in x's dtype (bias is an fp32 param under autocast)
-    return residual + F.dropout(x, p=p, training=training)
+    return residual + dropout(x, p, training)
 
 
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps):
