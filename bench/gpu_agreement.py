@@ -211,18 +211,14 @@ def main():
     rows = []
     if "ops" in parts:
         op_checks(rows)
-    try:
-        if "model" in parts:
-            model_checks(rows)
-    except Exception as ex:
-        rows.append(dict(check="model_checks", error=repr(ex)[:400], ok=False))
-        print("model checks failed:", repr(ex)[:400], flush=True)
-    try:
-        if "dropout" in parts:
-            dropout_and_accumulation_checks(rows)
-    except Exception as ex:
-        rows.append(dict(check="dropout_and_accumulation_checks", error=repr(ex)[:400], ok=False))
-        print("dropout/accumulation checks failed:", repr(ex)[:400], flush=True)
+    for part, fn in (("model", model_checks), ("dropout", dropout_and_accumulation_checks)):
+        if part not in parts:
+            continue
+        try:  # a crash in one part still leaves the others' rows
+            fn(rows)
+        except Exception as ex:
+            rows.append(dict(check=fn.__name__, error=repr(ex)[:400], ok=False))
+            print(f"{fn.__name__} failed:", repr(ex)[:400], flush=True)
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), flash_attn=fused.HAVE_FLASH_ATTN)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "gpu_agreement.json")

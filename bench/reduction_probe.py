@@ -105,8 +105,11 @@ def main():
     lines = collections.Counter()
     for fn in glob.glob(os.path.join(cache, "**", "*.py"), recursive=True):
         for ln in open(fn, errors="replace"):
-            if re.search(r"aten\.|extern_kernels\.|torch\.ops\.", ln) and "import" not in ln:
-                lines[re.sub(r"buf\d+|arg\d+_\d+|primals_\d+|tangents_\d+|getitem_\d+|\d+", "#", ln.strip())[:200]] += 1
+            code = ln.strip()
+            if code.startswith("#") or "import" in code:  # graph comments and imports: not calls
+                continue
+            if re.search(r"aten\.|extern_kernels\.|torch\.ops\.", code):
+                lines[re.sub(r"buf\d+|arg\d+_\d+|primals_\d+|tangents_\d+|getitem_\d+|\d+", "#", code)[:200]] += 1
     with open(os.path.join(a.out, "reduction_probe_wrapper_lines.txt"), "w") as fh:
         for ln, n in lines.most_common(200):
             fh.write(f"{n:5d} {ln}\n")
