@@ -47,6 +47,9 @@ CATEGORIES = [
 ]
 
 
+GAP_US = 3.0  # idle stretches shorter than this are launch latency between back-to-back kernels
+
+
 def category(name: str, cat: str) -> str:
     if cat in ("gpu_memcpy", "gpu_memset"):
         return cat[4:]
@@ -64,15 +67,20 @@ def summarize(trace_path: str, steps: int) -> dict:
         return {"error": "no GPU events in the trace"}
     ks.sort(key=lambda e: e["ts"])
     t0, t1 = ks[0]["ts"], max(e["ts"] + e["dur"] for e in ks)
-    busy, cur_s, cur_e = 0.0, None, None  # union of [ts, ts+dur) intervals, microseconds
+    busy, cur_s, cur_e, last = 0.0, None, None, None  # union of [ts, ts+dur) intervals, microseconds
+    gaps: dict[tuple, list] = {}  # (kernel before, kernel after) -> [idle us, count]: where the GPU waits
     for e in ks:
         s, d = e["ts"], e["ts"] + e["dur"]
         if cur_e is None or s > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
-            cur_s, cur_e = s, d
-        else:
-            cur_e = max(cur_e, d)
+                if s - cur_e > GAP_US:
+                    g = gaps.setdefault((last["name"][:70], e["name"][:70]), [0.0, 0])
+                    g[0] += s - cur_e
+                    g[1] += 1
+            cur_s, cur_e, last = s, d, e
+        elif d >= cur_e:
+            cur_e, last = d, e
     busy += cur_e - cur_s
     by_cat: dict[str, float] = {}
     by_name: dict[str, list] = {}
@@ -89,6 +97,8 @@ def summarize(trace_path: str, steps: int) -> dict:
         "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
         "kernels_per_step": round(len(ks) / steps, 1),
         "ms_per_step_by_category": {c: round(v / 1e3 / steps, 3) for c, v in sorted(by_cat.items(), key=lambda x: -x[1])},
+        "idle_gaps": [{"before": k[0], "after": k[1], "ms_per_step": round(v[0] / 1e3 / steps, 3),
+                       "per_step": round(v[1] / steps, 1)} for k, v in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:12]],
         "top_kernels": [{"name": n[:160], "category": v[2], "ms_per_step": round(v[0] / 1e3 / steps, 3),
                          "calls_per_step": round(v[1] / steps, 1),
                          **({"launched_by": launched[n]} if n in launched else {})} for n, v in top],
@@ -205,6 +215,9 @@ def to_md(results: dict) -> str:
                      (f", trainer loop {r['loop_ms_per_step']} ms/step" if "loop_ms_per_step" in r else "") + "\n")
         lines.append("| category | ms/step |\n|---|---|")
         lines += [f"| {c} | {v} |" for c, v in r["ms_per_step_by_category"].items()]
+        if r.get("idle_gaps"):
+            lines.append(f"\n| GPU idle > {GAP_US} us: kernel before | kernel after | ms/step | per step |\n|---|---|---|---|")
+            lines += [f"| `{g['before']}` | `{g['after']}` | {g['ms_per_step']} | {g['per_step']} |" for g in r["idle_gaps"]]
         lines.append("\n| kernel | category | ms/step | calls/step |\n|---|---|---|---|")
         lines += [f"| `{k['name'][:100]}` | {k['category']} | {k['ms_per_step']} | {k['calls_per_step']} |"
                   + (f" {'; '.join(k['launched_by'])} |" if k.get("launched_by") else "")

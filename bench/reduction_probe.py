@@ -3,8 +3,10 @@
 Compiles a 2-layer GPT at 124M widths (micro batch 12, seq 1024, bf16 parameters, dropout 0.1, the
 trainer's fused path) WITHOUT CUDA graphs, so Inductor's fallback calls are visible as host ops, and
 lists, for forward+backward, every host op that launched a non-Triton kernel with its shapes and
-kernel names; then the same for candidate formulations of the LayerNorm. Also dumps Inductor's
-output code lines that call aten/extern kernels. Usage: python bench/reduction_probe.py --out DIR
+kernel names (and the Triton LayerNorm kernels), then fwd+bwd ms; then the same for candidate
+formulations of the LayerNorm. Also dumps Inductor's output code lines that call aten/extern kernels.
+--variants a,b,...: only those Inductor settings (VARIANTS below), e.g. the mix-order reduction's split.
+Usage: python bench/reduction_probe.py --out DIR [--variants current,no_mix_order,split64]
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def probe(tag, out):
     by = profile_step._launching_ops(ev, kernels)
     agg = collections.defaultdict(lambda: [0, 0.0])
     for k in kernels:
-        if k["name"].startswith("triton") or any(w in k["name"] for w in ("nvjet", "cudnn", "gemm", "_ce_fwd", "_keep_mask")):
+        if (k["name"].startswith("triton") and "layer_norm" not in k["name"]) or any(w in k["name"] for w in ("nvjet", "cudnn", "gemm", "_ce_fwd", "_keep_mask")):
             continue
         agg[k["name"][:100]][0] += 1
         agg[k["name"][:100]][1] += k.get("dur", 0)
@@ -68,21 +70,31 @@ def probe(tag, out):
     return res
 
 
+# Inductor settings to try (the aten sums turned out to be the final stage of Inductor's mix-order
+# reduction: the LN backward kernel writes [rows/split_size, 768] fp32 partials of dw/db, then the
+# wrapper calls `partials.sum(dim=0)`; split_size is 16 at 12288 rows on 132 SMs)
+VARIANTS = {
+    "current": {},
+    "no_split": {"split_reductions": False},
+    "no_mix_order": {"triton.mix_order_reduction": False},
+    "split32": {"triton.mix_order_reduction_split_size": 32},
+    "split64": {"triton.mix_order_reduction_split_size": 64},
+    "split128": {"triton.mix_order_reduction_split_size": 128},
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only-split", action="store_true", help="current and split_reductions=False only")
+    ap.add_argument("--variants", default=None, help=f"comma list of {list(VARIANTS)}: those only, then stop")
     a = ap.parse_args()
-    report = {}
-    report["current"] = probe("current", a.out)
     import torch._inductor.config as icfg
-    icfg.split_reductions = False  # does the aten.sum come from the second stage of a split reduction?
-    try:
-        report["no_split_reductions"] = probe("no_split", a.out)
-    finally:
-        icfg.split_reductions = True
-    if a.only_split:
-        with open(os.path.join(a.out, "reduction_probe_split.json"), "w") as fh:
+    report = {}
+    for name in (a.variants.split(",") if a.variants else ["current", "no_split"]):
+        with icfg.patch(VARIANTS[name]):
+            report[name] = probe(name, a.out)
+    if a.variants:
+        with open(os.path.join(a.out, "reduction_probe_variants.json"), "w") as fh:
             json.dump(report, fh, indent=1)
         return
     # candidate: the LayerNorm as its plain fp32 formula (autograd of primitives under Inductor)

@@ -26,6 +26,10 @@ def test_summarize_union_and_categories(tmp_path):
     cats = s["ms_per_step_by_category"]
     assert cats == {"gemm": 0.05, "attention": 0.05, "triton_pointwise": 0.025, "memcpy": 0.005}
     assert s["top_kernels"][0]["calls_per_step"] == 0.5
+    # the GPU waits 150 us after the flash kernel (the one that ended last) for the gelu kernel
+    assert s["idle_gaps"][0] == {"before": "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>",
+                                 "after": "triton_poi_fused_add_gelu_0", "ms_per_step": 0.075, "per_step": 0.5}
+    assert len(s["idle_gaps"]) == 2  # and 10 us between the gelu and the memcpy
 
 
 def test_trainer_timing_leaves_out_the_drain():
