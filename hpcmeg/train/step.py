@@ -24,8 +24,9 @@ Contract:
   caller's too: the result holds the loss as computed. The trainer keeps one step in flight
   (it checks step k's numbers after queueing step k+1) so the GPU never waits for the host.
 compile_mode / compile_options go to torch.compile; with neither given on CUDA the default is
-{"triton.cudagraphs": True} (CUDA graphs: the buffer's gradient hooks run in eager autograd after
-the graphed backward and copy the gradients out of the graph's memory). Never max-autotune (compile
+default_cuda_compile_options() (CUDA graphs: the buffer's gradient hooks run in eager autograd after
+the graphed backward and copy the gradients out of the graph's memory; Inductor's mix-order
+reduction off). Never max-autotune (compile
 time); coordinate_descent_tuning did not finish compiling within the benchmark's budget.
 Precision: the buffer's parameter dtype decides. bf16/fp16 parameters (fp32 masters in FlatAdamW)
 run without autocast; fp32 parameters with precision bf16/fp16 run under autocast (CPU);
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,20 @@ import torch.nn as nn
 from hpcmeg.train.optim import DynamicLossScaler
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def default_cuda_compile_options() -> dict:
+    """torch.compile options for a CUDA step when the caller gives none. Measured on the H200:
+    * CUDA graphs: +4-8% tokens/s and less memory (bench/results/train_throughput_h200_124M.md);
+    * Inductor's mix-order reduction off: with it, each LayerNorm backward writes [rows/16, h] fp32
+      partials of dw and db and the wrapper sums them with two aten sums over dim 0, 14.4 us each at
+      124M (~0.75 ms per micro batch); without it the same gradients are two-stage Triton reductions:
+      ~12 us less per LayerNorm (bench/results/reduction_probe_h200_s7.json). Inductor's own
+      environment variable TORCHINDUCTOR_MIX_ORDER_REDUCTION, when set, decides instead."""
+    opts = {"triton.cudagraphs": True}
+    if "TORCHINDUCTOR_MIX_ORDER_REDUCTION" not in os.environ:
+        opts["triton.mix_order_reduction"] = False
+    return opts
 
 
 @dataclass
@@ -131,9 +147,7 @@ class TrainStep:
         if compile_mode and compile_options:
             raise ValueError("TrainStep: give compile_mode or compile_options, not both (torch.compile's rule)")
         if compile and not compile_mode and compile_options is None and self.device.type == "cuda":
-            # measured default on the H200 (bench/results/train_throughput_h200_124M.md): CUDA graphs
-            # +4-8% tokens/s and less memory
-            compile_options = {"triton.cudagraphs": True}
+            compile_options = default_cuda_compile_options()
         self.compile, self.compile_mode, self.compile_options = compile, compile_mode, compile_options
         self.cudagraphs = compile and bool((compile_mode and "overhead" in compile_mode)
                                            or (compile_options or {}).get("triton.cudagraphs"))
