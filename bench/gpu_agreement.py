@@ -6,7 +6,8 @@ for outputs and input gradients; pass below 2e-2 (bf16 operands land 1e-3..1e-2)
 Then whole-model checks: GPT(fused) compiled under bf16 autocast vs the plain fp32 model
 (loss and gradients), and TrainStep eager vs compile vs compile+CUDA graphs over 3 steps of 2
 micro batches (the loss curves must agree within bf16 noise; this also checks that CUDA graphs
-do not corrupt accumulated gradients). Writes <out>/gpu_agreement.json and prints a table.
+do not corrupt accumulated gradients); the Triton dropout mask; gradient-accumulation fusion on vs
+off through the compiled, CUDA-graphed step. Writes <out>/gpu_agreement.json and prints a table.
 """
 from __future__ import annotations
 
@@ -202,16 +203,52 @@ def dropout_and_accumulation_checks(rows):
           f"{'ok' if ok else 'FAIL'}", flush=True)
 
 
+def wgrad_fusion_checks(rows):
+    """Gradient-accumulation fusion (hpcmeg/model/wgrad.py) through the compiled, CUDA-graphed step:
+    bf16 parameters, fp32 main grads, 4 steps x 2 micro batches, sink on vs off (the GEMM's fp32
+    accumulation vs a bf16 gradient added: they differ by bf16 rounding of each micro batch's
+    weight gradient); and whether Inductor skipped CUDA graphs for it (a backward mutation)."""
+    from torch._dynamo.utils import counters
+    cfg = GPTConfig(4, 256, 4, 1024, 256, 1024, hidden_dropout=0.0, attention_dropout=0.0, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    d = torch.randint(0, 1024, (4, 257), device="cuda", generator=g)
+    mbs = [(d[:2, :-1], d[:2, 1:]), (d[2:, :-1], d[2:, 1:])]
+
+    def curve(fusion):
+        torch.manual_seed(0)
+        m = GPT(cfg).cuda()
+        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.float32,
+                                   wgrad_fusion=fusion)
+        st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
+        skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k)
+        out = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
+        skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k) - skips
+        grads = buf.grad_data.clone()
+        torch._dynamo.reset()
+        return out, buf.param_data.clone(), grads, skips, sum(bk.sunk for bk in buf.buckets)
+    on, p_on, g_on, skips_on, n_sunk = curve(True)
+    off, p_off, g_off, skips_off, _ = curve(False)
+    dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(on, off))
+    dp, dg = rel(p_on.float(), p_off.float()), rel(g_on, g_off)
+    ok = n_sunk > 0 and dl < 1e-2 and dp < 1e-2 and dg < 2e-2 and skips_on == 0
+    rows.append(dict(check="gradient-accumulation fusion on vs off, compiled+CUDA graphs, 4 steps x 2 micro",
+                     loss_rel=dl, params_rel=dp, last_main_grads_rel=dg, cudagraph_skips=skips_on,
+                     cudagraph_skips_off=skips_off, sunk_buckets=n_sunk, curves={"on": on, "off": off}, ok=ok))
+    print(f"wgrad fusion on vs off: loss rel {dl:.2e} params rel {dp:.2e} main grads rel {dg:.2e} "
+          f"cudagraph skips {skips_on} {'ok' if ok else 'FAIL'}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    ap.add_argument("--parts", default="ops,model,dropout", help="comma list of ops, model, dropout")
+    ap.add_argument("--parts", default="ops,model,dropout,wgrad", help="comma list of ops, model, dropout, wgrad")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     rows = []
     if "ops" in parts:
         op_checks(rows)
-    for part, fn in (("model", model_checks), ("dropout", dropout_and_accumulation_checks)):
+    for part, fn in (("model", model_checks), ("dropout", dropout_and_accumulation_checks),
+                     ("wgrad", wgrad_fusion_checks)):
         if part not in parts:
             continue
         try:  # a crash in one part still leaves the others' rows

@@ -15,7 +15,7 @@ step, dropout 0, the trainer built in-process); a user runs `hpcmeg train recipe
     batch, random tokens), so the rows connect to the README's bench-path table.
   * `attn`: SDPA forward + backward at this size's attention shape per backend, dropout 0 and 0.1.
 Keys: d (hidden and attention dropout), hd, ad, mb, gbs, iters; hpcmeg also `set=SECTION.KEY=V`
-(repeatable, joined by '|'). Sizes (seq 1024, bf16): 124M 12/768/12 and 355M 24/1024/16 at micro 12,
+(repeatable, joined by '|') and `env=NAME:VALUE` (its environment; repeatable, joined by '|'). Sizes (seq 1024, bf16): 124M 12/768/12 and 355M 24/1024/16 at micro 12,
 global 192; 1.3B 24/2048/16 at micro 8, global 64.
 FLOPs per token 6N + 12*L*d*T (N: all parameters, the tied embedding once; hpcmeg's N has the
 vocabulary padded to 50304 as Megatron pads it), MFU against the bf16 matmul peak measured here.
@@ -53,7 +53,7 @@ RECIPE_DROPOUT = 0.1  # recipes/codeparrot_small.yaml's hidden_dropout and atten
 def parse_item(item: str, size: str) -> tuple[str, dict]:
     kind, _, rest = item.partition(":")
     s = SIZES[size]
-    o = dict(hd=RECIPE_DROPOUT, ad=RECIPE_DROPOUT, mb=s["mb"], gbs=s["gbs"], iters=s["iters"], set=[])
+    o = dict(hd=RECIPE_DROPOUT, ad=RECIPE_DROPOUT, mb=s["mb"], gbs=s["gbs"], iters=s["iters"], set=[], env={})
     for kv in filter(None, rest.split(",")):
         k, _, v = kv.partition("=")
         if k == "d":
@@ -64,6 +64,8 @@ def parse_item(item: str, size: str) -> tuple[str, dict]:
             o[k] = int(v)
         elif k == "set":
             o["set"] = v.split("|")
+        elif k == "env":  # env=NAME:VALUE|NAME:VALUE for the hpcmeg subprocess
+            o["env"] = dict(e.split(":", 1) for e in v.split("|"))
         else:
             raise SystemExit(f"user_path: unknown key {k!r} in item {item!r}")
     return kind, o
@@ -72,6 +74,7 @@ def parse_item(item: str, size: str) -> tuple[str, dict]:
 def label(kind: str, o: dict) -> str:
     d = f"d{o['hd']:g}" if o["hd"] == o["ad"] else f"hd{o['hd']:g}/ad{o['ad']:g}"
     extra = (" " + " ".join(o["set"])) if o["set"] else ""
+    extra += "".join(f" {k}={v}" for k, v in o.get("env", {}).items())
     return f"{kind} {d} mb{o['mb']} gbs{o['gbs']}{extra}"
 
 
@@ -91,7 +94,7 @@ def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "HPCMEG_PEAK_TFLOPS": f"{peak / 1e12:.1f}", "PYTHONUNBUFFERED": "1"}
+           "HPCMEG_PEAK_TFLOPS": f"{peak / 1e12:.1f}", "PYTHONUNBUFFERED": "1", **o.get("env", {})}
     t0 = time.time()
     log = os.path.join(data["out"], name + ".log")
     with open(log, "w") as f:

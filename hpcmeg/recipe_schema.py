@@ -187,6 +187,11 @@ class TrainConfig:
     grad_accumulation: str = "bucketed"
     """How each micro batch's gradients enter the fp32 main grads: bucketed (multi-tensor, a bucket
     at a time) or per_param (one copy/add per parameter: the plain twin, bit-identical, slower)."""
+    gradient_accumulation_fusion: str = "auto"
+    """Weight-gradient GEMMs accumulate straight into the fp32 main grads (Megatron's
+    --gradient-accumulation-fusion; hpcmeg/model/wgrad.py): auto (on for a fused model on CUDA with
+    bf16/fp16 parameters), on (any fused model: the CPU twin), off (gradients go through the buffer's
+    grad_accumulation path)."""
     device: str = "auto"
     """auto (CUDA when available), cuda or cpu."""
     exit_duration_minutes: Optional[float] = ranged(None, gt=0, null="no limit")
@@ -361,6 +366,7 @@ CHOICES = {
     ("train", "precision"): ("bf16", "fp16", "fp32"),
     ("train", "compile"): ("auto", "on", "off"),
     ("train", "grad_accumulation"): ("bucketed", "per_param"),
+    ("train", "gradient_accumulation_fusion"): ("auto", "on", "off"),
     ("train", "device"): ("auto", "cuda", "cpu"),
     ("cluster", "executor"): ("slurm", "local"),
     ("container", "runtime"): ("apptainer", "pyxis", "none"),

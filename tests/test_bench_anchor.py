@@ -76,6 +76,9 @@ def test_user_path_items():
     kind, o = user_path.parse_item("hpcmeg:d=0,gbs=12,set=train.compile=off|model.init_method_std=0.01", "124M")
     assert kind == "hpcmeg" and o["hd"] == o["ad"] == 0.0 and o["gbs"] == 12 and o["mb"] == 12
     assert o["set"] == ["train.compile=off", "model.init_method_std=0.01"]
+    _, o = user_path.parse_item("hpcmeg:env=TORCHINDUCTOR_MIX_ORDER_REDUCTION:1|A:b:c", "124M")
+    assert o["env"] == {"TORCHINDUCTOR_MIX_ORDER_REDUCTION": "1", "A": "b:c"}
+    assert user_path.label("hpcmeg", o).endswith("gbs192 TORCHINDUCTOR_MIX_ORDER_REDUCTION=1 A=b:c")
     kind, o = user_path.parse_item("nano", "1.3B")
     assert (o["hd"], o["mb"], o["gbs"]) == (user_path.RECIPE_DROPOUT, 8, 64)  # the recipe's dropout by default
     with pytest.raises(SystemExit, match="unknown key"):

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hpcmeg.model import wgrad
 from hpcmeg.model.ops import cross_entropy_with_lse
 
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
@@ -74,8 +75,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh")
 
 
-def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sink=None) -> torch.Tensor:
+    """sink: the weight's main-grad sink (hpcmeg/model/wgrad.py), or None."""
+    return F.gelu(wgrad.linear(x, weight, bias, sink), approximate="tanh")
 
 
 def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:

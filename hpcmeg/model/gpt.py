@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from hpcmeg.model import fused as fused_ops
 from hpcmeg.model import ops as plain_ops
+from hpcmeg.model import wgrad
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.init import init_value
 
@@ -44,6 +45,13 @@ def _ops_for(cfg: GPTConfig):
     if cfg.fused:
         return fused_ops, {"dropout_impl": cfg.dropout_impl}
     return plain_ops, {}
+
+
+def _sink(linear: nn.Linear):
+    """The main-grad sink the outside gave this layer (hpcmeg.parallel.grad_buffer.attach_wgrad_sinks:
+    gradient-accumulation fusion), or None: then wgrad.linear is F.linear."""
+    flat = getattr(linear, "main_grad_sink", None)
+    return None if flat is None else (flat, linear.main_grad_offset)
 
 
 class Embedding(nn.Module):
@@ -78,11 +86,12 @@ class SelfAttention(nn.Module):
         """x [b, s, h] -> (dense output without its bias [b, s, h_out], dense bias [h_out])."""
         b, s, _ = x.shape
         # heads from the weight's rows: a tensor-parallel shard holds whole heads
-        qkv = self.query_key_value(x).view(b, s, -1, 3 * self.head_dim)
+        qkv_lin = self.query_key_value
+        qkv = wgrad.linear(x, qkv_lin.weight, qkv_lin.bias, _sink(qkv_lin)).view(b, s, -1, 3 * self.head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)  # per-head [q, k, v] rows (Megatron v2 layout)
         ctx = self.attend(q, k, v)
         # bias returned separately so it fuses into the bias-dropout-add that follows
-        return F.linear(ctx.reshape(b, s, -1), self.dense.weight), self.dense.bias
+        return wgrad.linear(ctx.reshape(b, s, -1), self.dense.weight, None, _sink(self.dense)), self.dense.bias
 
 
 class MLP(nn.Module):
@@ -93,8 +102,10 @@ class MLP(nn.Module):
         self.ops = fused_ops if cfg.fused else plain_ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.ops.linear_bias_gelu(x, self.dense_h_to_4h.weight, self.dense_h_to_4h.bias)
-        return F.linear(h, self.dense_4h_to_h.weight), self.dense_4h_to_h.bias
+        fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
+        sink = _sink(fc1)  # only a fused model gets sinks: fused.linear_bias_gelu takes one
+        h = self.ops.linear_bias_gelu(x, fc1.weight, fc1.bias, **({"sink": sink} if sink else {}))
+        return wgrad.linear(h, fc2.weight, None, _sink(fc2)), fc2.bias
 
 
 class TransformerLayer(nn.Module):

@@ -37,6 +37,12 @@ Contract
   not started and waits, then all-reduces each ``extra_reductions`` class over its group (this
   rank's pieces of it: the sequence-parallel LayerNorm/bias gradients over the TP group).
   Reductions SUM: the caller scales each rank's loss by 1/dp (TrainStep does).
+- ``sunk``: ids of weights whose GEMMs accumulate their gradients straight into their main grads
+  (gradient-accumulation fusion, hpcmeg/model/wgrad.py; attach_wgrad_sinks gives each nn.Linear its
+  ``sink_of(weight)``). They get no hook and buckets of their own (a bucket never mixes sunk and
+  other parameters), ``start_step`` zeroes their main grads, and their buckets (with every bucket
+  after them: launches stay in index order) reduce in ``finish_grads``, when the backward that
+  wrote them is over. A sunk weight that still gets a ``.grad`` is an error there.
 - Shards: with sharding this rank owns slice ``dp_rank`` of every bucket, without it everything.
   ``shard_numel`` counts the owned elements; "shard coordinates" number them contiguously in bucket
   order (the optimizer's fp32 state lives there). ``update_pieces(cls)`` lists a class's owned
@@ -78,13 +84,15 @@ class Bucket:
     params: list
     shard_start: int
     """Where this rank's slice of the bucket starts in shard coordinates."""
+    sunk: bool = False
+    """Its parameters' main grads are written by their GEMMs (hpcmeg/model/wgrad.py), not by hooks."""
 
 
 class ParamAndGradBuffer:
     def __init__(self, classes: list[tuple[str, list[nn.Parameter]]], *, param_dtype: torch.dtype,
                  grad_dtype: torch.dtype, dp_size: int = 1, dp_rank: int = 0, dp_group=None,
                  shard: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL, align: int = 64,
-                 extra_reductions: tuple = (), accumulate: str = "bucketed"):
+                 extra_reductions: tuple = (), accumulate: str = "bucketed", sunk: frozenset = frozenset()):
         if accumulate not in ACCUMULATE:
             raise ValueError(f"ParamAndGradBuffer: accumulate={accumulate!r}; use one of {ACCUMULATE}")
         self.accumulate = accumulate
@@ -100,6 +108,7 @@ class ParamAndGradBuffer:
         self.params = params
         self.classes = [name for name, _ in classes]
         self.extra_reductions = tuple(extra_reductions)  # ((class, group), ...) summed after the DP reduction
+        self._sunk = frozenset(sunk) & {id(p) for p in params}  # weights whose GEMM accumulates itself
 
         # ---- layout (pure arithmetic)
         self._offset: dict[int, tuple[int, int]] = {}
@@ -113,7 +122,8 @@ class ParamAndGradBuffer:
             b_start = off
             for p in reversed(ps):
                 start = _round_up(off, align)
-                if cur and start + p.numel() - b_start > bucket_numel:
+                sunk_changes = cur and (id(p) in self._sunk) != (id(cur[0]) in self._sunk)
+                if cur and (sunk_changes or start + p.numel() - b_start > bucket_numel):
                     off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size)
                     cur, b_start, start = [], off, off
                 self._offset[id(p)] = (start, start + p.numel())
@@ -140,7 +150,15 @@ class ParamAndGradBuffer:
 
         # ---- per-step hook state
         self._bucket_of = {id(p): i for i, bk in enumerate(self.buckets) for p in bk.params}
-        self._left = [len(bk.params) for bk in self.buckets]
+        # main-grad ranges the model's GEMMs accumulate into (zeroed at each step's start), merged
+        self._sunk_ranges: list[list[int]] = []
+        for bk in self.buckets:
+            if bk.sunk:
+                if self._sunk_ranges and self._sunk_ranges[-1][1] == bk.start:
+                    self._sunk_ranges[-1][1] = bk.end
+                else:
+                    self._sunk_ranges.append([bk.start, bk.end])
+        self._left = self._fresh_left()
         self._count = {id(p): 0 for p in params}
         self._n_micro = 1
         self._next_launch = 0
@@ -151,11 +169,11 @@ class ParamAndGradBuffer:
         self._staging: torch.Tensor | None = None  # [largest multi-parameter bucket], the grads' dtype
         self._bucket_gaps = [self._gaps(bk) for bk in self.buckets]
         hook = self._on_grad if accumulate == "per_param" else self._take_grad
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if id(p) not in self._sunk]
 
     def _close(self, cls, params, start, end, shard_off, multiple):
         end = start + _round_up(end - start, multiple)
-        self.buckets.append(Bucket(start, end, cls, list(params), shard_off))
+        self.buckets.append(Bucket(start, end, cls, list(params), shard_off, id(params[0]) in self._sunk))
         return end, shard_off + (end - start) // (self.dp_size if self.sharded else 1)
 
     def slice_numel(self, bucket: Bucket) -> int:
@@ -169,11 +187,29 @@ class ParamAndGradBuffer:
 
     # --------------------------------------------------------------------------- gradients
 
+    def _fresh_left(self) -> list[int]:
+        """Per bucket, the parameters still to get this step's last gradient; a sunk bucket gets 1
+        that no hook takes away (its GEMMs write it during the backward: only finish_grads knows
+        they are done), so it and every bucket after it start their reduction in finish_grads."""
+        return [1 if bk.sunk else len(bk.params) for bk in self.buckets]
+
+    def is_sunk(self, p: torch.Tensor) -> bool:
+        return id(p) in self._sunk
+
+    def sink_of(self, p: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(grad_data, offset) of a sunk parameter: hpcmeg/model/wgrad.py's sink for its GEMM."""
+        if id(p) not in self._sunk:
+            raise ValueError("ParamAndGradBuffer.sink_of: this parameter was not given in `sunk`")
+        return self.grad_data, self._offset[id(p)][0]
+
     def start_step(self, n_micro: int) -> None:
-        """Arm the hooks: the coming backward passes are the n micro batches of one step."""
+        """Arm the hooks: the coming backward passes are the n micro batches of one step. The sunk
+        main grads are zeroed (their GEMMs only add)."""
         if self._handles or self._next_launch:
             raise RuntimeError("ParamAndGradBuffer.start_step: the previous step's finish_grads() was not called")
         self._n_micro = n_micro
+        for a, b in self._sunk_ranges:
+            self.grad_data[a:b].zero_()
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -245,7 +281,7 @@ class ParamAndGradBuffer:
         # flat converting copy/add over the whole bucket (its padding gets zeros: stays zero)
         n = bk.end - bk.start
         if self._staging is None or self._staging.dtype != grads[0].dtype:
-            size = max(k.end - k.start for k in self.buckets if len(k.params) > 1)
+            size = max(k.end - k.start for k in self.buckets if len(k.params) > 1 and not k.sunk)
             self._staging = torch.zeros(size, dtype=grads[0].dtype, device=self.device)
         stage = self._staging[:n]
         views = [stage[a - bk.start:e - bk.start].view(p.shape) for p, _ in items
@@ -286,7 +322,11 @@ class ParamAndGradBuffer:
         """Zero what got no gradient, start the remaining reductions in order, wait for all."""
         self._flush_all()  # normally done by the end-of-backward callback already
         for p in self.params:
-            if self._count[id(p)] == 0:  # unused this step: its view still holds the last step's
+            if id(p) in self._sunk:
+                if p.grad is not None:  # autograd produced it: the GEMM did not take it (plain ops?)
+                    raise RuntimeError("ParamAndGradBuffer: a sunk weight got a .grad; its layer must call "
+                                       "hpcmeg.model.wgrad.linear with the buffer's sink (a fused model)")
+            elif self._count[id(p)] == 0:  # unused this step: its view still holds the last step's
                 self._grad_views[id(p)].zero_()
         for b in range(self._next_launch, len(self.buckets)):
             self._launch(b)
@@ -297,7 +337,7 @@ class ParamAndGradBuffer:
                 dist.all_reduce(self.grad_data[a:b], op=dist.ReduceOp.SUM, group=group)
         self._handles = []
         self._next_launch = 0
-        self._left = [len(bk.params) for bk in self.buckets]
+        self._left = self._fresh_left()
         self._count = dict.fromkeys(self._count, 0)
         self._n_micro = 1
 
@@ -396,3 +436,18 @@ def main_grad_dtype(param_dtype: torch.dtype, dp_size: int, grad_accum: int) -> 
     if param_dtype == torch.float16 or dp_size > 1 or grad_accum > 1:
         return torch.float32
     return param_dtype
+
+
+def attach_wgrad_sinks(model: nn.Module, buffer: ParamAndGradBuffer) -> int:
+    """Give every nn.Linear of `model` whose weight is sunk in `buffer` its main-grad sink: the flat
+    grad_data as a non-persistent module buffer (so torch.compile and CUDA graphs see one static
+    input, not in state_dict) and the weight's offset. The model's layers pass them to
+    hpcmeg.model.wgrad.linear. Returns how many layers got one."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and buffer.is_sunk(module.weight):
+            flat, offset = buffer.sink_of(module.weight)
+            module.register_buffer("main_grad_sink", flat, persistent=False)
+            module.main_grad_offset = offset
+            n += 1
+    return n

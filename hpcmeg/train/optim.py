@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer
+from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer, attach_wgrad_sinks
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -43,10 +43,12 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     replicated: frozenset = frozenset(), partial_grads: frozenset = frozenset(),
                     tp_size: int = 1, tp_rank: int = 0, tp_group=None, tied: frozenset = frozenset(),
                     embedding_group=None, count_tied_in_norm: bool = True, pp_size: int = 1, pp_group=None,
-                    accumulate: str = "bucketed") -> tuple[ParamAndGradBuffer, "FlatAdamW"]:
+                    accumulate: str = "bucketed", wgrad_fusion: bool = False) -> tuple[ParamAndGradBuffer, "FlatAdamW"]:
     """The model's parameters moved into a ParamAndGradBuffer of `param_dtype` (gradients in
     `grad_dtype`, default fp32), and a FlatAdamW over it (sharded over the data-parallel group when
-    `distributed`); `accumulate` is the buffer's gradient path (bucketed | per_param). Call before torch.compile; do not move or re-cast the model afterwards.
+    `distributed`); `accumulate` is the buffer's gradient path (bucketed | per_param); `wgrad_fusion`:
+    every nn.Linear weight is sunk (its GEMM accumulates into its main grad, hpcmeg/model/wgrad.py;
+    the model must be a fused one). Call before torch.compile; do not move or re-cast the model afterwards.
 
     Tensor parallelism (hpcmeg/parallel/tensor.py's plan): `replicated` holds the ids of parameters
     every TP rank has whole (LayerNorms, row-parallel biases, position embeddings): they are counted
@@ -80,10 +82,15 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     extra.append((name + suffix, tp_group))
                 if suffix == ".tied":  # None: the default group (the embedding group spans the world)
                     extra.append((name + suffix, embedding_group))
+    if wgrad_fusion and not getattr(getattr(model, "cfg", None), "fused", False):
+        raise ValueError("build_optimizer: wgrad_fusion needs a fused model (only fused layers take sinks)")
+    sunk = frozenset(id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)) if wgrad_fusion else frozenset()
     buffer = ParamAndGradBuffer(classes, param_dtype=param_dtype, grad_dtype=grad_dtype or torch.float32,
                                 dp_size=dp_size, dp_rank=dp_rank, dp_group=dp_group, shard=distributed,
                                 bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL, extra_reductions=tuple(extra),
-                                accumulate=accumulate)
+                                accumulate=accumulate, sunk=sunk)
+    if sunk:
+        attach_wgrad_sinks(model, buffer)
     norm_skip = {c for c, _ in classes if c.endswith((".replicated", ".partial")) and tp_rank != 0}
     norm_skip |= {c for c, _ in classes if c.endswith(".tied") and not count_tied_in_norm}
     norm_groups = ((tp_group,) if tp_size > 1 else ()) + ((pp_group,) if pp_size > 1 else ())

@@ -1,0 +1,73 @@
+"""Weight-gradient accumulation fused into the GEMM (Megatron's gradient_accumulation_fusion).
+
+Why: with bf16 parameters the backward's weight-gradient GEMM writes a bf16 [out, in] gradient, and
+the ParamAndGradBuffer then reads it back and adds it, converted, into the fp32 main grad: a
+bandwidth pass over every weight per micro batch (~0.45 ms per micro batch at 124M on the H200,
+bench/results/profile_h200_s7_124M_gbs192.md). Here the GEMM itself accumulates in fp32 into the
+main grad (cuBLAS with beta = 1 and an fp32 C: `torch.addmm(..., out_dtype=torch.float32)`), and
+autograd gets no weight gradient at all.
+
+Contract:
+  linear(x [.., in], weight [out, in], bias [out] | None, sink) -> x W^T + b, as F.linear.
+    sink None: F.linear itself. sink = (flat, offset): `flat` is a 1-D main-grad buffer (the
+    ParamAndGradBuffer's grad_data; fp32) and flat[offset : offset + out*in] the weight's main
+    grad, viewed [out, in]. The backward ADDS dy^T x to it (the caller zeroes it at step start)
+    and returns None as the weight's gradient (weight.grad stays None, no hook fires).
+  torch.ops.hpcmeg.wgrad_accumulate_(flat, dy [.., out], x [.., in], offset) -> None: the accumulation;
+    on CUDA one GEMM with beta = 1 (out_dtype=fp32 when flat is fp32 and dy/x are not); on CPU (the
+    plain twin) the product in the operands' dtype, converted, then added. The op mutates `flat` only, so torch.compile keeps it inside
+    the compiled backward (a backward mutation of a forward input that needs no grad; the buffer
+    is a module buffer, so CUDA graphs treat it as a static input).
+Numerics: the fused GEMM sums in fp32 and rounds once (into fp32); the unfused path rounds the
+gradient to bf16 first: they agree to bf16 rounding of each micro batch's gradient, not bitwise.
+With fp32 operands both paths compute the same mm and agree exactly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("hpcmeg::wgrad_accumulate_", mutates_args=("flat",))
+def wgrad_accumulate_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, offset: int) -> None:
+    out_f, in_f = dy.shape[-1], x.shape[-1]
+    main = flat[offset:offset + out_f * in_f].view(out_f, in_f)
+    dy2, x2 = dy.reshape(-1, out_f), x.reshape(-1, in_f)
+    if flat.is_cuda and dy.dtype != flat.dtype:  # C += A^T B in the GEMM's epilogue, C fp32
+        torch.addmm(main, dy2.t(), x2, out_dtype=flat.dtype, out=main)
+    elif flat.is_cuda:
+        main.addmm_(dy2.t(), x2)
+    else:  # the plain twin: the unfused path's product, then its add
+        main.add_(torch.mm(dy2.t(), x2).to(flat.dtype))
+
+
+@wgrad_accumulate_.register_fake
+def _(flat, dy, x, offset):
+    return None
+
+
+class _LinearSink(torch.autograd.Function):
+    """F.linear whose weight gradient goes into the sink. `flat` rides on ctx, not in
+    save_for_backward: every layer's backward mutates it, which would trip autograd's version
+    check on the saved copy of the layers still to come."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, flat, offset):
+        ctx.save_for_backward(x, weight)
+        ctx.flat, ctx.offset, ctx.has_bias = flat, offset, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy.matmul(weight)  # [.., out] @ [out, in] -> [.., in]
+        torch.ops.hpcmeg.wgrad_accumulate_(ctx.flat, dy, x, ctx.offset)
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, None, db, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, sink=None) -> torch.Tensor:
+    if sink is None:
+        return F.linear(x, weight, bias)
+    flat, offset = sink
+    return _LinearSink.apply(x, weight, bias, flat, offset)
