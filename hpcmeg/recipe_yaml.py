@@ -15,6 +15,11 @@ from typing import Any
 
 import yaml
 
+from hpcmeg.recipe_schema import CHOICES
+
+# dotted keys whose choices include on and off: a YAML boolean there means the word
+_ON_OFF = frozenset(f"{sec}.{key}" for (sec, key), allowed in CHOICES.items() if {"on", "off"} <= set(allowed))
+
 
 class RecipeError(Exception):
     """Raised with every problem found; ``problems`` holds one line per problem."""
@@ -157,6 +162,8 @@ def _convert(value, tp, key: str, problems: list[str], where):
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool) and key in _ON_OFF:  # YAML 1.1 reads on/off/yes/no as booleans
+            return "on" if value else "off"
         problems.append(f"{where(key)}: expected a string, got {value!r}")
         return ""
     return value

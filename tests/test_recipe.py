@@ -161,3 +161,13 @@ def test_typing_of_all_fields_supported():
         for sub in dataclasses.fields(f.type if isinstance(f.type, type) else getattr(recipe_schema, f.type)):
             tp = typing.get_type_hints(getattr(recipe_schema, type(getattr(recipe_schema.Recipe(), f.name)).__name__))[sub.name]
             assert tp in (int, float, str, bool) or typing.get_origin(tp) in (list, dict, typing.Union), (f.name, sub.name, tp)
+
+
+def test_yaml_booleans_mean_on_and_off_where_the_choices_are_on_off(tmp_path):
+    """YAML 1.1 reads `compile: off` as False: for a key whose choices include on/off that is the word
+    (file and --set alike); a free string keeps refusing a boolean."""
+    p = write(tmp_path, MINIMAL + "model:\n  fused: on\n")
+    r = load_recipe(p, ["train.compile=on", "train.gradient_accumulation_fusion=off"])
+    assert (r.train.compile, r.train.gradient_accumulation_fusion, r.model.fused) == ("on", "off", "on")
+    with pytest.raises(RecipeError, match="run.name=yes: expected a string, got True"):
+        load_recipe(p, ["run.name=yes"])
