@@ -40,8 +40,8 @@ CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=HEADS, ffn_hidden_s
            padded_vocab_size=512, vocab_size=500, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def model(seed: int = 3) -> GPT:
-    return GPT(GPTConfig(**CFG), init_seed=seed)
+def model(seed: int = 3, fused: bool = False) -> GPT:
+    return GPT(GPTConfig(**CFG, fused=fused), init_seed=seed)
 
 
 def batches(n: int, rows: int, seed: int = 11):
@@ -95,14 +95,15 @@ def _grads_case(rank, world, tp, sp):
     return {"loss": loss.item(), "grads": grads, "norm": res.grad_norm}
 
 
-def _train_case(rank, world, tp, sp, steps, distributed, compiled=False):
+def _train_case(rank, world, tp, sp, steps, distributed, compiled=False, sink=False):
     ctx = context_for(ParallelDims(world, tp=tp, sequence_parallel=sp, distributed_optimizer=distributed),
                       rank, rank, "cpu")
-    m = model()
+    m = model(fused=sink)
     plan = parallelize_tensor(m, ctx, sequence_parallel=sp)
     buf, opt = build_optimizer(m, 1e-3, replicated=plan.replicated, partial_grads=plan.partial_grads,
                                tp_size=tp, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group, dp_size=ctx.dp_size,
-                               dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=distributed)
+                               dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=distributed,
+                               wgrad_fusion=sink)
     step = TrainStep(m, buf, opt, "fp32", grad_clip=1.0, device="cpu", dp_size=ctx.dp_size, compile=compiled)
     hist = []
     for x, y in batches(steps, MB * ctx.dp_size):
@@ -113,9 +114,9 @@ def _train_case(rank, world, tp, sp, steps, distributed, compiled=False):
     return {"hist": hist, "weights": weights}
 
 
-def reference(steps: int, rows: int):
+def reference(steps: int, rows: int, fused: bool = False):
     """One process, the same global batches (accumulated when rows > MB)."""
-    m = model()
+    m = model(fused=fused)
     buf, opt = build_optimizer(m, 1e-3)
     step = TrainStep(m, buf, opt, "fp32", grad_clip=1.0, device="cpu")
     hist = []
@@ -179,6 +180,15 @@ def test_tp2_dp2_with_distributed_optimizer_equals_one_process(dist_pool):
         means = [h[1] for h in r["hist"]]
         assert means == pytest.approx([h[1] for h in ref_hist], rel=1e-5)
         assert_weights_close(r["weights"], ref_w, steps=5)
+
+
+def test_tp2_sp_with_gradient_accumulation_fusion_equals_one_process(dist_pool):
+    """The weight-gradient sinks on TP shards (the layers keep calling linear on local weights; each
+    shard's GEMM writes its own slice of the main grads), with sequence parallelism."""
+    ref_hist, ref_w = reference(3, MB, fused=True)
+    for r in dist_pool(2).run(_train_case, 2, True, 3, False, False, True):
+        assert [h[1] for h in r["hist"]] == pytest.approx([h[1] for h in ref_hist], rel=1e-5)
+        assert_weights_close(r["weights"], ref_w, steps=3)
 
 
 def test_compiled_tp2_equals_eager(dist_pool):

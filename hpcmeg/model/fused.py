@@ -15,6 +15,9 @@ What "fused" means here, op by op:
     torch.compile of the block/model (TrainStep(compile=True)) Inductor fuses each into one
     Triton kernel with the neighbouring residual adds and casts. We did not hand-write Triton
     kernels: the Inductor-generated ones are what "Triton where measured faster" came to.
+  * linear layers (here and in gpt.py) go through hpcmeg/model/wgrad.py's `linear`: F.linear, or
+    with a main-grad sink attached from outside (gradient-accumulation fusion) a linear whose
+    weight-gradient GEMM accumulates into the fp32 main grad itself.
   * linear_bias_gelu: the bias goes INTO the matmul (cuBLASLt's bias epilogue), then tanh-GELU.
     Measured on the H200 (bench/results/profile_h200_s3a.md): with the bias add left to
     Inductor, the backward recomputed GELU' in two kernels (141 us/layer at 124M) where
