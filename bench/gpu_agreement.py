@@ -203,6 +203,46 @@ def dropout_and_accumulation_checks(rows):
           f"{'ok' if ok else 'FAIL'}", flush=True)
 
 
+def ce_checks(rows):
+    """The grad-in-forward cross-entropy (triton_ce.ce_forward_grad_ + fused._LinearCEGradInForward):
+    the kernel against its twin at GPT-2's vocabulary, the LM-head loss and gradients against the
+    plain fp64 path, and fwd+bwd time of the LM head + loss at 124M's shape (12 x 1024 tokens, h 768,
+    bf16, compiled as in the model) for 'fused' vs 'grad_in_forward'."""
+    from triton.testing import do_bench
+    from hpcmeg.model import triton_ce
+    lg = (torch.randn(4096, 50304, device="cuda") * 3).to(torch.bfloat16)
+    lb = torch.randint(0, 50304, (4096,), device="cuda")
+    a, b = lg.clone(), lg.clone()
+    la, lr = triton_ce.ce_forward_grad_(a, lb), triton_ce.reference_grad_(b, lb)
+    e_loss, e_grad = rel(la, lr), rel(a.float(), b.float())
+    ok = e_loss < 1e-5 and e_grad < 1e-2
+    rows.append(dict(check="triton_ce.ce_forward_grad_ vs reference_grad_ (bf16, V=50304)", loss_rel=e_loss,
+                     grad_rel=e_grad, ok=ok))
+    print(f"ce_forward_grad_: loss rel {e_loss:.2e} grad rel {e_grad:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    hid, W = torch.randn(4, 512, 1024, device="cuda"), torch.randn(50304, 1024, device="cuda") * 0.02
+    labels = torch.randint(0, 50304, (4, 512), device="cuda")
+    compare("linear_cross_entropy[grad_in_forward]",
+            lambda x, w: fused.linear_cross_entropy(x, w, labels, impl="grad_in_forward"),
+            lambda x, w: ops.linear_cross_entropy(x, w, labels), [hid, W], rows)
+    h = torch.randn(12, 1024, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(50304, 768, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, 50304, (12, 1024), device="cuda")
+    times = {}
+    for impl in ("fused", "grad_in_forward"):
+        f = torch.compile(lambda a, c, impl=impl: fused.linear_cross_entropy(a, c, y, impl=impl).sum())
+
+        def step(f=f):
+            f(h, w).backward()
+            h.grad = w.grad = None
+        times[impl] = do_bench(step, warmup=10, rep=50)
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        times[impl + " peak GB"] = torch.cuda.max_memory_allocated() / 1e9
+    rows.append(dict(check="timing: LM head + loss fwd+bwd, [12x1024, 768] x [50304, 768] bf16 (ms)",
+                     times_ms=times, ok=None))
+    print("LM head + CE fwd+bwd ms:", {k: round(v, 4) for k, v in times.items()}, flush=True)
+
+
 def wgrad_fusion_checks(rows):
     """Gradient-accumulation fusion (hpcmeg/model/wgrad.py) through the compiled, CUDA-graphed step:
     bf16 parameters, fp32 main grads, 4 steps x 2 micro batches, sink on vs off (the GEMM's fp32
@@ -241,14 +281,14 @@ def wgrad_fusion_checks(rows):
 def main():
     ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    ap.add_argument("--parts", default="ops,model,dropout,wgrad", help="comma list of ops, model, dropout, wgrad")
+    ap.add_argument("--parts", default="ops,model,dropout,wgrad,ce", help="comma list of ops, model, dropout, wgrad, ce")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     rows = []
     if "ops" in parts:
         op_checks(rows)
     for part, fn in (("model", model_checks), ("dropout", dropout_and_accumulation_checks),
-                     ("wgrad", wgrad_fusion_checks)):
+                     ("wgrad", wgrad_fusion_checks), ("ce", ce_checks)):
         if part not in parts:
             continue
         try:  # a crash in one part still leaves the others' rows

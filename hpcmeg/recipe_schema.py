@@ -136,6 +136,11 @@ class ModelConfig:
     dropout_impl: str = "triton"
     """Fused path on CUDA: triton (a Philox keep-mask kernel, 4 draws per call) or native (torch's
     dropout; Inductor draws inside its fused kernels). CPU always uses native."""
+    cross_entropy: str = "fused"
+    """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): fused (bf16 logits, a
+    one-read Triton logsumexp, one backward pass), grad_in_forward (the forward kernel turns the
+    logits into their gradient: no backward pass over them, one [tokens, vocab] buffer less),
+    fused_inductor, compiled, or chunked (least memory: logits recomputed in backward)."""
 
 
 @dataclass
@@ -362,6 +367,7 @@ CHOICES = {
     ("data", "tokenizer_type"): ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
     ("model", "fused"): ("auto", "on", "off"),
     ("model", "dropout_impl"): ("triton", "native"),
+    ("model", "cross_entropy"): ("fused", "grad_in_forward", "fused_inductor", "compiled", "chunked"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "precision"): ("bf16", "fp16", "fp32"),
     ("train", "compile"): ("auto", "on", "off"),

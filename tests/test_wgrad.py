@@ -24,9 +24,10 @@ from hpcmeg.train.step import TrainStep
 VOCAB = 128
 
 
-def fused_gpt(layers: int = 2, seed: int = 0, fused: bool = True) -> GPT:
+def fused_gpt(layers: int = 2, seed: int = 0, fused: bool = True, ce: str = "fused") -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(layers, 32, 4, 128, 16, VOCAB, hidden_dropout=0.0, attention_dropout=0.0, fused=fused))
+    return GPT(GPTConfig(layers, 32, 4, 128, 16, VOCAB, hidden_dropout=0.0, attention_dropout=0.0, fused=fused,
+                         fused_ce=ce))
 
 
 def micro_batches(n: int, rows: int = 2, seed: int = 3):
@@ -60,8 +61,8 @@ def test_wgrad_op_passes_opcheck():
     torch.library.opcheck(torch.ops.hpcmeg.wgrad_accumulate_.default, (flat, dy, x, 8))
 
 
-def _grads(fusion: bool, n_micro: int, compile: bool = False, fused: bool = True):
-    m = fused_gpt(fused=fused)
+def _grads(fusion: bool, n_micro: int, compile: bool = False, fused: bool = True, ce: str = "fused"):
+    m = fused_gpt(fused=fused, ce=ce)
     buf, opt = build_optimizer(m, 1e-2, bucket_numel=3000, wgrad_fusion=fusion)
     ts = TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu", compile=compile)
     hist = []
@@ -91,8 +92,10 @@ def test_sunk_buffer_layout_and_gradients_match_the_hook_path(n_micro):
 
 def test_compiled_sink_step_matches_eager_hooks():
     """torch.compile keeps the sink's mutation inside the compiled backward (the grad buffer is a module
-    buffer: one static graph input), and the result is the eager hook path's."""
-    _, g_c, w_c, h_c = _grads(True, 2, compile=True)
+    buffer: one static graph input), and the result is the eager hook path's. The compiled model also
+    takes the grad-in-forward cross-entropy (its kernel's in-place write of an intermediate, under
+    Inductor) against the eager model's default one: one compile for both checks."""
+    _, g_c, w_c, h_c = _grads(True, 2, compile=True, ce="grad_in_forward")
     _, g_e, w_e, h_e = _grads(False, 2)
     assert h_c == pytest.approx(h_e, rel=1e-5)
     for name in g_e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "flash_attn", "efficient", "math")
-CE_IMPLS = ("fused", "fused_inductor", "compiled", "chunked")
+CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked")
 DROPOUT_IMPLS = ("triton", "native")
 
 
@@ -58,7 +58,9 @@ class GPTConfig:
     hpcmeg/model/triton_ce.py on CUDA; 'fused_inductor': Inductor's two-pass lowering instead) and
     one softmax-minus-onehot pass backward (hpcmeg/model/fused.py); 'compiled': the same loss under
     plain autograd (its gather backward builds a dense fp32 [tokens, vocab] tensor); 'chunked':
-    token chunks, logits recomputed in backward (least memory)."""
+    token chunks, logits recomputed in backward (least memory); 'grad_in_forward': the forward
+    kernel turns the logits into their gradient in place and the backward needs no pass over
+    them (one [tokens, vocab] read and buffer less than 'fused')."""
 
     dropout_impl: str = "triton"
     """Fused path on CUDA only. 'triton': the keep-mask from hpcmeg/model/triton_dropout.py (one

@@ -15,6 +15,10 @@ Contract
   and CUDA graphs treat it as one opaque kernel; its fake (meta) implementation only gives shapes.
   `reference(logits, labels)` is the plain PyTorch twin (tests/test_fused_ops.py compares them
   with Triton's interpreter on CPU; bench/gpu_agreement.py on the GPU).
+  ce_forward_grad_(logits, labels) -> loss [N] fp32, and logits overwritten IN PLACE by the loss
+  gradient softmax - onehot(label) (logits' dtype): the forward of fused.py's "grad_in_forward" CE,
+  whose backward then needs no pass over [N, V] at all. Custom op hpcmeg::cross_entropy_grad_
+  (mutates logits); twin reference_grad_.
 Needs the `triton` package (present wherever CUDA torch is); imported when this module is.
 """
 from __future__ import annotations
@@ -51,6 +55,35 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, stride_row, V: tl.
     tl.store(loss_ptr + row, lse - target)
 
 
+@triton.jit
+def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, V: tl.constexpr, BLOCK: tl.constexpr):
+    """The forward above, then a second sweep of the row that overwrites each logit x with
+    softmax(x) - onehot(label) = exp(x - lse) - [col == label] in the logits' dtype: the loss
+    gradient (before the per-token upstream scale), written where the logits were. The second
+    sweep re-reads a row the first one just read (100 KB at V = 50,304; ~130 rows in flight fit
+    the H200's 50 MB L2), so the logits cross HBM once in and once out."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    cols = tl.arange(0, BLOCK)
+    m = tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32), axis=0)
+    s = m * 0.0
+    for start in range(0, V, BLOCK):
+        c = start + cols
+        x = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    label = tl.load(labels_ptr + row)
+    target = tl.load(base + label).to(tl.float32)
+    tl.store(loss_ptr + row, lse - target)
+    for start in range(0, V, BLOCK):
+        c = start + cols
+        x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) - tl.where(c == label, 1.0, 0.0)
+        tl.store(base + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
+
+
 def ce_forward(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"ce_forward: logits must be [N, V] with unit column stride, got {tuple(logits.shape)} "
@@ -79,3 +112,37 @@ def cross_entropy_lse(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
 def _(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
     return out, torch.empty_like(out)
+
+
+def ce_forward_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """loss [N] fp32; logits [N, V] (contiguous rows) overwritten by softmax - onehot(label)."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"ce_forward_grad_: logits must be [N, V] with unit column stride, got "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    n, v = logits.shape
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n:
+        _ce_fwd_grad_kernel[(n,)](logits, labels.contiguous(), loss, logits.stride(0), v, BLOCK=BLOCK, num_warps=8)
+    return loss
+
+
+def reference_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The plain twin of ce_forward_grad_: the loss, and the logits overwritten in place."""
+    loss, lse = reference(logits, labels)
+    p = torch.exp(logits.float() - lse.unsqueeze(-1))
+    hit = torch.arange(logits.shape[-1], device=logits.device) == labels.unsqueeze(-1)
+    logits.copy_((p - hit.to(p.dtype)).to(logits.dtype))
+    return loss
+
+
+@torch.library.custom_op("hpcmeg::cross_entropy_grad_", mutates_args=("logits",))
+def cross_entropy_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """loss of 2-D logits, which become the loss gradient (softmax - onehot); Triton on CUDA."""
+    if logits.is_cuda:
+        return ce_forward_grad_(logits, labels)
+    return reference_grad_(logits, labels)
+
+
+@cross_entropy_grad_.register_fake
+def _(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty(logits.shape[:-1], dtype=torch.float32)
