@@ -139,7 +139,8 @@ class ModelConfig:
     cross_entropy: str = "fused"
     """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): fused (bf16 logits, a
     one-read Triton logsumexp, one backward pass), grad_in_forward (the forward kernel turns the
-    logits into their gradient: no backward pass over them, one [tokens, vocab] buffer less),
+    logits into their gradient: no backward pass over them; 3 % faster LM head + loss on the H200,
+    not yet the default: unmeasured end to end),
     fused_inductor, compiled, or chunked (least memory: logits recomputed in backward)."""
 
 
