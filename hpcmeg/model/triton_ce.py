@@ -35,11 +35,9 @@ BLOCK = 4096  # columns per iteration: 8 KB of bf16 per row chunk, 13 iterations
 
 
 @triton.jit
-def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, stride_row, V: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
+def _row_lse(base, V: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 logsumexp of one row, each element read once: a running max m and sum of exp(x - m)."""
     cols = tl.arange(0, BLOCK)
-    # running max / sum of exp(x - max) for this row, as scalars
     m = tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32), axis=0)
     s = m * 0.0
     for start in range(0, V, BLOCK):
@@ -48,7 +46,14 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, stride_row, V: tl.
         m_new = tl.maximum(m, tl.max(x, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)  # masked lanes: exp(-inf) = 0
         m = m_new
-    lse = m + tl.log(s)
+    return m + tl.log(s)
+
+
+@triton.jit
+def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, stride_row, V: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    lse = _row_lse(base, V, BLOCK)
     label = tl.load(labels_ptr + row)
     target = tl.load(base + label).to(tl.float32)
     tl.store(lse_ptr + row, lse)
@@ -64,19 +69,11 @@ def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, V: tl.cons
     the H200's 50 MB L2), so the logits cross HBM once in and once out."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
-    cols = tl.arange(0, BLOCK)
-    m = tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32), axis=0)
-    s = m * 0.0
-    for start in range(0, V, BLOCK):
-        c = start + cols
-        x = tl.load(base + c, mask=c < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
+    lse = _row_lse(base, V, BLOCK)
     label = tl.load(labels_ptr + row)
     target = tl.load(base + label).to(tl.float32)
     tl.store(loss_ptr + row, lse - target)
+    cols = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         c = start + cols
         x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
