@@ -141,12 +141,23 @@ def test_tokenizer_train_sigterm_writes_nothing(tmp_path, stdlib_texts):
     path, _ = stdlib_texts
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     big = tmp_path / "big.jsonl"
-    big.write_bytes(open(path, "rb").read() * 6)
+    # 60 copies of the 1.6 MB corpus: ~9 s of training on 2 idle cores (6 copies took 1.5 s in all,
+    # and a fixed 1.5 s sleep then raced the finish); the signal ends it long before that
+    big.write_bytes(open(path, "rb").read() * 60)
     out = tmp_path / "tok"
     proc = subprocess.Popen([sys.executable, "-m", "hpcmeg.cli", "tokenizer", "train", "--input", str(big),
                              "--json-key", "content", "--vocab-size", "20000", "-o", str(out)],
                             env=dict(os.environ, PYTHONPATH=repo))
-    time.sleep(1.5)
+
+    def cpu_seconds() -> float:  # the process's user + system time so far (all its threads)
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    # past the imports (~0.2 s of CPU) and into the trainer, however loaded the machine is
+    deadline = time.time() + 60
+    while proc.poll() is None and cpu_seconds() < 2.0 and time.time() < deadline:
+        time.sleep(0.05)
     assert proc.poll() is None, "finished before it could be stopped"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM
