@@ -31,8 +31,8 @@ What "fused" means here, op by op:
     (2.5 GB at 124M, micro batch 12) and read it back: 0.53 + ~0.5 ms per step on the H200.
     'grad_in_forward': the forward kernel overwrites the logits with softmax - onehot, and the
     backward folds the per-token scale into the LM-head GEMMs (no backward pass over the logits;
-    _LinearCEGradInForward). 'compiled': the previous formulation
-    (logsumexp - gather under plain autograd), kept for comparison. Eager CUDA calls of both get their own torch.compile. 'chunked': a custom
+    _LinearCEGradInForward). 'compiled': the previous formulation (logsumexp - gather under plain
+    autograd), kept for comparison. Eager CUDA calls of both get their own torch.compile. 'chunked': a custom
     autograd function over token chunks that keeps no logits at all (recomputes them in
     backward: ~1/3 more LM-head FLOPs, for the least memory).
 
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hpcmeg.model import wgrad
+from hpcmeg.model import ops, wgrad
 from hpcmeg.model.ops import cross_entropy_with_lse
 
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
@@ -159,9 +159,8 @@ class _CrossEntropyFromLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         logits, labels, lse = ctx.saved_tensors
-        p = torch.exp(logits.float() - lse.unsqueeze(-1))  # softmax, fp32 in registers
-        hit = torch.arange(logits.shape[-1], device=logits.device) == labels.unsqueeze(-1)
-        return ((p - hit.to(p.dtype)) * g.unsqueeze(-1)).to(logits.dtype), None, None
+        # softmax - onehot in fp32 registers: Inductor fuses it with the scale and the cast
+        return (ops.softmax_minus_onehot(logits, labels, lse) * g.unsqueeze(-1)).to(logits.dtype), None, None
 
 
 def _ce_fused(logits: torch.Tensor, labels: torch.Tensor, triton: bool = True) -> torch.Tensor:
@@ -194,10 +193,7 @@ def _ce_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """loss [N] fp32 of logits [N, V], which are overwritten by softmax - onehot(label)."""
     if HAVE_TRITON_CE:
         return torch.ops.hpcmeg.cross_entropy_grad_(logits, labels)
-    loss, lse = cross_entropy_with_lse(logits, labels)  # no triton: the twin's formula inline
-    hit = torch.arange(logits.shape[-1], device=logits.device) == labels.unsqueeze(-1)
-    logits.copy_((torch.exp(logits.float() - lse.unsqueeze(-1)) - hit.float()).to(logits.dtype))
-    return loss
+    return ops.cross_entropy_grad_(logits, labels)  # no triton: the plain twin
 
 
 class _LinearCEGradInForward(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """Plain PyTorch reference ops: the obviously-correct twins of hpcmeg/model/fused.py.
 
-Every function here has a same-named fast version in fused.py (cross_entropy_with_lse: the Triton
-kernel of triton_ce.py); tests/test_fused_ops.py checks that each pair agrees (fp32 on CPU, the
+Every function here has a same-named fast version in fused.py (cross_entropy_with_lse and
+cross_entropy_grad_: the Triton kernels of triton_ce.py; softmax_minus_onehot is their shared
+gradient formula); tests/test_fused_ops.py checks that each pair agrees (fp32 on CPU, the
 Triton one in its interpreter) and bench/gpu_agreement.py does so on the GPU in bf16.
 These are the ops the model uses when GPTConfig.fused is False (CPU, debugging).
 
@@ -75,6 +76,22 @@ def cross_entropy_with_lse(logits: torch.Tensor, labels: torch.Tensor) -> tuple[
     lf = logits.float()
     lse = torch.logsumexp(lf, dim=-1)
     return lse - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1), lse
+
+
+def softmax_minus_onehot(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """fp32 d loss / d logits of cross_entropy_with_lse (before the upstream scale): softmax - onehot,
+    from the logits [..., V] and their logsumexp [...]."""
+    p = torch.exp(logits.float() - lse.unsqueeze(-1))
+    hit = torch.arange(logits.shape[-1], device=logits.device) == labels.unsqueeze(-1)
+    return p - hit.to(p.dtype)
+
+
+def cross_entropy_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token loss fp32 [...], with the logits overwritten in place by softmax - onehot in their own
+    dtype: the plain twin of triton_ce's grad-in-forward kernel (fused.py's 'grad_in_forward' CE)."""
+    loss, lse = cross_entropy_with_lse(logits, labels)
+    logits.copy_(softmax_minus_onehot(logits, labels, lse).to(logits.dtype))
+    return loss
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,8 @@ Contract:
 compile_mode / compile_options go to torch.compile; with neither given on CUDA the default is
 default_cuda_compile_options() (CUDA graphs: the buffer's gradient hooks run in eager autograd after
 the graphed backward and copy the gradients out of the graph's memory; Inductor's mix-order
-reduction off). Never max-autotune (compile
-time); coordinate_descent_tuning did not finish compiling within the benchmark's budget.
+reduction off). Never max-autotune (compile time); coordinate_descent_tuning did not finish
+compiling within the benchmark's budget.
 Precision: the buffer's parameter dtype decides. bf16/fp16 parameters (fp32 masters in FlatAdamW)
 run without autocast; fp32 parameters with precision bf16/fp16 run under autocast (CPU);
 "fp16" adds dynamic loss scaling. Measurements: bench/results/train_throughput*.md.
