@@ -15,7 +15,7 @@ Contract:
     encoder.layers.{i}.{input_layernorm, self_attention.query_key_value, self_attention.dense,
     post_attention_layernorm, mlp.dense_h_to_4h, mlp.dense_4h_to_h}.{weight, bias},
     encoder.final_layernorm.{weight, bias}; no buffers of its own (the trainer may attach a
-    non-persistent `main_grad_sink` to each nn.Linear: gradient-accumulation fusion, see _sink).
+    non-persistent `main_grad_sink` to each nn.Linear: gradient-accumulation fusion, wgrad.attach_sinks).
   query_key_value rows are in checkpoint_version-2 order: for each head, its q rows, k rows,
   v rows ([heads, 3, head_dim] flattened), so the output is viewed as [.., heads, 3*head_dim].
   Under autocast the residual stream is in the autocast dtype unless cfg.fp32_residual_connection.
@@ -46,13 +46,6 @@ def _ops_for(cfg: GPTConfig):
     if cfg.fused:
         return fused_ops, {"dropout_impl": cfg.dropout_impl}
     return plain_ops, {}
-
-
-def _sink(linear: nn.Linear):
-    """The main-grad sink the outside gave this layer (hpcmeg.parallel.grad_buffer.attach_wgrad_sinks:
-    gradient-accumulation fusion), or None: then wgrad.linear is F.linear."""
-    flat = getattr(linear, "main_grad_sink", None)
-    return None if flat is None else (flat, linear.main_grad_offset)
 
 
 class Embedding(nn.Module):
@@ -88,11 +81,13 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         # heads from the weight's rows: a tensor-parallel shard holds whole heads
         qkv_lin = self.query_key_value
-        qkv = wgrad.linear(x, qkv_lin.weight, qkv_lin.bias, _sink(qkv_lin)).view(b, s, -1, 3 * self.head_dim)
+        qkv = wgrad.linear(x, qkv_lin.weight, qkv_lin.bias, wgrad.layer_sink(qkv_lin))
+        qkv = qkv.view(b, s, -1, 3 * self.head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)  # per-head [q, k, v] rows (Megatron v2 layout)
         ctx = self.attend(q, k, v)
         # bias returned separately so it fuses into the bias-dropout-add that follows
-        return wgrad.linear(ctx.reshape(b, s, -1), self.dense.weight, None, _sink(self.dense)), self.dense.bias
+        out = wgrad.linear(ctx.reshape(b, s, -1), self.dense.weight, None, wgrad.layer_sink(self.dense))
+        return out, self.dense.bias
 
 
 class MLP(nn.Module):
@@ -104,9 +99,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
-        sink = _sink(fc1)  # only a fused model gets sinks: fused.linear_bias_gelu takes one
+        sink = wgrad.layer_sink(fc1)  # only a fused model gets sinks: fused.linear_bias_gelu takes one
         h = self.ops.linear_bias_gelu(x, fc1.weight, fc1.bias, **({"sink": sink} if sink else {}))
-        return wgrad.linear(h, fc2.weight, None, _sink(fc2)), fc2.bias
+        return wgrad.linear(h, fc2.weight, None, wgrad.layer_sink(fc2)), fc2.bias
 
 
 class TransformerLayer(nn.Module):

@@ -13,6 +13,9 @@ Contract:
     ParamAndGradBuffer's grad_data; fp32) and flat[offset : offset + out*in] the weight's main
     grad, viewed [out, in]. The backward ADDS dy^T x to it (the caller zeroes it at step start)
     and returns None as the weight's gradient (weight.grad stays None, no hook fires).
+  attach_sinks(model, sink_of) gives each nn.Linear its sink from outside (the trainer:
+    sink_of = ParamAndGradBuffer.sink_of of the sunk weights); layer_sink(layer) reads it back
+    (gpt.py's layers pass it to linear).
   torch.ops.hpcmeg.wgrad_accumulate_(flat, dy [.., out], x [.., in], offset) -> None: the accumulation;
     on CUDA one GEMM with beta = 1 (out_dtype=fp32 when flat is fp32 and dy/x are not); on CPU (the
     plain twin) the product in the operands' dtype, converted, then added. The op mutates `flat`
@@ -27,7 +30,10 @@ With fp32 operands both paths compute the same mm and agree exactly.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+_SINK = "main_grad_sink"  # the module buffer attach_sinks registers on each nn.Linear
 
 
 @torch.library.custom_op("hpcmeg::wgrad_accumulate_", mutates_args=("flat",))
@@ -66,6 +72,26 @@ class _LinearSink(torch.autograd.Function):
         torch.ops.hpcmeg.wgrad_accumulate_(ctx.flat, dy, x, ctx.offset)
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
         return dx, None, db, None, None
+
+
+def attach_sinks(model: nn.Module, sink_of) -> int:
+    """Give every nn.Linear of `model` whose weight `sink_of(weight)` maps to (flat, offset) (None:
+    leave it) its sink: `flat` as a non-persistent module buffer (torch.compile and CUDA graphs see
+    one static input; not in state_dict) and the offset. Returns how many layers got one."""
+    n = 0
+    for module in model.modules():
+        sink = sink_of(module.weight) if isinstance(module, nn.Linear) else None
+        if sink is not None:
+            module.register_buffer(_SINK, sink[0], persistent=False)
+            module.main_grad_offset = sink[1]
+            n += 1
+    return n
+
+
+def layer_sink(layer: nn.Linear):
+    """The sink attach_sinks gave this layer, or None (then `linear` is F.linear)."""
+    flat = getattr(layer, _SINK, None)
+    return None if flat is None else (flat, layer.main_grad_offset)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, sink=None) -> torch.Tensor:

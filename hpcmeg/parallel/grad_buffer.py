@@ -28,8 +28,9 @@ Contract
   mixed-dtype kernel per parameter (~150 per micro batch at 124M, 5-6 us each on the H200: ~0.9 ms
   per micro batch, bench/results/user_path_h200_s5.md). ``accumulate="per_param"`` is the plain
   twin (one copy_/add_ per parameter in the hook); both give bit-identical main grads (a bf16 ->
-  fp32 conversion is exact, and each element sees the same fp32 additions in the same order). ``start_step(n)`` arms the hooks for n micro batches; when every parameter of a bucket
-  has its n-th gradient the bucket's reduction over ``dp_group`` starts asynchronously (buckets
+  fp32 conversion is exact, and each element sees the same fp32 additions in the same order).
+  ``start_step(n)`` arms the hooks for n micro batches; when every parameter of a bucket has its
+  n-th gradient the bucket's reduction over ``dp_group`` starts asynchronously (buckets
   start strictly in index order, so every rank issues the same collectives in the same order): an
   all-reduce SUM, or with ``shard=True`` (the distributed optimizer) a reduce-scatter SUM whose
   output is this rank's slice of the same bucket (in place: no second gradient buffer).
@@ -38,7 +39,7 @@ Contract
   rank's pieces of it: the sequence-parallel LayerNorm/bias gradients over the TP group).
   Reductions SUM: the caller scales each rank's loss by 1/dp (TrainStep does).
 - ``sunk``: ids of weights whose GEMMs accumulate their gradients straight into their main grads
-  (gradient-accumulation fusion, hpcmeg/model/wgrad.py; attach_wgrad_sinks gives each nn.Linear its
+  (gradient-accumulation fusion, hpcmeg/model/wgrad.py; wgrad.attach_sinks gives each nn.Linear its
   ``sink_of(weight)``). They get no hook and buckets of their own (a bucket never mixes sunk and
   other parameters), ``start_step`` zeroes their main grads, and their buckets (with every bucket
   after them: launches stay in index order) reduce in ``finish_grads``, when the backward that
@@ -436,18 +437,3 @@ def main_grad_dtype(param_dtype: torch.dtype, dp_size: int, grad_accum: int) -> 
     if param_dtype == torch.float16 or dp_size > 1 or grad_accum > 1:
         return torch.float32
     return param_dtype
-
-
-def attach_wgrad_sinks(model: nn.Module, buffer: ParamAndGradBuffer) -> int:
-    """Give every nn.Linear of `model` whose weight is sunk in `buffer` its main-grad sink: the flat
-    grad_data as a non-persistent module buffer (so torch.compile and CUDA graphs see one static
-    input, not in state_dict) and the weight's offset. The model's layers pass them to
-    hpcmeg.model.wgrad.linear. Returns how many layers got one."""
-    n = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and buffer.is_sunk(module.weight):
-            flat, offset = buffer.sink_of(module.weight)
-            module.register_buffer("main_grad_sink", flat, persistent=False)
-            module.main_grad_offset = offset
-            n += 1
-    return n

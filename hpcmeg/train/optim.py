@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer, attach_wgrad_sinks
+from hpcmeg.model import wgrad
+from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -90,7 +91,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                                 bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL, extra_reductions=tuple(extra),
                                 accumulate=accumulate, sunk=sunk)
     if sunk:
-        attach_wgrad_sinks(model, buffer)
+        wgrad.attach_sinks(model, lambda w: buffer.sink_of(w) if buffer.is_sunk(w) else None)
     norm_skip = {c for c, _ in classes if c.endswith((".replicated", ".partial")) and tp_rank != 0}
     norm_skip |= {c for c, _ in classes if c.endswith(".tied") and not count_tied_in_norm}
     norm_groups = ((tp_group,) if tp_size > 1 else ()) + ((pp_group,) if pp_size > 1 else ())
