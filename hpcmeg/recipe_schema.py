@@ -133,6 +133,11 @@ class ModelConfig:
     """LayerNorm epsilon."""
     fused: str = "auto"
     """Fused kernels: auto (on for CUDA), on, off (the plain PyTorch twins)."""
+    attention_backend: str = "auto"
+    """Fused path: the attention kernel (GPTConfig.attention_backend): auto (flash-attn if installed,
+    else PyTorch SDPA, cuDNN first), triton (hpcmeg's own, dropout inside, q/k/v in the QKV GEMM's
+    layout; sequence length a multiple of 128, head dim 16-128), cudnn, flash, flash_attn,
+    efficient or math."""
     dropout_impl: str = "triton"
     """Fused path on CUDA: triton (a Philox keep-mask kernel, 4 draws per call) or native (torch's
     dropout; Inductor draws inside its fused kernels). CPU always uses native."""
@@ -367,6 +372,7 @@ class ConvertConfig:
 CHOICES = {
     ("data", "tokenizer_type"): ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
     ("model", "fused"): ("auto", "on", "off"),
+    ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
     ("model", "dropout_impl"): ("triton", "native"),
     ("model", "cross_entropy"): ("fused", "grad_in_forward", "fused_inductor", "compiled", "chunked"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "flash_attn", "efficient", "math")
+ATTENTION_BACKENDS = ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math")
 CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked")
 DROPOUT_IMPLS = ("triton", "native")
 
@@ -48,7 +48,9 @@ class GPTConfig:
     cross-entropy without full fp32 logits). False: the plain twins of hpcmeg/model/ops.py."""
     attention_backend: str = "auto"
     """Fused path only. 'auto': flash-attn package if importable, else SDPA with priority
-    cuDNN > flash > mem-efficient > math; or force one of cudnn|flash|flash_attn|efficient|math."""
+    cuDNN > flash > mem-efficient > math; 'triton': hpcmeg/model/triton_attention.py (q/k/v read in
+    the QKV GEMM's layout, dropout inside; where the shape is not supported, 'auto'); or force one
+    of cudnn|flash|flash_attn|efficient|math."""
     fp32_residual_connection: bool = False
     """Megatron's --fp32-residual-connection. False: under autocast the residual stream is kept in
     the autocast dtype (as in Megatron, where bf16 params make it bf16), halving its memory traffic;

@@ -60,6 +60,8 @@ try:
     HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = True
 except ImportError:  # no triton (CPU-only installs): the Inductor/eager formulation below
     HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = False
+# registers torch.ops.hpcmeg.flash_attention (its CPU path is the plain twin, so no triton needed)
+from hpcmeg.model import triton_attention  # noqa: E402
 
 _SDPA_ORDER = {
     "auto": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -113,6 +115,19 @@ def bias_dropout_add(x, bias, residual, p: float, training: bool, dropout_impl: 
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton"):
     out = bias_dropout_add(x, bias, residual, p, training, dropout_impl)
     return out, F.layer_norm(out, (out.shape[-1],), ln_weight, ln_bias, eps)
+
+
+def causal_attention_qkv(qkv: torch.Tensor, dropout_p: float, training: bool, backend: str = "auto") -> torch.Tensor:
+    """Causal attention of qkv [b, s, heads, 3 * head_dim] (per head its q, k, v) -> [b, s, heads,
+    head_dim]. backend 'triton': hpcmeg/model/triton_attention.py's kernels straight on the GEMM's
+    layout (its gradient comes back as one dqkv, no concatenation), when they take the shape."""
+    p = dropout_p if training else 0.0
+    if backend == "triton" and triton_attention.supports(qkv):
+        seed = triton_attention.draw_seed(qkv.device) if p > 0 else \
+            torch.zeros(1, dtype=torch.int64, device=qkv.device)
+        return torch.ops.hpcmeg.flash_attention(qkv, seed, p)[0]
+    q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
+    return causal_attention(q, k, v, dropout_p, training, "auto" if backend == "triton" else backend)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,

@@ -70,10 +70,12 @@ class SelfAttention(nn.Module):
         self.p = cfg.attention_dropout
         self.fused, self.backend = cfg.fused, cfg.attention_backend
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core, q/k/v/out [b, s, heads, head_dim] (its dropout is the only RNG use)."""
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The attention core: qkv [b, s, heads, 3 * head_dim] (per head its q, k, v rows, Megatron
+        v2 layout) -> [b, s, heads, head_dim] (its dropout is the only RNG use)."""
         if self.fused:
-            return fused_ops.causal_attention(q, k, v, self.p, self.training, self.backend)
+            return fused_ops.causal_attention_qkv(qkv, self.p, self.training, self.backend)
+        q, k, v = qkv.split(self.head_dim, dim=-1)
         return plain_ops.causal_attention(q, k, v, self.p, self.training)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +84,7 @@ class SelfAttention(nn.Module):
         # heads from the weight's rows: a tensor-parallel shard holds whole heads
         qkv_lin = self.query_key_value
         qkv = wgrad.linear(x, qkv_lin.weight, qkv_lin.bias, wgrad.layer_sink(qkv_lin))
-        qkv = qkv.view(b, s, -1, 3 * self.head_dim)
-        q, k, v = qkv.split(self.head_dim, dim=-1)  # per-head [q, k, v] rows (Megatron v2 layout)
-        ctx = self.attend(q, k, v)
+        ctx = self.attend(qkv.view(b, s, -1, 3 * self.head_dim))  # per-head [q, k, v] rows
         # bias returned separately so it fuses into the bias-dropout-add that follows
         out = wgrad.linear(ctx.reshape(b, s, -1), self.dense.weight, None, wgrad.layer_sink(self.dense))
         return out, self.dense.bias

@@ -1,0 +1,151 @@
+"""hpcmeg/model/triton_attention.py on the GPU: agreement with its twin and with SDPA, and its time
+against cuDNN SDPA at the model sizes' attention shapes, over a few tile configurations.
+
+Agreement (bf16 kernels vs the fp32 twin on the same bf16 inputs; ||a - b|| / ||b||): output and
+dqkv at dropout 0 and 0.1 (the twin has the kernels' exact keep-mask), and at dropout 0 against
+SDPA. Time (CUDA events, mean of --iters after warm-up): forward alone, backward alone and
+forward + backward of attention as the model runs it, from qkv [b, s, heads, 3 * head_dim] to
+out and back to the gradient of qkv: for SDPA that includes the split into q, k, v (views) and
+autograd's concatenation of dq, dk, dv; for Triton it is the kernels themselves.
+Configurations: --fwd and --bwd list tile overrides (Blocks field=value, '+'-joined; 'default').
+Usage: python bench/attention_probe.py --sizes 124M,1.3B [--fwd "default fwd_warps=8 ..."] [--bwd "..."]
+Writes <out>/attention_probe.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hpcmeg.model import triton_attention as ta  # noqa: E402
+
+SHAPES = {"124M": (12, 1024, 12, 64), "355M": (12, 1024, 16, 64), "1.3B": (8, 1024, 16, 128)}
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def blocks(spec: str) -> ta.Blocks:
+    if spec == "default":
+        return ta.DEFAULT_BLOCKS
+    return dataclasses.replace(ta.DEFAULT_BLOCKS, **{k: int(v) for k, v in (kv.split("=") for kv in spec.split("+"))})
+
+
+def sdpa_step(qkv, p, backend):
+    d = qkv.shape[-1] // 3
+    q, k, v = (t.transpose(1, 2) for t in qkv.split(d, dim=-1))
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
+
+
+def agreement(b, s, h, d, rows):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qkv = torch.randn(b, s, h, 3 * d, device="cuda", generator=g).bfloat16()
+    do = torch.randn(b, s, h, d, device="cuda", generator=g).bfloat16()
+    seed = torch.tensor([1234567], dtype=torch.int64, device="cuda")
+    for p in (0.0, 0.1):
+        out, lse = ta.forward(qkv, seed, p)
+        dqkv = ta.backward(do, qkv, out, lse, seed, p)
+        ref_out = ta.reference(qkv.float(), seed, p)
+        ref_g = ta.reference_backward(do.float(), qkv.float(), seed, p)
+        r = dict(check=f"triton vs twin p={p}", out=rel(out, ref_out), dqkv=rel(dqkv, ref_g),
+                 lse=rel(lse, ta._reference_lse2(qkv.float())))
+        if p == 0:
+            x = qkv.clone().requires_grad_(True)
+            so = sdpa_step(x, 0.0, SDPBackend.CUDNN_ATTENTION)
+            so.backward(do)
+            r.update(out_vs_cudnn=rel(out, so), dqkv_vs_cudnn=rel(dqkv, x.grad))
+        else:  # the kept fraction, from the twin's mask (the kernels use the same)
+            r["kept"] = ta.reference_keep(seed, 2, s, p).float().mean().item()
+        r["ok"] = all(v < 2e-2 for k, v in r.items() if k not in ("check", "kept"))
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        del ref_out, ref_g
+        torch.cuda.empty_cache()
+
+
+def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows):
+    qkv = torch.randn(b, s, h, 3 * d, device="cuda").bfloat16()
+    do = torch.randn(b, s, h, d, device="cuda").bfloat16()
+    seed = torch.tensor([99], dtype=torch.int64, device="cuda")
+    flops = 4 * b * h * s * s * d / 2  # causal forward, two matmuls; backward 2.5x that
+    res = dict(size=size, shape=[b, s, h, d])
+    for p in (0.0, 0.1):
+        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            x = qkv.clone().requires_grad_(True)
+            try:
+                res[f"{name} p={p} fwd"] = timed(lambda: sdpa_step(x, p, be), iters)
+
+                def fb():
+                    sdpa_step(x, p, be).backward(do)
+                res[f"{name} p={p} fwd+bwd"] = timed(fb, iters)
+            except RuntimeError as e:
+                res[f"{name} p={p}"] = f"refused: {str(e)[:80]}"
+        for spec in fwd_specs:
+            bl = blocks(spec)
+            try:
+                res[f"triton p={p} fwd [{spec}]"] = timed(lambda: ta.forward(qkv, seed, p, bl), iters)
+            except Exception as e:  # a tile that does not fit (shared memory, registers)
+                res[f"triton p={p} fwd [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
+        out, lse = ta.forward(qkv, seed, p)
+        for spec in bwd_specs:
+            bl = blocks(spec)
+            try:
+                res[f"triton p={p} bwd [{spec}]"] = timed(lambda: ta.backward(do, qkv, out, lse, seed, p, bl), iters)
+            except Exception as e:
+                res[f"triton p={p} bwd [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
+        fw = [v for k, v in res.items() if k.startswith(f"triton p={p} fwd") and isinstance(v, float)]
+        bw = [v for k, v in res.items() if k.startswith(f"triton p={p} bwd") and isinstance(v, float)]
+        if fw and bw:
+            res[f"triton p={p} best fwd+bwd"] = min(fw) + min(bw)
+            res[f"triton p={p} best TFLOP/s"] = round(3.5 * flops / ((min(fw) + min(bw)) * 1e-3) / 1e12, 1)
+        c = res.get(f"cudnn p={p} fwd+bwd")
+        if isinstance(c, float):
+            res[f"cudnn p={p} TFLOP/s"] = round(3.5 * flops / (c * 1e-3) / 1e12, 1)
+    rows.append(res)
+    print(json.dumps(res, indent=1), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="124M")
+    ap.add_argument("--fwd", default="default")
+    ap.add_argument("--bwd", default="default")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    rows: list = []
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), cudnn=torch.backends.cudnn.version())
+    agreement(2, 1024, 4, 64, rows)
+    agreement(2, 256, 4, 128, rows)
+    for size in a.sizes.split(","):
+        timing(size, *SHAPES[size], a.fwd.split(), a.bwd.split(), a.iters, rows)
+    with open(os.path.join(a.out, "attention_probe.json"), "w") as f:
+        json.dump(dict(env=env, fwd=a.fwd, bwd=a.bwd, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

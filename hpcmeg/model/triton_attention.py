@@ -1,0 +1,460 @@
+"""Causal flash attention with dropout in Triton, reading q/k/v where the QKV GEMM wrote them and
+writing their gradient back in that same layout; with a plain PyTorch twin.
+
+Why (bench/results/user_path_h200_s7.md, 124M on the H200, dropout 0.1): cuDNN's SDPA forward +
+backward took 5.1 ms of a 25.2 ms micro batch (~150 TFLOP/s at head dim 64, sequence 1024), plus
+0.32 ms concatenating dq, dk, dv into the QKV weight's gradient layout and ~0.2 ms of GPU idle
+around cuDNN's memsets. This kernel takes qkv [b, s, heads, 3 * head_dim] as the GEMM left it (no
+transposes), returns the output [b, s, heads, head_dim] (a free view of [b, s, hidden]) and its
+backward writes one dqkv [b, s, heads, 3 * head_dim] (no concatenation).
+
+The algorithm is FlashAttention-2's (online softmax forward saving the log-sum-exp; backward in
+three kernels: delta = rowsum(dO * O), dK/dV per key block, dQ per query block), causal only.
+Dropout is applied to the normalised probabilities inside the kernels, as in FlashAttention:
+  O = (P * Z) V with Z = keep / (1 - p_eff), P = softmax(q k^T / sqrt(d) + causal mask) in fp32;
+  backward: dV = (P * Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - delta), delta_i = dO_i . O_i.
+The keep-mask is never stored: every kernel regenerates its tile from (seed, batch*head, row, col).
+
+Keep-mask layout (the twin `reference_keep` builds exactly this; tests/test_triton_attention.py
+checks it bit for bit in Triton's interpreter): for flat head index bh = b * heads + h, query row i
+and key column j, one Philox4x32-10 call with key = seed (low, high 32 bits) and counter
+(c0, c1, c2, c3) = (i * (s / 16) + j // 16, bh, 0, 0) gives 4 words = 16 bytes for 16 adjacent
+columns; column j takes byte (j % 16) // 4 of word (j % 16) % 4 and is kept iff byte >= t, where
+t = round(p * 256) (so p is applied in steps of 1/256: p_eff = t / 256, and the kept values are
+scaled by 256 / (256 - t), which keeps the expectation exact). One Philox call per 16 elements:
+per element Philox (Inductor's and tl.rand's way) would cost more than the two matmuls at head
+dim 64.
+
+Contract
+  flash_attention(qkv [b, s, h, 3d] bf16|fp16|fp32 with unit last stride, seed [1] int64, p)
+      -> (out [b, s, h, d] contiguous, lse2 [b * h, s] fp32: log2-sum-exp of the scaled scores)
+  flash_attention_backward(dout, qkv, out, lse2, seed, p) -> dqkv [b, s, h, 3d] (qkv's dtype)
+  Both are torch custom ops (hpcmeg::flash_attention[_backward]; the first has autograd) so
+  torch.compile and CUDA graphs see one opaque kernel each; on CPU they run the twin.
+  supports(qkv) says whether the kernels take the shape: s % 128 == 0, d in {16, 32, 64, 128}.
+  reference(qkv, seed, p) -> out and reference_backward(dout, qkv, seed, p) -> dqkv: the twins,
+  plain PyTorch with the same keep-mask (the ops' CPU path; the tests check reference_backward
+  against autograd through reference).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hpcmeg.model.triton_dropout import draw_seed, philox4x32_10  # noqa: F401  (seeds; the twin's generator)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the ops run the twin
+    triton = tl = None
+
+LOG2E = 1.4426950408889634
+SEQ_MULTIPLE = 128  # every block size below divides it, so the kernels need no bounds masks
+HEAD_DIMS = (16, 32, 64, 128)
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes and launch shapes (rows x cols of the score tile each program works on).
+    Chosen for Hopper at head dim 64 from FlashAttention-2 / Triton's tutorial practice, then
+    checked on the H200 by bench/attention_probe.py (see its results file)."""
+    fwd_m: int = 128  # query rows per forward program
+    fwd_n: int = 64   # key columns per forward iteration
+    fwd_warps: int = 4
+    fwd_stages: int = 3
+    dkv_n: int = 128  # key rows owned by one dK/dV program
+    dkv_m: int = 32   # query rows per dK/dV iteration
+    dq_m: int = 128   # query rows owned by one dQ program
+    dq_n: int = 32    # key columns per dQ iteration
+    bwd_warps: int = 4
+    bwd_stages: int = 3
+
+
+DEFAULT_BLOCKS = Blocks()
+BLOCKS_ENV = "HPCMEG_ATTENTION_BLOCKS"  # e.g. "fwd_m=64,bwd_warps=8": bench/attention_probe.py's tuning knob
+
+
+def blocks_from_env() -> Blocks:
+    """DEFAULT_BLOCKS with the fields named in $HPCMEG_ATTENTION_BLOCKS (read per launch, no state)."""
+    spec = os.environ.get(BLOCKS_ENV, "")
+    if not spec:
+        return DEFAULT_BLOCKS
+    try:
+        return dataclasses.replace(DEFAULT_BLOCKS, **{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"${BLOCKS_ENV}={spec!r}: want NAME=INT,... with names from "
+                         f"{[f.name for f in dataclasses.fields(Blocks)]} ({e})") from None
+
+
+def dropout_threshold(p: float) -> tuple[int, float]:
+    """(t, scale): keep iff random byte >= t; kept values times scale = 256 / (256 - t)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"flash_attention: dropout p must be in [0, 1), got {p}")
+    t = min(int(round(p * 256)), 255)
+    return t, 256.0 / (256 - t)
+
+
+def supports(qkv: torch.Tensor) -> bool:
+    return (qkv.dim() == 4 and qkv.shape[-1] % 3 == 0 and qkv.shape[-1] // 3 in HEAD_DIMS
+            and qkv.shape[1] % SEQ_MULTIPLE == 0 and qkv.stride(-1) == 1)
+
+
+# ---- the kernels ----------------------------------------------------------------------------
+
+if triton is not None:
+    @triton.jit
+    def _keep(seed, bh, rows, col0, S16, thresh, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
+        """bool keep tile for query rows `rows` [R] x key columns col0 .. col0 + C (col0 % 16 == 0);
+        TRANS: the tile transposed, [C, R] (keys x queries), for the dK/dV kernel."""
+        groups = col0 // 16 + tl.arange(0, C // 16)  # 16 columns per Philox call
+        if TRANS:
+            c = groups[:, None].to(tl.int64) + rows[None, :].to(tl.int64) * S16  # [C/16, R]
+        else:
+            c = rows[:, None].to(tl.int64) * S16 + groups[None, :].to(tl.int64)  # [R, C/16]
+        r0, r1, r2, r3 = tl.randint4x(seed, (bh.to(tl.int64) << 32) | c)  # counter (c, bh, 0, 0)
+        if TRANS:
+            r = tl.arange(0, 16)[None, :, None]  # the column within the group of 16
+            r0, r1, r2, r3 = r0[:, None, :], r1[:, None, :], r2[:, None, :], r3[:, None, :]
+        else:
+            r = tl.arange(0, 16)[None, None, :]
+            r0, r1, r2, r3 = r0[:, :, None], r1[:, :, None], r2[:, :, None], r3[:, :, None]
+        w = r % 4
+        word = tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
+        byte = (word.to(tl.uint32, bitcast=True) >> ((r // 4) * 8).to(tl.uint32)) & 0xFF
+        keep = byte >= thresh
+        if TRANS:
+            return tl.reshape(keep, (C, R))
+        return tl.reshape(keep, (R, C))
+
+    @triton.jit
+    def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, seed, bh, rows, lo, hi, S16, thresh, qk_scale,
+                   BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
+                   DROPOUT: tl.constexpr):
+        offs_n = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        for start_n in range(lo, hi, BN):
+            cols = start_n + offs_n
+            kt = tl.load(k_ptr + cols[None, :] * s_s + offs_d[:, None])  # [D, BN]
+            qk = tl.dot(q, kt) * qk_scale  # scores in log2 units, fp32 [BM, BN]
+            if DIAG:
+                qk = tl.where(rows[:, None] >= cols[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
+            acc = acc * alpha[:, None]
+            if DROPOUT:
+                p = tl.where(_keep(seed, bh, rows, start_n, S16, thresh, BM, BN, False), p, 0.0)
+            v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _fwd_kernel(QKV, O, LSE, seed_ptr, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b, h = bh // H, bh % H
+        base = QKV + b.to(tl.int64) * s_b + h * s_h
+        rows = start_m * BM + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        q = tl.load(base + rows[:, None] * s_s + offs_d[None, :])
+        seed = tl.load(seed_ptr)
+        S16 = S // 16
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        # keys strictly left of the diagonal block: no mask; then the diagonal block, masked
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, seed, bh, rows, 0, start_m * BM,
+                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, seed, bh, rows, start_m * BM,
+                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
+        out = acc / l_i[:, None]
+        if DROPOUT:
+            out = out * keep_scale
+        o_base = O + b.to(tl.int64) * o_b + h * o_h
+        tl.store(o_base + rows[:, None] * o_s + offs_d[None, :], out.to(O.dtype.element_ty))
+        tl.store(LSE + bh.to(tl.int64) * S + rows, m_i + tl.math.log2(l_i))
+
+    @triton.jit
+    def _delta_kernel(O, DO, DELTA, o_b, o_s, o_h, H, S, D: tl.constexpr, BM: tl.constexpr):
+        # delta_i = dO_i . O_i (fp32), the softmax backward's row term; O and dO share out's strides
+        start_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b, h = bh // H, bh % H
+        rows = start_m * BM + tl.arange(0, BM)
+        offs = b.to(tl.int64) * o_b + h * o_h + rows[:, None] * o_s + tl.arange(0, D)[None, :]
+        o = tl.load(O + offs).to(tl.float32)
+        do = tl.load(DO + offs).to(tl.float32)
+        tl.store(DELTA + bh.to(tl.int64) * S + rows, tl.sum(o * do, 1))
+
+    @triton.jit
+    def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, seed, bh, col0, cols, lo, hi, S16,
+                   thresh, keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                   DIAG: tl.constexpr, DROPOUT: tl.constexpr):
+        offs_m = tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        for start_m in range(lo, hi, BM):
+            rows = start_m + offs_m
+            qt = tl.load(q_ptr + rows[None, :] * s_s + offs_d[:, None])  # [D, BM]
+            lse = tl.load(lse_ptr + rows)
+            pt = tl.math.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])  # P^T [BN, BM], fp32
+            if DIAG:
+                pt = tl.where(rows[None, :] >= cols[:, None], pt, 0.0)
+            do = tl.load(do_ptr + rows[:, None] * o_s + offs_d[None, :])  # [BM, D]
+            dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
+            if DROPOUT:
+                keep = _keep(seed, bh, rows, col0, S16, thresh, BM, BN, True)  # [BN, BM]
+                pdt = tl.where(keep, pt * keep_scale, 0.0)
+                dpt = tl.where(keep, dpt * keep_scale, 0.0)
+            else:
+                pdt = pt
+            dv = tl.dot(pdt.to(do.dtype), do, dv)
+            delta = tl.load(delta_ptr + rows)
+            dst = pt * (dpt - delta[None, :])  # dS^T [BN, BM]
+            dk = tl.dot(dst.to(do.dtype), tl.trans(qt), dk)
+        return dk, dv
+
+    @triton.jit
+    def _dkv_kernel(QKV, DO, LSE, DELTA, DQKV, seed_ptr, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
+                    qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                    DROPOUT: tl.constexpr):
+        start_n = tl.program_id(0) * BN
+        bh = tl.program_id(1)
+        b, h = bh // H, bh % H
+        base = b.to(tl.int64) * s_b + h * s_h  # same strides for qkv and dqkv
+        cols = start_n + tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        kv_offs = cols[:, None] * s_s + offs_d[None, :]
+        k = tl.load(QKV + base + D + kv_offs)
+        v = tl.load(QKV + base + 2 * D + kv_offs)
+        seed = tl.load(seed_ptr)
+        S16 = S // 16
+        do_ptr = DO + b.to(tl.int64) * o_b + h * o_h
+        lse_ptr = LSE + bh.to(tl.int64) * S
+        delta_ptr = DELTA + bh.to(tl.int64) * S
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        # queries on the diagonal block (masked), then every later query block (unmasked)
+        dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, seed, bh, start_n,
+                            cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True, DROPOUT)
+        dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, seed, bh, start_n,
+                            cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False, DROPOUT)
+        # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
+        tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
+        tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
+
+    @triton.jit
+    def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, seed, bh, rows, lo, hi, S16, thresh, keep_scale,
+                  qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
+                  DROPOUT: tl.constexpr):
+        offs_n = tl.arange(0, BN)
+        offs_d = tl.arange(0, D)
+        for start_n in range(lo, hi, BN):
+            cols = start_n + offs_n
+            kt = tl.load(k_ptr + cols[None, :] * s_s + offs_d[:, None])  # [D, BN]
+            vt = tl.load(v_ptr + cols[None, :] * s_s + offs_d[:, None])  # [D, BN]
+            p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse[:, None])  # [BM, BN]
+            if DIAG:
+                p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
+            dp = tl.dot(do, vt)
+            if DROPOUT:
+                dp = tl.where(_keep(seed, bh, rows, start_n, S16, thresh, BM, BN, False), dp * keep_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(q.dtype), tl.trans(kt), dq)
+        return dq
+
+    @triton.jit
+    def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, seed_ptr, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
+                   qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   DROPOUT: tl.constexpr):
+        start_m = tl.program_id(0) * BM
+        bh = tl.program_id(1)
+        b, h = bh // H, bh % H
+        base = b.to(tl.int64) * s_b + h * s_h
+        rows = start_m + tl.arange(0, BM)
+        offs_d = tl.arange(0, D)
+        q = tl.load(QKV + base + rows[:, None] * s_s + offs_d[None, :])
+        do = tl.load(DO + b.to(tl.int64) * o_b + h * o_h + rows[:, None] * o_s + offs_d[None, :])
+        lse = tl.load(LSE + bh.to(tl.int64) * S + rows)
+        delta = tl.load(DELTA + bh.to(tl.int64) * S + rows)
+        seed = tl.load(seed_ptr)
+        S16 = S // 16
+        dq = tl.zeros([BM, D], tl.float32)
+        dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, seed, bh, rows, 0, start_m,
+                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT)
+        dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, seed, bh, rows, start_m,
+                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT)
+        tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
+
+
+# ---- launchers ------------------------------------------------------------------------------
+
+def _on(device: torch.device):
+    # launch on the tensors' GPU; a no-op for CPU tensors (Triton's interpreter in the tests)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _shape(qkv: torch.Tensor) -> tuple[int, int, int, int]:
+    if not supports(qkv):
+        raise ValueError(f"flash_attention: qkv must be [b, s, heads, 3 * head_dim] with s % {SEQ_MULTIPLE} == 0, "
+                         f"head_dim in {HEAD_DIMS} and unit last stride; got {tuple(qkv.shape)} strides "
+                         f"{qkv.stride()}")
+    b, s, h, d3 = qkv.shape
+    return b, s, h, d3 // 3
+
+
+def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DEFAULT_BLOCKS):
+    """The Triton forward: (out [b, s, h, d], lse2 [b * h, s] fp32)."""
+    b, s, h, d = _shape(qkv)
+    t, keep_scale = dropout_threshold(p)
+    out = qkv.new_empty(b, s, h, d)
+    lse = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)
+    sm_scale = 1.0 / math.sqrt(d)
+    grid = (s // blocks.fwd_m, b * h)
+    with _on(qkv.device):
+        _fwd_kernel[grid](qkv, out, lse, seed, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale,
+                          sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0,
+                          num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
+    return out, lse
+
+
+def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor,
+             p: float, blocks: Blocks = DEFAULT_BLOCKS) -> torch.Tensor:
+    """The Triton backward: dqkv [b, s, h, 3d], contiguous, qkv's dtype."""
+    b, s, h, d = _shape(qkv)
+    t, keep_scale = dropout_threshold(p)
+    dout = dout.contiguous() if dout.stride() != out.stride() else dout  # dO is read with out's strides
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    if qkv.stride() != dqkv.stride():
+        qkv = qkv.contiguous()  # the dK/dV and dQ kernels address qkv and dqkv with one set of strides
+    delta = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)
+    sm_scale = 1.0 / math.sqrt(d)
+    ostr, qstr = out.stride()[:3], qkv.stride()[:3]
+    with _on(qkv.device):
+        _delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
+        common = (lse, delta, dqkv, seed, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
+        _dkv_kernel[(s // blocks.dkv_n, b * h)](qkv, dout, *common, D=d, BN=blocks.dkv_n, BM=blocks.dkv_m,
+                                                DROPOUT=t > 0, num_warps=blocks.bwd_warps,
+                                                num_stages=blocks.bwd_stages)
+        _dq_kernel[(s // blocks.dq_m, b * h)](qkv, dout, *common, D=d, BM=blocks.dq_m, BN=blocks.dq_n,
+                                              DROPOUT=t > 0, num_warps=blocks.bwd_warps,
+                                              num_stages=blocks.bwd_stages)
+    return dqkv
+
+
+# ---- the plain twin -------------------------------------------------------------------------
+
+def reference_keep(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tensor:
+    """bool [bh, s, s] keep-mask, bit for bit the kernels' (layout in the module docstring)."""
+    t, _ = dropout_threshold(p)
+    dev = seed.device
+    i = torch.arange(s, dtype=torch.int64, device=dev).view(1, s, 1)
+    j = torch.arange(s, dtype=torch.int64, device=dev).view(1, 1, s)
+    c0 = (i * (s // 16) + j // 16).expand(bh, s, s)
+    c1 = torch.arange(bh, dtype=torch.int64, device=dev).view(bh, 1, 1).expand(bh, s, s)
+    zero = torch.zeros_like(c0)
+    sd = seed.to(torch.int64).view(1, 1, 1)
+    words = torch.stack(philox4x32_10(c0, c1, zero, zero, sd & _M32, (sd >> 32) & _M32))  # [4, bh, s, s]
+    r = j % 16
+    word = words.gather(0, (r % 4).expand(bh, s, s).unsqueeze(0)).squeeze(0)
+    return ((word >> (8 * (r // 4))) & 0xFF) >= t
+
+
+def _reference_parts(qkv: torch.Tensor, seed: torch.Tensor, p: float):
+    # fp32 q, k, v [b, h, s, d], softmax probabilities P [b, h, s, s], and Z = keep * scale (or None)
+    b, s, h, d3 = qkv.shape
+    q, k, v = (t.transpose(1, 2).float() for t in qkv.split(d3 // 3, dim=-1))
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(d3 // 3)
+    causal = torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+    t, keep_scale = dropout_threshold(p)
+    z = reference_keep(seed, b * h, s, p).view(b, h, s, s) * keep_scale if t else None
+    return q, k, v, probs, z
+
+
+def reference(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """The twin: softmax in fp32, the same keep-mask and scale; out [b, s, h, d] in qkv's dtype."""
+    _, _, v, probs, z = _reference_parts(qkv, seed, p)
+    return ((probs if z is None else probs * z) @ v).transpose(1, 2).to(qkv.dtype)
+
+
+def reference_backward(dout: torch.Tensor, qkv: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """The backward formula of the module docstring written out in PyTorch: dqkv [b, s, h, 3d]."""
+    q, k, v, probs, z = _reference_parts(qkv, seed, p)
+    do = dout.transpose(1, 2).float()
+    pz = probs if z is None else probs * z
+    dp = do @ v.transpose(-1, -2)
+    if z is not None:
+        dp = dp * z
+    ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))  # (dp * P).sum = dO . O, the delta term
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dq, dk, dv = ds @ k * scale, ds.transpose(-1, -2) @ q * scale, pz.transpose(-1, -2) @ do
+    return torch.cat([t.transpose(1, 2) for t in (dq, dk, dv)], dim=-1).to(qkv.dtype)
+
+
+def _reference_lse2(qkv: torch.Tensor) -> torch.Tensor:
+    b, s, h, d3 = qkv.shape
+    d = d3 // 3
+    q, k, _ = (t.transpose(1, 2).float() for t in qkv.split(d, dim=-1))
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+    causal = torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1)
+    return (scores.masked_fill(causal, float("-inf")).logsumexp(-1) * LOG2E).reshape(b * h, s)
+
+
+# ---- custom ops ---------------------------------------------------------------------------
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton is not None
+
+
+@torch.library.custom_op("hpcmeg::flash_attention", mutates_args=())
+def flash_attention(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, s, h, d], lse2 [b * h, s]) of causal attention with dropout p; Triton on CUDA."""
+    if _use_kernel(qkv):
+        return forward(qkv, seed, p, blocks_from_env())
+    return reference(qkv, seed, p).contiguous(), _reference_lse2(qkv)
+
+
+@flash_attention.register_fake
+def _(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    b, s, h, d3 = qkv.shape
+    return qkv.new_empty(b, s, h, d3 // 3), qkv.new_empty(b * h, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("hpcmeg::flash_attention_backward", mutates_args=())
+def flash_attention_backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                             seed: torch.Tensor, p: float) -> torch.Tensor:
+    """dqkv of flash_attention; Triton on CUDA, reference_backward elsewhere."""
+    if _use_kernel(qkv):
+        return backward(dout, qkv, out, lse, seed, p, blocks_from_env())
+    return reference_backward(dout, qkv, seed, p)
+
+
+@flash_attention_backward.register_fake
+def _(dout, qkv, out, lse, seed, p) -> torch.Tensor:
+    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    qkv, seed, p = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse, seed)
+    ctx.p = p
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    qkv, out, lse, seed = ctx.saved_tensors
+    return flash_attention_backward(dout, qkv, out, lse, seed, ctx.p), None, None
+
+
+flash_attention.register_autograd(_backward, setup_context=_setup_context)
