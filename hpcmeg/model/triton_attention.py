@@ -129,9 +129,11 @@ if triton is not None:
         word = tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
         byte = (word.to(tl.uint32, bitcast=True) >> ((r // 4) * 8).to(tl.uint32)) & 0xFF
         keep = byte >= thresh
-        if TRANS:
-            return tl.reshape(keep, (C, R))
-        return tl.reshape(keep, (R, C))
+        if TRANS:  # one return: Triton checks every return's type, even in a constexpr branch
+            keep = tl.reshape(keep, (C, R))
+        else:
+            keep = tl.reshape(keep, (R, C))
+        return keep
 
     @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, seed, bh, rows, lo, hi, S16, thresh, qk_scale,
