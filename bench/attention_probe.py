@@ -67,8 +67,8 @@ def agreement(b, s, h, d, rows):
     do = torch.randn(b, s, h, d, device="cuda", generator=g).bfloat16()
     seed = torch.tensor([1234567], dtype=torch.int64, device="cuda")
     for p in (0.0, 0.1):
-        out, lse = ta.forward(qkv, seed, p)
-        dqkv = ta.backward(do, qkv, out, lse, seed, p)
+        out, lse, bits = ta.forward(qkv, seed, p)
+        dqkv = ta.backward(do, qkv, out, lse, bits, p)
         ref_out = ta.reference(qkv.float(), seed, p)
         ref_g = ta.reference_backward(do.float(), qkv.float(), seed, p)
         r = dict(check=f"triton vs twin p={p}", out=rel(out, ref_out), dqkv=rel(dqkv, ref_g),
@@ -110,11 +110,13 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows):
                 res[f"triton p={p} fwd [{spec}]"] = timed(lambda: ta.forward(qkv, seed, p, bl), iters)
             except Exception as e:  # a tile that does not fit (shared memory, registers)
                 res[f"triton p={p} fwd [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
-        out, lse = ta.forward(qkv, seed, p)
+        out, lse, bits = ta.forward(qkv, seed, p)
+        if p:
+            res[f"triton p={p} keep bits"] = timed(lambda: ta.keep_bits(seed, b * h, s, p), iters)
         for spec in bwd_specs:
             bl = blocks(spec)
             try:
-                res[f"triton p={p} bwd [{spec}]"] = timed(lambda: ta.backward(do, qkv, out, lse, seed, p, bl), iters)
+                res[f"triton p={p} bwd [{spec}]"] = timed(lambda: ta.backward(do, qkv, out, lse, bits, p, bl), iters)
             except Exception as e:
                 res[f"triton p={p} bwd [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
         fw = [v for k, v in res.items() if k.startswith(f"triton p={p} fwd") and isinstance(v, float)]

@@ -38,6 +38,9 @@ from hpcmeg.train.metrics import read_metrics  # noqa: E402
 from hpcmeg.train.optim import param_groups  # noqa: E402
 
 
+# --hpcmeg-variants: recipe overrides per named hpcmeg run
+VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "attn_cudnn": ["model.attention_backend=cudnn"]}
+
 def run_hpcmeg(r) -> dict:
     times, trainer = tt.run_trainer(r)
     m = read_metrics(os.path.join(derive(r).run_dir, "metrics.jsonl"))
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-iters", type=int, default=4)
     ap.add_argument("--log-interval", type=int, default=10)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--hpcmeg-variants", default="default", help="comma list of hpcmeg runs (default)")
+    ap.add_argument("--hpcmeg-variants", default="default", help=f"comma list of hpcmeg runs from {sorted(VARIANTS)}")
     ap.add_argument("--n-files", type=int, default=None, help="stdlib files to tokenize (default all)")
     ap.add_argument("--data", default=os.path.join(ROOT, "runs", "bench-data"))
     ap.add_argument("--tok", default=None)
@@ -200,7 +203,7 @@ def main(argv=None) -> int:
         r = tt.bench_recipe(a.data, f"parity_{variant}_{int(time.time())}", prefix, vocab, merge, size=size,
                             seq=a.seq, mb=a.mb, iters=a.steps, lr=a.lr, warmup=a.warmup,
                             eval_interval=a.eval_interval, eval_iters=a.eval_iters, device=str(dev.type),
-                            precision="bf16", extra=[f"train.log_interval={a.log_interval}"])
+                            precision="bf16", extra=[f"train.log_interval={a.log_interval}", *VARIANTS[variant]])
         try:
             runs[name], trainer_v = run_hpcmeg(r)
             if state["trainer"] is None:

@@ -13,7 +13,11 @@ three kernels: delta = rowsum(dO * O), dK/dV per key block, dQ per query block),
 Dropout is applied to the normalised probabilities inside the kernels, as in FlashAttention:
   O = (P * Z) V with Z = keep / (1 - p_eff), P = softmax(q k^T / sqrt(d) + causal mask) in fp32;
   backward: dV = (P * Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - delta), delta_i = dO_i . O_i.
-The keep-mask is never stored: every kernel regenerates its tile from (seed, batch*head, row, col).
+The keep-mask is drawn once per call by a small kernel into bits ([b * h, s, s / 16] int16, 1/16
+of the bf16 scores' size: 18.9 MB per layer at 124M, micro batch 12) that the forward and both
+backward kernels read. (Regenerating the mask inside each kernel, one Philox call per 16 elements
+plus the unpacking, cost 0.11 ms in the forward and 0.30 ms in the backward per layer at 124M on the
+H200, more than the whole attention without dropout: bench/results/attention_probe_h200_s8a.json.)
 
 Keep-mask layout (the twin `reference_keep` builds exactly this; tests/test_triton_attention.py
 checks it bit for bit in Triton's interpreter): for flat head index bh = b * heads + h, query row i
@@ -27,8 +31,9 @@ dim 64.
 
 Contract
   flash_attention(qkv [b, s, h, 3d] bf16|fp16|fp32 with unit last stride, seed [1] int64, p)
-      -> (out [b, s, h, d] contiguous, lse2 [b * h, s] fp32: log2-sum-exp of the scaled scores)
-  flash_attention_backward(dout, qkv, out, lse2, seed, p) -> dqkv [b, s, h, 3d] (qkv's dtype)
+      -> (out [b, s, h, d] contiguous, lse2 [b * h, s] fp32: log2-sum-exp of the scaled scores,
+          bits: the keep-mask (empty without dropout or off CUDA))
+  flash_attention_backward(dout, qkv, out, lse2, bits, seed, p) -> dqkv [b, s, h, 3d] (qkv's dtype)
   Both are torch custom ops (hpcmeg::flash_attention[_backward]; the first has autograd) so
   torch.compile and CUDA graphs see one opaque kernel each; on CPU they run the twin.
   supports(qkv) says whether the kernels take the shape: s % 128 == 0, d in {16, 32, 64, 128}.
@@ -63,15 +68,16 @@ _M32 = 0xFFFFFFFF
 @dataclass(frozen=True)
 class Blocks:
     """Tile sizes and launch shapes (rows x cols of the score tile each program works on).
-    Chosen for Hopper at head dim 64 from FlashAttention-2 / Triton's tutorial practice, then
-    checked on the H200 by bench/attention_probe.py (see its results file)."""
-    fwd_m: int = 128  # query rows per forward program
+    The fastest of bench/attention_probe.py's sweep on the H200 at head dims 64 and 128 without
+    dropout (bench/results/attention_probe_h200_s8a.json: 124M fwd 0.073 ms with fwd_m 64 vs 0.082
+    with 128; bwd 0.221 ms with dkv_n = dq_m = 64 vs 0.277 with 128)."""
+    fwd_m: int = 64   # query rows per forward program
     fwd_n: int = 64   # key columns per forward iteration
     fwd_warps: int = 4
     fwd_stages: int = 3
-    dkv_n: int = 128  # key rows owned by one dK/dV program
+    dkv_n: int = 64   # key rows owned by one dK/dV program
     dkv_m: int = 32   # query rows per dK/dV iteration
-    dq_m: int = 128   # query rows owned by one dQ program
+    dq_m: int = 64    # query rows owned by one dQ program
     dq_n: int = 32    # key columns per dQ iteration
     bwd_warps: int = 4
     bwd_stages: int = 3
@@ -110,33 +116,45 @@ def supports(qkv: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _keep(seed, bh, rows, col0, S16, thresh, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
-        """bool keep tile for query rows `rows` [R] x key columns col0 .. col0 + C (col0 % 16 == 0);
-        TRANS: the tile transposed, [C, R] (keys x queries), for the dK/dV kernel."""
-        groups = col0 // 16 + tl.arange(0, C // 16)  # 16 columns per Philox call
-        if TRANS:
-            c = groups[:, None].to(tl.int64) + rows[None, :].to(tl.int64) * S16  # [C/16, R]
-        else:
-            c = rows[:, None].to(tl.int64) * S16 + groups[None, :].to(tl.int64)  # [R, C/16]
-        r0, r1, r2, r3 = tl.randint4x(seed, (bh.to(tl.int64) << 32) | c)  # counter (c, bh, 0, 0)
-        if TRANS:
-            r = tl.arange(0, 16)[None, :, None]  # the column within the group of 16
-            r0, r1, r2, r3 = r0[:, None, :], r1[:, None, :], r2[:, None, :], r3[:, None, :]
-        else:
-            r = tl.arange(0, 16)[None, None, :]
-            r0, r1, r2, r3 = r0[:, :, None], r1[:, :, None], r2[:, :, None], r3[:, :, None]
-        w = r % 4
-        word = tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
-        byte = (word.to(tl.uint32, bitcast=True) >> ((r // 4) * 8).to(tl.uint32)) & 0xFF
-        keep = byte >= thresh
-        if TRANS:  # one return: Triton checks every return's type, even in a constexpr branch
-            keep = tl.reshape(keep, (C, R))
-        else:
-            keep = tl.reshape(keep, (R, C))
-        return keep
+    def _pack4(word, w: tl.constexpr, thresh):
+        # word w's 4 bytes decide columns w, 4 + w, 8 + w, 12 + w of a group of 16 (bit = column)
+        u = word.to(tl.uint32, bitcast=True)
+        out = ((u & 0xFF) >= thresh).to(tl.int32) << w
+        out |= (((u >> 8) & 0xFF) >= thresh).to(tl.int32) << (4 + w)
+        out |= (((u >> 16) & 0xFF) >= thresh).to(tl.int32) << (8 + w)
+        out |= ((u >> 24) >= thresh).to(tl.int32) << (12 + w)
+        return out
 
     @triton.jit
-    def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, seed, bh, rows, lo, hi, S16, thresh, qk_scale,
+    def _bits_kernel(seed_ptr, BITS, S, thresh, R: tl.constexpr, G: tl.constexpr):
+        """The keep-mask as bits: BITS [b * h, s, s / 16] int16, bit j % 16 of word (i, j // 16) =
+        keep(i, j); one program per R rows x 16 * G columns, blocks right of the diagonal skipped."""
+        pm, pn, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if pn * 16 * G > pm * R + R - 1:
+            return
+        S16 = S // 16
+        rows = pm * R + tl.arange(0, R)
+        groups = pn * G + tl.arange(0, G)
+        c = rows[:, None].to(tl.int64) * S16 + groups[None, :].to(tl.int64)  # [R, G]
+        r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), (bh.to(tl.int64) << 32) | c)  # counter (c, bh, 0, 0)
+        bits = _pack4(r0, 0, thresh) | _pack4(r1, 1, thresh) | _pack4(r2, 2, thresh) | _pack4(r3, 3, thresh)
+        tl.store(BITS + bh.to(tl.int64) * S * S16 + c, bits.to(tl.int16))
+
+    @triton.jit
+    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
+        """bool keep tile of query rows `rows` [R] x key columns col0 .. col0 + C from one head's bits;
+        TRANS: transposed, [C, R]. Each int16 is loaded by the 16 lanes it serves (an L1 hit)."""
+        cols = col0 + tl.arange(0, C)
+        if TRANS:
+            x = tl.load(bits + rows[None, :] * S16 + (cols // 16)[:, None])
+            sh = (cols % 16)[:, None]
+        else:
+            x = tl.load(bits + rows[:, None] * S16 + (cols // 16)[None, :])
+            sh = (cols % 16)[None, :]
+        return ((x.to(tl.int32) >> sh) & 1) != 0
+
+    @triton.jit
+    def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, qk_scale,
                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
                    DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
@@ -153,14 +171,14 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
             acc = acc * alpha[:, None]
             if DROPOUT:
-                p = tl.where(_keep(seed, bh, rows, start_n, S16, thresh, BM, BN, False), p, 0.0)
+                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), p, 0.0)
             v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
         return acc, l_i, m_i
 
     @triton.jit
-    def _fwd_kernel(QKV, O, LSE, seed_ptr, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
+    def _fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
         start_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -169,15 +187,15 @@ if triton is not None:
         rows = start_m * BM + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         q = tl.load(base + rows[:, None] * s_s + offs_d[None, :])
-        seed = tl.load(seed_ptr)
         S16 = S // 16
+        bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
         # keys strictly left of the diagonal block: no mask; then the diagonal block, masked
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, seed, bh, rows, 0, start_m * BM,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, 0, start_m * BM,
                                    S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, seed, bh, rows, start_m * BM,
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, start_m * BM,
                                    start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
         out = acc / l_i[:, None]
         if DROPOUT:
@@ -199,7 +217,7 @@ if triton is not None:
         tl.store(DELTA + bh.to(tl.int64) * S + rows, tl.sum(o * do, 1))
 
     @triton.jit
-    def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, seed, bh, col0, cols, lo, hi, S16,
+    def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, col0, cols, lo, hi, S16,
                    thresh, keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    DIAG: tl.constexpr, DROPOUT: tl.constexpr):
         offs_m = tl.arange(0, BM)
@@ -214,7 +232,7 @@ if triton is not None:
             do = tl.load(do_ptr + rows[:, None] * o_s + offs_d[None, :])  # [BM, D]
             dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
             if DROPOUT:
-                keep = _keep(seed, bh, rows, col0, S16, thresh, BM, BN, True)  # [BN, BM]
+                keep = _kept(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
                 pdt = tl.where(keep, pt * keep_scale, 0.0)
                 dpt = tl.where(keep, dpt * keep_scale, 0.0)
             else:
@@ -226,7 +244,7 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _dkv_kernel(QKV, DO, LSE, DELTA, DQKV, seed_ptr, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
+    def _dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
                     qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
                     DROPOUT: tl.constexpr):
         start_n = tl.program_id(0) * BN
@@ -238,24 +256,24 @@ if triton is not None:
         kv_offs = cols[:, None] * s_s + offs_d[None, :]
         k = tl.load(QKV + base + D + kv_offs)
         v = tl.load(QKV + base + 2 * D + kv_offs)
-        seed = tl.load(seed_ptr)
         S16 = S // 16
+        bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         do_ptr = DO + b.to(tl.int64) * o_b + h * o_h
         lse_ptr = LSE + bh.to(tl.int64) * S
         delta_ptr = DELTA + bh.to(tl.int64) * S
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         # queries on the diagonal block (masked), then every later query block (unmasked)
-        dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, seed, bh, start_n,
+        dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True, DROPOUT)
-        dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, seed, bh, start_n,
+        dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False, DROPOUT)
         # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
 
     @triton.jit
-    def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, seed, bh, rows, lo, hi, S16, thresh, keep_scale,
+    def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, keep_scale,
                   qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
                   DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
@@ -269,13 +287,13 @@ if triton is not None:
                 p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
             dp = tl.dot(do, vt)
             if DROPOUT:
-                dp = tl.where(_keep(seed, bh, rows, start_n, S16, thresh, BM, BN, False), dp * keep_scale, 0.0)
+                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), dp * keep_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(q.dtype), tl.trans(kt), dq)
         return dq
 
     @triton.jit
-    def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, seed_ptr, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
+    def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
                    qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    DROPOUT: tl.constexpr):
         start_m = tl.program_id(0) * BM
@@ -288,12 +306,12 @@ if triton is not None:
         do = tl.load(DO + b.to(tl.int64) * o_b + h * o_h + rows[:, None] * o_s + offs_d[None, :])
         lse = tl.load(LSE + bh.to(tl.int64) * S + rows)
         delta = tl.load(DELTA + bh.to(tl.int64) * S + rows)
-        seed = tl.load(seed_ptr)
         S16 = S // 16
+        bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         dq = tl.zeros([BM, D], tl.float32)
-        dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, seed, bh, rows, 0, start_m,
+        dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, 0, start_m,
                        S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT)
-        dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, seed, bh, rows, start_m,
+        dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, start_m,
                        start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT)
         tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
 
@@ -314,22 +332,38 @@ def _shape(qkv: torch.Tensor) -> tuple[int, int, int, int]:
     return b, s, h, d3 // 3
 
 
+BITS_ROWS, BITS_GROUPS = 64, 8  # the bits kernel's tile: 64 rows x 128 columns
+
+
+def keep_bits(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tensor:
+    """The Triton keep-mask as bits, [bh, s, s / 16] int16 (bit j % 16 of word (i, j // 16));
+    words wholly right of the diagonal are left unwritten (no kernel reads them)."""
+    t, _ = dropout_threshold(p)
+    bits = torch.empty(bh, s, s // 16, dtype=torch.int16, device=seed.device)
+    with _on(seed.device):
+        _bits_kernel[(s // BITS_ROWS, s // (16 * BITS_GROUPS), bh)](seed, bits, s, t, R=BITS_ROWS, G=BITS_GROUPS,
+                                                                     num_warps=4)
+    return bits
+
+
 def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DEFAULT_BLOCKS):
-    """The Triton forward: (out [b, s, h, d], lse2 [b * h, s] fp32)."""
+    """The Triton forward: (out [b, s, h, d], lse2 [b * h, s] fp32, keep bits [b * h, s, s / 16]
+    int16, or an empty tensor without dropout)."""
     b, s, h, d = _shape(qkv)
     t, keep_scale = dropout_threshold(p)
     out = qkv.new_empty(b, s, h, d)
     lse = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)
+    bits = keep_bits(seed, b * h, s, p) if t else torch.empty(0, dtype=torch.int16, device=qkv.device)
     sm_scale = 1.0 / math.sqrt(d)
     grid = (s // blocks.fwd_m, b * h)
     with _on(qkv.device):
-        _fwd_kernel[grid](qkv, out, lse, seed, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale,
+        _fwd_kernel[grid](qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale,
                           sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0,
                           num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
-    return out, lse
+    return out, lse, bits
 
 
-def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor,
+def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, bits: torch.Tensor,
              p: float, blocks: Blocks = DEFAULT_BLOCKS) -> torch.Tensor:
     """The Triton backward: dqkv [b, s, h, 3d], contiguous, qkv's dtype."""
     b, s, h, d = _shape(qkv)
@@ -343,7 +377,7 @@ def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torc
     ostr, qstr = out.stride()[:3], qkv.stride()[:3]
     with _on(qkv.device):
         _delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
-        common = (lse, delta, dqkv, seed, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
+        common = (lse, delta, dqkv, bits, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
         _dkv_kernel[(s // blocks.dkv_n, b * h)](qkv, dout, *common, D=d, BN=blocks.dkv_n, BM=blocks.dkv_m,
                                                 DROPOUT=t > 0, num_warps=blocks.bwd_warps,
                                                 num_stages=blocks.bwd_stages)
@@ -369,6 +403,13 @@ def reference_keep(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tenso
     r = j % 16
     word = words.gather(0, (r % 4).expand(bh, s, s).unsqueeze(0)).squeeze(0)
     return ((word >> (8 * (r // 4))) & 0xFF) >= t
+
+
+def reference_bits(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tensor:
+    """keep_bits' twin: reference_keep packed 16 columns to an int16 word, bit = column % 16."""
+    keep = reference_keep(seed, bh, s, p).view(bh, s, s // 16, 16).to(torch.int32)
+    words = (keep << torch.arange(16, dtype=torch.int32, device=seed.device)).sum(-1)
+    return torch.where(words >= 2**15, words - 2**16, words).to(torch.int16)
 
 
 def _reference_parts(qkv: torch.Tensor, seed: torch.Tensor, p: float):
@@ -419,44 +460,49 @@ def _use_kernel(t: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("hpcmeg::flash_attention", mutates_args=())
-def flash_attention(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, s, h, d], lse2 [b * h, s]) of causal attention with dropout p; Triton on CUDA."""
+def flash_attention(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [b, s, h, d], lse2 [b * h, s], keep bits) of causal attention with dropout p; Triton
+    on CUDA, the twins elsewhere (whose backward redraws the mask from the seed, bits unused)."""
     if _use_kernel(qkv):
         return forward(qkv, seed, p, blocks_from_env())
-    return reference(qkv, seed, p).contiguous(), _reference_lse2(qkv)
+    return (reference(qkv, seed, p).contiguous(), _reference_lse2(qkv),
+            torch.empty(0, dtype=torch.int16, device=qkv.device))
 
 
 @flash_attention.register_fake
-def _(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, s, h, d3 = qkv.shape
-    return qkv.new_empty(b, s, h, d3 // 3), qkv.new_empty(b * h, s, dtype=torch.float32)
+    n_bits = b * h * s * (s // 16) if _use_kernel(qkv) and dropout_threshold(p)[0] else 0
+    return (qkv.new_empty(b, s, h, d3 // 3), qkv.new_empty(b * h, s, dtype=torch.float32),
+            qkv.new_empty(n_bits, dtype=torch.int16).view(-1, s, s // 16) if n_bits else
+            qkv.new_empty(0, dtype=torch.int16))
 
 
 @torch.library.custom_op("hpcmeg::flash_attention_backward", mutates_args=())
 def flash_attention_backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                             seed: torch.Tensor, p: float) -> torch.Tensor:
+                             bits: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     """dqkv of flash_attention; Triton on CUDA, reference_backward elsewhere."""
     if _use_kernel(qkv):
-        return backward(dout, qkv, out, lse, seed, p, blocks_from_env())
+        return backward(dout, qkv, out, lse, bits, p, blocks_from_env())
     return reference_backward(dout, qkv, seed, p)
 
 
 @flash_attention_backward.register_fake
-def _(dout, qkv, out, lse, seed, p) -> torch.Tensor:
+def _(dout, qkv, out, lse, bits, seed, p) -> torch.Tensor:
     return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     qkv, seed, p = inputs
-    out, lse = output
-    ctx.save_for_backward(qkv, out, lse, seed)
+    out, lse, bits = output
+    ctx.save_for_backward(qkv, out, lse, bits, seed)
     ctx.p = p
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, bits)
 
 
-def _backward(ctx, dout, _dlse):
-    qkv, out, lse, seed = ctx.saved_tensors
-    return flash_attention_backward(dout, qkv, out, lse, seed, ctx.p), None, None
+def _backward(ctx, dout, _dlse, _dbits):
+    qkv, out, lse, bits, seed = ctx.saved_tensors
+    return flash_attention_backward(dout, qkv, out, lse, bits, seed, ctx.p), None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)
