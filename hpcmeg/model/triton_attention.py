@@ -81,6 +81,7 @@ class Blocks:
     dq_n: int = 32    # key columns per dQ iteration
     bwd_warps: int = 4
     bwd_stages: int = 3
+    mask_load: int = 1  # how a tile reads the keep bits: 0 one load per element, 1 per word (_kept)
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -141,22 +142,35 @@ if triton is not None:
         tl.store(BITS + bh.to(tl.int64) * S * S16 + c, bits.to(tl.int16))
 
     @triton.jit
-    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
+    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr,
+              MASK_LOAD: tl.constexpr):
         """bool keep tile of query rows `rows` [R] x key columns col0 .. col0 + C from one head's bits;
-        TRANS: transposed, [C, R]. Each int16 is loaded by the 16 lanes it serves (an L1 hit)."""
-        cols = col0 + tl.arange(0, C)
-        if TRANS:
-            x = tl.load(bits + rows[None, :] * S16 + (cols // 16)[:, None])
-            sh = (cols % 16)[:, None]
+        TRANS: transposed, [C, R]. MASK_LOAD 0: every element loads its own int16 (16 lanes load
+        each word: L1 hits, but one load per element); 1: the tile's [R, C / 16] words are loaded
+        once (coalesced) and expanded to [R, C] in registers (Triton moves them into the scores'
+        layout through shared memory)."""
+        if MASK_LOAD == 0:
+            cols = col0 + tl.arange(0, C)
+            if TRANS:
+                x = tl.load(bits + rows[None, :] * S16 + (cols // 16)[:, None])
+                sh = (cols % 16)[:, None]
+            else:
+                x = tl.load(bits + rows[:, None] * S16 + (cols // 16)[None, :])
+                sh = (cols % 16)[None, :]
+            keep = ((x.to(tl.int32) >> sh) & 1) != 0
         else:
-            x = tl.load(bits + rows[:, None] * S16 + (cols // 16)[None, :])
-            sh = (cols % 16)[None, :]
-        return ((x.to(tl.int32) >> sh) & 1) != 0
+            words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
+            shift = tl.arange(0, 16)
+            k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
+            keep = tl.reshape(k3, (R, C)) != 0
+            if TRANS:
+                keep = tl.trans(keep)
+        return keep
 
     @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, qk_scale,
                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                   DROPOUT: tl.constexpr):
+                   DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -171,7 +185,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
             acc = acc * alpha[:, None]
             if DROPOUT:
-                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), p, 0.0)
+                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False, MASK_LOAD), p, 0.0)
             v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
@@ -179,7 +193,7 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
-                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
         start_m = tl.program_id(0)
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -194,9 +208,9 @@ if triton is not None:
         acc = tl.zeros([BM, D], tl.float32)
         # keys strictly left of the diagonal block: no mask; then the diagonal block, masked
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, 0, start_m * BM,
-                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
+                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT, MASK_LOAD)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, start_m * BM,
-                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
+                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT, MASK_LOAD)
         out = acc / l_i[:, None]
         if DROPOUT:
             out = out * keep_scale
@@ -219,7 +233,7 @@ if triton is not None:
     @triton.jit
     def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, col0, cols, lo, hi, S16,
                    thresh, keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                   DIAG: tl.constexpr, DROPOUT: tl.constexpr):
+                   DIAG: tl.constexpr, DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         for start_m in range(lo, hi, BM):
@@ -232,7 +246,7 @@ if triton is not None:
             do = tl.load(do_ptr + rows[:, None] * o_s + offs_d[None, :])  # [BM, D]
             dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
             if DROPOUT:
-                keep = _kept(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
+                keep = _kept(bits, rows, col0, S16, BM, BN, True, MASK_LOAD)  # [BN, BM]
                 pdt = tl.where(keep, pt * keep_scale, 0.0)
                 dpt = tl.where(keep, dpt * keep_scale, 0.0)
             else:
@@ -246,7 +260,7 @@ if triton is not None:
     @triton.jit
     def _dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
                     qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                    DROPOUT: tl.constexpr):
+                    DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
         start_n = tl.program_id(0) * BN
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -265,9 +279,9 @@ if triton is not None:
         dv = tl.zeros([BN, D], tl.float32)
         # queries on the diagonal block (masked), then every later query block (unmasked)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
-                            cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True, DROPOUT)
+                            cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True, DROPOUT, MASK_LOAD)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
-                            cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False, DROPOUT)
+                            cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False, DROPOUT, MASK_LOAD)
         # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
@@ -275,7 +289,7 @@ if triton is not None:
     @triton.jit
     def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, keep_scale,
                   qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                  DROPOUT: tl.constexpr):
+                  DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -287,7 +301,7 @@ if triton is not None:
                 p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
             dp = tl.dot(do, vt)
             if DROPOUT:
-                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), dp * keep_scale, 0.0)
+                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False, MASK_LOAD), dp * keep_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(q.dtype), tl.trans(kt), dq)
         return dq
@@ -295,7 +309,7 @@ if triton is not None:
     @triton.jit
     def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
                    qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   DROPOUT: tl.constexpr):
+                   DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
         start_m = tl.program_id(0) * BM
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -310,9 +324,9 @@ if triton is not None:
         bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         dq = tl.zeros([BM, D], tl.float32)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, 0, start_m,
-                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT)
+                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT, MASK_LOAD)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, start_m,
-                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT)
+                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT, MASK_LOAD)
         tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
 
 
@@ -358,7 +372,7 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
     grid = (s // blocks.fwd_m, b * h)
     with _on(qkv.device):
         _fwd_kernel[grid](qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale,
-                          sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0,
+                          sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, MASK_LOAD=blocks.mask_load,
                           num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse, bits
 
@@ -379,10 +393,10 @@ def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torc
         _delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
         common = (lse, delta, dqkv, bits, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
         _dkv_kernel[(s // blocks.dkv_n, b * h)](qkv, dout, *common, D=d, BN=blocks.dkv_n, BM=blocks.dkv_m,
-                                                DROPOUT=t > 0, num_warps=blocks.bwd_warps,
+                                                DROPOUT=t > 0, MASK_LOAD=blocks.mask_load, num_warps=blocks.bwd_warps,
                                                 num_stages=blocks.bwd_stages)
         _dq_kernel[(s // blocks.dq_m, b * h)](qkv, dout, *common, D=d, BM=blocks.dq_m, BN=blocks.dq_n,
-                                              DROPOUT=t > 0, num_warps=blocks.bwd_warps,
+                                              DROPOUT=t > 0, MASK_LOAD=blocks.mask_load, num_warps=blocks.bwd_warps,
                                               num_stages=blocks.bwd_stages)
     return dqkv
 
