@@ -1,0 +1,146 @@
+"""hpcmeg/model/triton_gelu.py: the Triton tanh-GELU forward and backward (dh and the bias gradient)
+against their plain PyTorch twins in Triton's CPU interpreter (fp32, bf16, fp16; ragged shapes,
+several dbias partial rows); the twins against ops.bias_gelu, F.gelu and autograd; the custom ops
+(opcheck, CPU path).
+
+The kernels compiled for the GPU are checked (and timed) by bench/gelu_probe.py on the H200.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpcmeg.model import ops
+from hpcmeg.model import triton_gelu as tg
+
+_INTERPRETER_CHECK = r"""
+import warnings
+import torch
+from triton.runtime import interpreter as _ti
+_orig = _ti._patch_lang_tensor
+def _patched(tensor, scope):
+    # Triton 3.6's interpreter turns a loop bound into int(1-element array), which numpy 2 refuses
+    _orig(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+_ti._patch_lang_tensor = _patched
+warnings.filterwarnings("ignore", "overflow", RuntimeWarning)  # numpy's exp2 -> inf for very negative h
+from hpcmeg.model import ops
+from hpcmeg.model import triton_gelu as tg
+
+def within_one_ulp(a, b):
+    # a, b in bf16/fp16: |a - b| <= one rounding step of b (2^-7 resp. 2^-10 of |b| bounds the
+    # spacing): the interpreter casts fp32 -> bf16 by truncation, torch rounds to nearest. Plus 1e-5:
+    # the fp32 twin's 1 + tanh(u) cancels for h ~ -5 (~1e-6 absolute off, the kernels are not)
+    step = 2.0 ** -7 if b.dtype == torch.bfloat16 else 2.0 ** -10
+    err = (a.float() - b.float()).abs()
+    assert bool((err <= b.float().abs() * step + 1e-5).all()), err.max().item()
+
+def check(shape, dtype, blocks=tg.DEFAULT_BLOCKS, rows=None, scale=3.0):
+    h = (torch.randn(shape) * scale).to(dtype)
+    dg = torch.randn(shape).to(dtype)
+    g = tg.gelu_forward(h, blocks)
+    dh, dbias = tg.gelu_backward(dg, h, blocks, rows)
+    rg = tg.reference_forward(h)
+    rdh, rdbias = tg.reference_backward(dg, h)
+    assert g.shape == h.shape and g.dtype == dtype and dh.shape == h.shape and dh.dtype == dtype
+    assert dbias.shape == (shape[-1],) and dbias.dtype == torch.float32
+    if dtype == torch.float32:
+        # vs the fp32 twins: their 1 + tanh(u) and 1 - tanh^2(u) cancel for |h| ~ 3..6, ~1e-6 absolute
+        # off there (the kernels' sigmoid form does not cancel); vs the fp64 formula: tight
+        torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dh, rdh, rtol=1e-5, atol=1e-5)
+        hd = h.double()
+        torch.testing.assert_close(g.double(), ops.bias_gelu(hd, torch.zeros((), dtype=hd.dtype)), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dh.double(), dg.double() * tg.gelu_grad(hd), rtol=1e-5, atol=1e-6)
+    else:
+        within_one_ulp(g, rg)
+        within_one_ulp(dh, rdh)
+    # dbias sums the fp32 dh before rounding on both sides: fp32 tolerance even for bf16 inputs
+    torch.testing.assert_close(dbias, rdbias, rtol=1e-5, atol=5e-5)
+    assert torch.equal(tg.gelu_backward(dg, h, blocks, rows)[1], dbias)  # deterministic
+
+torch.manual_seed(0)
+small = tg.Blocks(fwd_block=256, bwd_f=64, bwd_rows=8, sum_f=32, sum_rows=4)
+for shape in [(37, 200), (2, 9, 96), (64, 512), (5, 1000)]:
+    check(shape, torch.float32)
+# several partial rows of dbias: F > BLOCK_F, N > rows per tile, R > 1 (and > sum_rows: two sum steps)
+assert tg.row_programs(64, 512, torch.device("cpu")) > 1
+check((200, 600), torch.float32)
+check((200, 600), torch.float32, small, rows=5)
+check((3, 37, 200), torch.float32, small, rows=3)
+check((37, 200), torch.float32, small, rows=40)  # more row programs than row tiles: empty partials
+for dtype in (torch.bfloat16, torch.float16):
+    check((64, 512), dtype)
+    check((37, 200), dtype, small, rows=3)
+# extremes: exp2 overflows to inf for very negative h; g, dh must stay finite and match the twin
+h = torch.tensor([[-100.0, -30.0, -9.0, -1e-3, 0.0, 1e-3, 9.0, 30.0, 100.0]])
+dg = torch.ones_like(h)
+g, (dh, dbias) = tg.gelu_forward(h), tg.gelu_backward(dg, h)
+assert torch.isfinite(g).all() and torch.isfinite(dh).all()
+torch.testing.assert_close(g, tg.reference_forward(h), rtol=1e-5, atol=1e-6)
+torch.testing.assert_close(dh, tg.reference_backward(dg, h)[0], rtol=1e-5, atol=1e-6)
+# no rows: dh empty, dbias zeros
+dh, dbias = tg.gelu_backward(torch.empty(0, 64), torch.empty(0, 64))
+assert dh.shape == (0, 64) and torch.equal(dbias, torch.zeros(64))
+print("ok")
+"""
+
+
+def test_kernels_match_the_twins_in_the_interpreter():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_forward_twin_is_bias_gelu_and_torch_gelu():
+    torch.manual_seed(1)
+    h = torch.randn(4, 7, 96) * 3
+    g = tg.reference_forward(h)
+    torch.testing.assert_close(g, ops.bias_gelu(h, torch.zeros(96)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(g, F.gelu(h, approximate="tanh"), rtol=1e-5, atol=1e-6)
+    hb = h.bfloat16()
+    gb = tg.reference_forward(hb)
+    assert gb.dtype == torch.bfloat16
+    assert torch.equal(gb, ops.bias_gelu(hb.float(), torch.zeros(96)).bfloat16())  # fp32 math, one rounding
+
+
+def test_twin_derivative_and_bias_gradient_match_autograd():
+    torch.manual_seed(2)
+    x = (torch.randn(3, 11, 40, dtype=torch.float64) * 3).requires_grad_(True)
+    b = torch.zeros(40, dtype=torch.float64, requires_grad=True)
+    dg = torch.randn(3, 11, 40, dtype=torch.float64)
+    dx, db = torch.autograd.grad(ops.bias_gelu(x, b), (x, b), dg)
+    torch.testing.assert_close(dg * tg.gelu_grad(x.detach()), dx, rtol=1e-12, atol=1e-12)
+    dh, dbias = tg.reference_backward(dg.float(), x.detach().float())  # fp32 math
+    assert dh.dtype == torch.float32 and dbias.shape == (40,)
+    torch.testing.assert_close(dh.double(), dx, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dbias.double(), db, rtol=1e-5, atol=1e-5)
+    # bf16 inputs: dh is rounded to bf16, dbias is the fp32 sum of the unrounded values
+    hb, dgb = x.detach().bfloat16(), dg.bfloat16()
+    dhb, dbiasb = tg.reference_backward(dgb, hb)
+    exact = dgb.double() * tg.gelu_grad(hb.double())
+    assert dhb.dtype == torch.bfloat16 and dbiasb.dtype == torch.float32
+    torch.testing.assert_close(dbiasb.double(), exact.sum((0, 1)), rtol=1e-5, atol=1e-5)
+    rounded = exact.bfloat16().double().sum((0, 1))  # what summing the stored bf16 dh would give
+    assert (rounded - exact.sum((0, 1))).abs().max() > 1e-3  # so the check above tells them apart
+
+
+def test_custom_ops_opcheck_and_cpu_path():
+    torch.manual_seed(3)
+    h, dg = torch.randn(2, 5, 48) * 2, torch.randn(2, 5, 48)
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(tg.gelu_tanh, (h.to(dtype),))
+        torch.library.opcheck(tg.gelu_tanh_backward, (dg.to(dtype), h.to(dtype)))
+    assert torch.equal(torch.ops.hpcmeg.gelu_tanh(h), tg.reference_forward(h))
+    dh, dbias = torch.ops.hpcmeg.gelu_tanh_backward(dg, h)
+    rdh, rdbias = tg.reference_backward(dg, h)
+    assert torch.equal(dh, rdh) and torch.equal(dbias, rdbias) and dbias.shape == (48,)
+    with pytest.raises(ValueError, match="one shape"):
+        torch.ops.hpcmeg.gelu_tanh_backward(dg[:, :4], h)
