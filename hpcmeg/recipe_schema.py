@@ -141,6 +141,12 @@ class ModelConfig:
     dropout_impl: str = "triton"
     """Fused path on CUDA: triton (a Philox keep-mask kernel, 4 draws per call) or native (torch's
     dropout; Inductor draws inside its fused kernels). CPU always uses native."""
+    layernorm_impl: str = "triton"
+    """Fused path: triton (each LayerNorm backward, with the residual-gradient add, dropout mask and
+    bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py) or inductor."""
+    gelu_impl: str = "triton"
+    """Fused path: triton (the MLP's GELU forward and backward with its bias gradient, one pass
+    each, hpcmeg/model/triton_gelu.py) or inductor (F.gelu)."""
     cross_entropy: str = "fused"
     """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): fused (bf16 logits, a
     one-read Triton logsumexp, one backward pass), grad_in_forward (the forward kernel turns the
@@ -374,6 +380,8 @@ CHOICES = {
     ("model", "fused"): ("auto", "on", "off"),
     ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
     ("model", "dropout_impl"): ("triton", "native"),
+    ("model", "layernorm_impl"): ("triton", "inductor"),
+    ("model", "gelu_impl"): ("triton", "inductor"),
     ("model", "cross_entropy"): ("fused", "grad_in_forward", "fused_inductor", "compiled", "chunked"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "precision"): ("bf16", "fp16", "fp32"),

@@ -224,3 +224,47 @@ def test_triton_dropout_path_inside_the_compiled_model(monkeypatch):
     a, b, c = losses(5), losses(5), losses(6)
     assert a == b and a != c
     assert "triton" in calls
+
+
+def test_bias_dropout_add_layer_norm_function_with_a_mask():
+    """fused._BiasDropoutAddLayerNorm (the one-pass Triton LayerNorm backward; its plain twin on CPU)
+    against autograd of the written-out forward, with a given keep-mask and without one."""
+    torch.manual_seed(0)
+    x, bias, res = torch.randn(2, 7, 32), torch.randn(32), torch.randn(2, 7, 32)
+    w, b = torch.randn(32), torch.randn(32)
+    keep = torch.rand(2, 7, 32) > 0.3
+    for k, scale in ((keep, 1 / 0.7), (None, 1.0)):
+        fo, fg = _grads(lambda *t: fused._BiasDropoutAddLayerNorm.apply(t[0], t[1], t[2], k, scale, t[3], t[4], 1e-5),
+                        x, bias, res, w, b)
+
+        def plain(xx, bb, rr, ww, lb):
+            branch = (xx + bb) if k is None else (xx + bb) * k * scale
+            out = rr + branch
+            return out, ops.layer_norm(out, ww, lb, 1e-5)
+        po, pg = _grads(plain, x, bias, res, w, b)
+        assert len(fg) == 5
+        _assert_same(fo + fg, po + pg)
+
+
+def test_kernel_impls_give_the_model_of_the_inductor_impls(monkeypatch):
+    """The fused model with layernorm_impl/gelu_impl 'triton' (their twins on CPU) against 'inductor',
+    with hidden dropout: the same seeds draw the same keep-masks (the CUDA mask op, taken on CPU), so
+    losses and gradients agree."""
+    if not fused.HAVE_TRITON_DROPOUT:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(fused, "_mask_kernel_for", lambda x, impl: impl == "triton")
+    cfg = GPTConfig(2, 64, 4, 256, 32, 128, hidden_dropout=0.2, attention_dropout=0.0, fused=True)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for impl in ("triton", "inductor"):
+        m = GPT(dataclasses.replace(cfg, layernorm_impl=impl, gelu_impl=impl), init_seed=3)
+        torch.manual_seed(9)
+        loss = m(x, x).mean()
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (la, ga), (lb, gb) = grads
+    torch.testing.assert_close(la, lb, **TOL)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], **TOL, msg=n)
+    with pytest.raises(ValueError, match="layernorm_impl"):
+        dataclasses.replace(cfg, layernorm_impl="apex")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math")
 CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked")
 DROPOUT_IMPLS = ("triton", "native")
+KERNEL_IMPLS = ("triton", "inductor")  # layernorm_impl, gelu_impl
 
 
 @dataclass
@@ -72,6 +73,15 @@ class GPTConfig:
     element inside that kernel: 61 us vs 18 us without dropout at 124M on the H200). Both draw from
     torch's generator (reproducible, resumable); the masks differ. CPU always uses 'native'."""
 
+    layernorm_impl: str = "triton"
+    """Fused path only. 'triton': every LayerNorm's backward (with the residual-gradient add, the
+    dropout mask and the bias gradient of the bias-dropout-add before it) is one pass of
+    hpcmeg/model/triton_layernorm.py; 'inductor': autograd's formula, compiled by Inductor (a fused
+    kernel, then column reductions that re-read its inputs). The forward is Inductor's either way."""
+    gelu_impl: str = "triton"
+    """Fused path only. 'triton': the MLP's GELU forward and backward (with its bias gradient) are
+    hpcmeg/model/triton_gelu.py's kernels (exp2-based tanh; one pass each); 'inductor': F.gelu."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "max_position_embeddings", "padded_vocab_size"):
@@ -88,6 +98,9 @@ class GPTConfig:
                              f"use one of {ATTENTION_BACKENDS}")
         if self.dropout_impl not in DROPOUT_IMPLS:
             raise ValueError(f"GPTConfig.dropout_impl={self.dropout_impl!r}: use one of {DROPOUT_IMPLS}")
+        for name in ("layernorm_impl", "gelu_impl"):
+            if getattr(self, name) not in KERNEL_IMPLS:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: use one of {KERNEL_IMPLS}")
         if self.fused_ce not in CE_IMPLS:
             raise ValueError(f"GPTConfig.fused_ce={self.fused_ce!r}: use one of {CE_IMPLS}")
 

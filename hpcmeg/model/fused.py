@@ -60,8 +60,10 @@ try:
     HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = True
 except ImportError:  # no triton (CPU-only installs): the Inductor/eager formulation below
     HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = False
-# registers torch.ops.hpcmeg.flash_attention (its CPU path is the plain twin, so no triton needed)
+# register torch.ops.hpcmeg.flash_attention, .layer_norm_backward and .gelu_tanh(_backward) (their CPU
+# paths are the plain twins, so no triton needed)
 from hpcmeg.model import triton_attention  # noqa: E402
+from hpcmeg.model import triton_gelu, triton_layernorm  # noqa: E402,F401
 
 _SDPA_ORDER = {
     "auto": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -74,7 +76,30 @@ _SDPA_ORDER = {
 }
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+class _LayerNorm(torch.autograd.Function):
+    """F.layer_norm (Inductor fuses it with its neighbours) whose backward is triton_layernorm's one
+    pass: dx and the partial sums of dw, db together, mean and rstd recomputed from x (read anyway),
+    so nothing but x is saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx, _, dw, db, _ = torch.ops.hpcmeg.layer_norm_backward(dy, x, weight, ctx.eps, None, None, 1.0)
+        return dx.to(x.dtype), dw.to(weight.dtype), db.to(weight.dtype), None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               layernorm_impl: str = "triton") -> torch.Tensor:
+    """LayerNorm over the last dim; layernorm_impl 'triton': the backward in one Triton pass
+    (hpcmeg/model/triton_layernorm.py), 'inductor': autograd's (Inductor's kernels when compiled)."""
+    if layernorm_impl == "triton" and torch.is_grad_enabled():
+        return _LayerNorm.apply(x, weight, bias, eps)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
@@ -82,8 +107,41 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x + bias, approximate="tanh")
 
 
-def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sink=None) -> torch.Tensor:
-    """sink: the weight's main-grad sink (hpcmeg/model/wgrad.py), or None."""
+class _LinearBiasGelu(torch.autograd.Function):
+    """tanh-GELU(x W^T + b) with triton_gelu's kernels: the bias in the GEMM's epilogue, GELU in one
+    pass (exp2-based, memory-bound), and the backward's dGELU and bias gradient in one pass over
+    [tokens, ffn] (Inductor: a pointwise kernel, then a reduction that re-reads both inputs).
+    Saves x, W and the pre-activation h, as linear + GELU do. `flat`/`offset`: the weight's
+    main-grad sink (hpcmeg/model/wgrad.py) or None; on ctx, as in wgrad._LinearSink."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, flat, offset):
+        h = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight, h)
+        ctx.flat, ctx.offset = flat, offset
+        return torch.ops.hpcmeg.gelu_tanh(h)
+
+    @staticmethod
+    def backward(ctx, dg):
+        x, weight, h = ctx.saved_tensors
+        dh, dbias = torch.ops.hpcmeg.gelu_tanh_backward(dg.contiguous(), h)
+        dx = dh.matmul(weight)  # [.., ffn] @ [ffn, h] -> [.., h]
+        if ctx.flat is not None:
+            torch.ops.hpcmeg.wgrad_accumulate_(ctx.flat, dh, x, ctx.offset)
+            dw = None
+        else:
+            dw = dh.reshape(-1, dh.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return dx, dw, dbias.to(weight.dtype), None, None
+
+
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sink=None,
+                     gelu_impl: str = "triton") -> torch.Tensor:
+    """tanh-GELU(x W^T + b). sink: the weight's main-grad sink (hpcmeg/model/wgrad.py), or None.
+    gelu_impl 'triton': _LinearBiasGelu; 'inductor': linear then F.gelu (Inductor's kernels)."""
+    if gelu_impl == "triton" and torch.is_grad_enabled():
+        x, weight, bias = _autocast_cast(x, weight, bias)
+        flat, offset = sink if sink is not None else (None, 0)
+        return _LinearBiasGelu.apply(x, weight, bias, flat, offset)
     return F.gelu(wgrad.linear(x, weight, bias, sink), approximate="tanh")
 
 
@@ -112,7 +170,45 @@ def bias_dropout_add(x, bias, residual, p: float, training: bool, dropout_impl: 
     return residual + dropout(x, p, training, dropout_impl)
 
 
-def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton"):
+class _BiasDropoutAddLayerNorm(torch.autograd.Function):
+    """out = residual + (x + bias) * keep * scale, y = LayerNorm(out) -> (out, y). The forward is
+    plain ops (Inductor fuses them into one kernel, as before); the backward is ONE triton_layernorm
+    pass: the LN backward, plus the gradient arriving at `out` from the residual path, times the
+    keep-mask (the gradient of x), and the partial sums of dw, db and the bias gradient, where
+    Inductor ran a fused kernel and then column reductions re-reading its inputs. keep None: no
+    dropout (all kept, scale 1)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps):
+        branch = x + bias.to(x.dtype)
+        if keep is not None:
+            branch = branch * keep * scale
+        out = residual + branch
+        ctx.save_for_backward(out, weight, keep)
+        ctx.scale, ctx.eps = scale, eps
+        return out, F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
+
+    @staticmethod
+    def backward(ctx, d_out, dy):
+        out, weight, keep = ctx.saved_tensors
+        d_res, d_x, dw, db, dbias = torch.ops.hpcmeg.layer_norm_backward(
+            dy, out, weight, ctx.eps, d_out, keep, ctx.scale, keep is None)
+        if keep is None:  # no dropout: the branch's gradient is the residual's
+            d_x = d_res
+        return (d_x.to(out.dtype), dbias.to(weight.dtype), d_res.to(out.dtype), None, None,
+                dw.to(weight.dtype), db.to(weight.dtype), None)
+
+
+def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton",
+                                layernorm_impl: str = "triton"):
+    """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm."""
+    if layernorm_impl == "triton" and torch.is_grad_enabled() and bias is not None:
+        keep = None
+        if training and p > 0:
+            keep = (torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
+                    if _mask_kernel_for(x, dropout_impl) else torch.rand_like(x, dtype=torch.float32) >= p)
+        return _BiasDropoutAddLayerNorm.apply(x, bias, residual, keep, 1.0 / (1.0 - p) if keep is not None else 1.0,
+                                              ln_weight, ln_bias, eps)
     out = bias_dropout_add(x, bias, residual, p, training, dropout_impl)
     return out, F.layer_norm(out, (out.shape[-1],), ln_weight, ln_bias, eps)
 

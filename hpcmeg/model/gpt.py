@@ -40,11 +40,11 @@ from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.init import init_value
 
 
-def _ops_for(cfg: GPTConfig):
-    """(the op module, the keyword that picks the fused dropout) the config asks for: the plain twins
-    have one dropout and take no such keyword."""
+def _ops_for(cfg: GPTConfig, *impls: str):
+    """(the op module, the keywords that pick the fused implementations named in `impls`, e.g.
+    'dropout_impl') the config asks for: the plain twins have one implementation and take none."""
     if cfg.fused:
-        return fused_ops, {"dropout_impl": cfg.dropout_impl}
+        return fused_ops, {name: getattr(cfg, name) for name in impls}
     return plain_ops, {}
 
 
@@ -54,7 +54,7 @@ class Embedding(nn.Module):
         self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.p = cfg.hidden_dropout
-        self.ops, self.drop_kw = _ops_for(cfg)
+        self.ops, self.drop_kw = _ops_for(cfg, "dropout_impl")
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
@@ -95,12 +95,12 @@ class MLP(nn.Module):
         super().__init__()
         self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
         self.dense_4h_to_h = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
-        self.ops = fused_ops if cfg.fused else plain_ops
+        self.ops, self.gelu_kw = _ops_for(cfg, "gelu_impl")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
         sink = wgrad.layer_sink(fc1)  # only a fused model gets sinks: fused.linear_bias_gelu takes one
-        h = self.ops.linear_bias_gelu(x, fc1.weight, fc1.bias, **({"sink": sink} if sink else {}))
+        h = self.ops.linear_bias_gelu(x, fc1.weight, fc1.bias, **({"sink": sink} if sink else {}), **self.gelu_kw)
         return wgrad.linear(h, fc2.weight, None, wgrad.layer_sink(fc2)), fc2.bias
 
 
@@ -112,13 +112,14 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = MLP(cfg)
         self.p, self.eps = cfg.hidden_dropout, cfg.layernorm_epsilon
-        self.ops, self.drop_kw = _ops_for(cfg)
+        self.ops, self.drop_kw = _ops_for(cfg, "dropout_impl")
+        _, self.ln_kw = _ops_for(cfg, "layernorm_impl")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ln1, ln2w = self.input_layernorm, self.post_attention_layernorm
-        attn, attn_bias = self.self_attention(self.ops.layer_norm(x, ln1.weight, ln1.bias, self.eps))
+        attn, attn_bias = self.self_attention(self.ops.layer_norm(x, ln1.weight, ln1.bias, self.eps, **self.ln_kw))
         x, h = self.ops.bias_dropout_add_layer_norm(attn, attn_bias, x, self.p, self.training,
-                                                    ln2w.weight, ln2w.bias, self.eps, **self.drop_kw)
+                                                    ln2w.weight, ln2w.bias, self.eps, **self.drop_kw, **self.ln_kw)
         out, out_bias = self.mlp(h)
         return self.ops.bias_dropout_add(out, out_bias, x, self.p, self.training, **self.drop_kw)
 
@@ -128,14 +129,14 @@ class Encoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(n_layers))
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if final_layernorm else None
-        self.ops = fused_ops if cfg.fused else plain_ops
+        self.ops, self.ln_kw = _ops_for(cfg, "layernorm_impl")
         self.eps = cfg.layernorm_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
         ln = self.final_layernorm
-        return x if ln is None else self.ops.layer_norm(x, ln.weight, ln.bias, self.eps)
+        return x if ln is None else self.ops.layer_norm(x, ln.weight, ln.bias, self.eps, **self.ln_kw)
 
 
 class LMHead(nn.Module):

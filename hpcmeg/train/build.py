@@ -72,7 +72,8 @@ def gpt_config(recipe: Recipe, derived: Derived, device: torch.device):
                      attention_dropout=model_cfg.attention_dropout, layernorm_epsilon=model_cfg.layernorm_epsilon,
                      init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device),
                      vocab_size=derived.orig_vocab_size, dropout_impl=model_cfg.dropout_impl,
-                     fused_ce=model_cfg.cross_entropy, attention_backend=model_cfg.attention_backend)
+                     fused_ce=model_cfg.cross_entropy, attention_backend=model_cfg.attention_backend,
+                     layernorm_impl=model_cfg.layernorm_impl, gelu_impl=model_cfg.gelu_impl)
 
 
 def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
