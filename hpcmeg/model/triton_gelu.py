@@ -70,20 +70,20 @@ class Blocks:
     fwd_block: int = 2048
     fwd_warps: int = 4
     # Backward: program (c, r) owns columns [c * bwd_f, (c + 1) * bwd_f) and row tiles r, r + R,
-    # r + 2R, ... of bwd_rows rows each (R row programs). A [16, 256] tile with 8 warps is 16
-    # elements per thread per input (two 16-byte loads of dg and two of h in flight per thread)
-    # plus a [16, 256] fp32 accumulator (16 registers per thread), reduced over rows once at the
-    # end. ptxas (Triton 3.6, sm_90a, F = 3072, compiled offline): 64 registers, no spills; a
-    # [32, 256] tile needs 128 and spills a little.
+    # r + 2R, ... of bwd_rows rows each (R row programs). A [32, 256] tile with 8 warps is 32
+    # elements per thread per input (four 16-byte loads of dg and four of h in flight per thread)
+    # plus a [32, 256] fp32 accumulator, reduced over rows once at the end.
     bwd_f: int = 256
-    bwd_rows: int = 16
+    bwd_rows: int = 32
     bwd_warps: int = 8
     # R = bwd_per_sm * SMs / column blocks: ONE wave of equal programs (no tail wave; each program
     # strides over ~N / (R * bwd_rows) tiles, counts differing by at most one). The register cap
-    # maxnreg = 64K / (bwd_per_sm * bwd_warps * 32) (= 64 here, what the kernel uses anyway)
-    # guarantees that bwd_per_sm programs fit on an SM together: a kernel that took more would
-    # leave a second, nearly empty wave. 4 x 256 threads x 64 B of loads = 64 KB in flight per SM.
-    bwd_per_sm: int = 4
+    # maxnreg = 64K / (bwd_per_sm * bwd_warps * 32) (= 128 here) guarantees that bwd_per_sm
+    # programs fit on an SM together: a kernel that took more would leave a second, nearly empty
+    # wave. Measured on the H200 (bench/results/gelu_probe_h200_s9a.json, [12288, 3072] bf16,
+    # do_bench with the op's Python launch in it): [16, 256] x 4 per SM (64 registers) 126 us,
+    # [32, 256] x 2 per SM (128 registers) 72 us, Inductor 87 us.
+    bwd_per_sm: int = 2
     # dbias = the sum of the [P, F] partials: [32, 64] tiles, fixed order (P rows in steps of 32).
     sum_f: int = 64
     sum_rows: int = 32
@@ -233,9 +233,9 @@ def gelu_backward(dg: torch.Tensor, h: torch.Tensor, blocks: Blocks = DEFAULT_BL
     h2, dg2 = h.contiguous().view(-1, f), dg.contiguous().view(-1, f)
     n = h2.shape[0]
     dh = torch.empty_like(h2)
-    dbias = torch.zeros(f, dtype=torch.float32, device=h.device)
     if n == 0 or f == 0:
-        return dh.view(h.shape), dbias
+        return dh.view(h.shape), torch.zeros(f, dtype=torch.float32, device=h.device)
+    dbias = torch.empty(f, dtype=torch.float32, device=h.device)  # every column written below: no memset
     r = n_row_programs or row_programs(n, f, h.device, blocks)
     part = dbias.view(1, f) if r == 1 else torch.empty(r, f, dtype=torch.float32, device=h.device)
     launch(_bwd_kernel, (triton.cdiv(f, blocks.bwd_f), r), h.device, dg2, h2, dh, part, n,
