@@ -147,11 +147,11 @@ class ModelConfig:
     gelu_impl: str = "triton"
     """Fused path: triton (the MLP's GELU forward and backward with its bias gradient, one pass
     each, hpcmeg/model/triton_gelu.py) or inductor (F.gelu)."""
-    cross_entropy: str = "fused"
-    """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): fused (bf16 logits, a
-    one-read Triton logsumexp, one backward pass), grad_in_forward (the forward kernel turns the
-    logits into their gradient: no backward pass over them; 3 % faster LM head + loss on the H200,
-    not yet the default: unmeasured end to end),
+    cross_entropy: str = "grad_in_forward"
+    """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): grad_in_forward (bf16
+    logits; the forward's Triton kernel turns them into their gradient in place, so the backward
+    needs no pass over them: +0.6 % tokens/s on the 124M user path on the H200,
+    bench/results/user_path_s9b_124M_kernels.md), fused (a one-read Triton logsumexp, then one backward pass),
     fused_inductor, compiled, or chunked (least memory: logits recomputed in backward)."""
 
 

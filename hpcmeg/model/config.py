@@ -56,15 +56,16 @@ class GPTConfig:
     """Megatron's --fp32-residual-connection. False: under autocast the residual stream is kept in
     the autocast dtype (as in Megatron, where bf16 params make it bf16), halving its memory traffic;
     True: the residual stream stays in the params' dtype (fp32 under autocast)."""
-    fused_ce: str = "fused"
-    """Fused path only. 'fused': bf16 logits, one fp32 logsumexp pass forward (the Triton kernel of
-    hpcmeg/model/triton_ce.py on CUDA; 'fused_inductor': Inductor's two-pass lowering instead) and
-    one softmax-minus-onehot pass backward (hpcmeg/model/fused.py); 'compiled': the same loss under
+    fused_ce: str = "grad_in_forward"
+    """Fused path only. 'grad_in_forward': the forward kernel (hpcmeg/model/triton_ce.py) turns the
+    bf16 logits into their gradient softmax - onehot in place, and the backward folds the per-token
+    scale into the LM-head GEMMs: no backward pass over [tokens, vocab] (LM head + loss fwd+bwd 4.76
+    vs 4.91 ms at 124M, bench/results/gpu_agreement_h200_s7_ce.json; +0.6 % tokens/s end to end,
+    bench/results/user_path_s9b_124M_kernels.md). 'fused': bf16 logits, one fp32 logsumexp pass forward (the
+    Triton kernel on CUDA; 'fused_inductor': Inductor's two-pass lowering instead) and one
+    softmax-minus-onehot pass backward (hpcmeg/model/fused.py); 'compiled': the same loss under
     plain autograd (its gather backward builds a dense fp32 [tokens, vocab] tensor); 'chunked':
-    token chunks, logits recomputed in backward (least memory); 'grad_in_forward': the forward
-    kernel turns the logits into their gradient in place and the backward needs no pass over
-    them (one [tokens, vocab] read less than 'fused'; LM head + loss fwd+bwd 4.76 vs 4.91 ms at
-    124M on the H200, bench/results/gpu_agreement_h200_s7_ce.json; not yet measured end to end)."""
+    token chunks, logits recomputed in backward (least memory)."""
 
     dropout_impl: str = "triton"
     """Fused path on CUDA only. 'triton': the keep-mask from hpcmeg/model/triton_dropout.py (one

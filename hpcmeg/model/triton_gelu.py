@@ -70,20 +70,20 @@ class Blocks:
     fwd_block: int = 2048
     fwd_warps: int = 4
     # Backward: program (c, r) owns columns [c * bwd_f, (c + 1) * bwd_f) and row tiles r, r + R,
-    # r + 2R, ... of bwd_rows rows each (R row programs). A [32, 256] tile with 8 warps is 32
-    # elements per thread per input (four 16-byte loads of dg and four of h in flight per thread)
-    # plus a [32, 256] fp32 accumulator, reduced over rows once at the end.
-    bwd_f: int = 256
+    # r + 2R, ... of bwd_rows rows each (R row programs). A [32, 128] tile with 8 warps is 16
+    # elements per thread per input (two 16-byte loads of dg and two of h in flight per thread)
+    # plus a [32, 128] fp32 accumulator, reduced over rows once at the end.
+    bwd_f: int = 128
     bwd_rows: int = 32
     bwd_warps: int = 8
     # R = bwd_per_sm * SMs / column blocks: ONE wave of equal programs (no tail wave; each program
     # strides over ~N / (R * bwd_rows) tiles, counts differing by at most one). The register cap
-    # maxnreg = 64K / (bwd_per_sm * bwd_warps * 32) (= 128 here) guarantees that bwd_per_sm
+    # maxnreg = 64K / (bwd_per_sm * bwd_warps * 32) (= 64 here) guarantees that bwd_per_sm
     # programs fit on an SM together: a kernel that took more would leave a second, nearly empty
-    # wave. Measured on the H200 (bench/results/gelu_probe_h200_s9a.json, [12288, 3072] bf16,
-    # do_bench with the op's Python launch in it): [16, 256] x 4 per SM (64 registers) 126 us,
-    # [32, 256] x 2 per SM (128 registers) 72 us, Inductor 87 us.
-    bwd_per_sm: int = 2
+    # wave. Measured on the H200 in CUDA-graph replays (bench/results/gelu_probe_h200_s9b.json):
+    # [32, 128] x 4 per SM 62.8 / 81.9 / 106.9 us at 124M / 355M / 1.3B, the best of six tilings
+    # ([16, 256] x 4: 66.4 / 85.0 / 109.8; [32, 512] x 2: 157-259); Inductor 80.1 / 105.1 / 139.4.
+    bwd_per_sm: int = 4
     # dbias = the sum of the [P, F] partials: [32, 64] tiles, fixed order (P rows in steps of 32).
     sum_f: int = 64
     sum_rows: int = 32

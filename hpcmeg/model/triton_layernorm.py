@@ -31,12 +31,15 @@ Kernel design (one pass over the rows, no atomics, deterministic):
   per thread): R = 1 and 4 warps at H = 768 and 1024, R = 1 and 8 warps at H = 2048. sm_90 register
   counts (Triton 3.6's ptxas, with keep and d_res): 96 at 4 warps (5 programs would fit an SM),
   115 at 8 warps (2 fit); a 16-element-per-thread tile (R = 4 at H = 768, 8 warps) takes 224-244, so
-  one program per SM. Grid: 16 resident warps per SM, i.e. 4 programs per SM at H <= 1024 (P = 512
-  at N = 12288 on the H200's 132 SMs, 24 rows each) and 2 at H = 2048 (P = 256 at N = 8192, 32 rows
-  each): one wave. Per SM that is 4 x 5.4 KB (H = 768: one row of dy, x, d_res at 2 B + keep at
+  one program per SM. Grid: 20 resident warps per SM, i.e. 5 programs per SM at H <= 1024 (P = 647
+  at N = 12288 on the H200's 132 SMs, 19 rows each) and 2 at H = 2048 (P = 256 at N = 8192, 32 rows
+  each): one wave. Per SM that is 5 x 5.4 KB (H = 768: one row of dy, x, d_res at 2 B + keep at
   1 B) of prefetched loads in flight besides the current ones, about the 22-26 KB that 4.8 TB/s x
   ~600 ns of DRAM latency / 132 SMs asks for. R, warps, programs per SM and the prefetch are knobs
-  of `Launch`; bench/layernorm_probe.py times a few settings on the H200.
+  of `Launch`; bench/layernorm_probe.py times a few settings on the H200. Measured there in CUDA-graph
+  replays (bench/results/layernorm_probe_h200_s9b.json), with keep and d_res: 37.9 / 43.4 / 55.7 us
+  at 124M / 355M / 1.3B's shapes with 4 programs per SM at H <= 1024, 36.5 / 43.2 with 5; Inductor's
+  compiled formulation 70.8 / 79.0 / 82.5 us.
   Traffic per element at [12288, 768] bf16 with keep and d_res: reads dy, x, d_res 2 B each + keep
   1 B, writes dx, d_branch 2 B each = 11 B x 9.44 M elements = 104 MB, ~24 us at ~4.3 TB/s; the
   partials add 4.7 MB written and read back (512 rows of 3 x 768 fp32, mostly from L2) and the
@@ -88,7 +91,7 @@ TILE_ELEMENTS = 1024   # R * BLOCK_H by default: R = 1 at H >= 1024 (and 768), u
 ELEMS_PER_THREAD = 8   # warps = R * BLOCK_H / (32 * 8), clamped to [1, MAX_WARPS]
 MAX_ROWS = 8           # R cap: small H (tests) still get several rows per iteration
 MAX_WARPS = 16
-RESIDENT_WARPS = 16    # grid target = SMs x RESIDENT_WARPS / warps: 4 programs of 4 warps per SM at H = 768
+RESIDENT_WARPS = 20    # grid target = SMs x RESIDENT_WARPS / warps: 5 programs of 4 warps per SM at H = 768
 DEFAULT_SMS = 132      # stand-in SM count off CUDA (the H200's), so CPU runs plan like the GPU
 SUM_BLOCK_P, SUM_BLOCK_C = 128, 32  # the column-sum pass's tile: 128 partial rows x 32 columns
 
