@@ -10,18 +10,25 @@ What "fused" means here, op by op:
     one per element inside the fused kernel, which made the bias-dropout-add+LN kernel 61 us
     instead of 18 us at 124M on the H200), the scaling fused by Inductor; GPTConfig.dropout_impl
     'native' keeps torch's dropout. Attention dropout stays inside the SDPA kernel.
-  * layer_norm / bias_gelu / bias_dropout_add(_layer_norm): written as one expression each on
-    the native kernels (F.layer_norm, tanh F.gelu). Alone they are a few kernels; under
-    torch.compile of the block/model (TrainStep(compile=True)) Inductor fuses each into one
-    Triton kernel with the neighbouring residual adds and casts. We did not hand-write Triton
-    kernels: the Inductor-generated ones are what "Triton where measured faster" came to.
+  * layer_norm / bias_dropout_add(_layer_norm): the forwards are one expression each on the native
+    kernels (F.layer_norm), which Inductor fuses under torch.compile with the neighbouring residual
+    adds, dropout scaling and casts. Their backward (layernorm_impl 'triton', the default) is ONE
+    pass of hpcmeg/model/triton_layernorm.py per LayerNorm: dx with the residual-gradient add and
+    the dropout mask, and the partial sums of dw, db and the branch bias gradient, where Inductor
+    ran a fused kernel and then column reductions re-reading its inputs (in CUDA-graph replays on
+    the H200 at 124M's shape: 37.9 vs 70.8 us; bench/results/layernorm_probe_h200_s9b.json).
+    'inductor' keeps autograd's formulation.
   * linear layers (here and in gpt.py) go through hpcmeg/model/wgrad.py's `linear`: F.linear, or
     with a main-grad sink attached from outside (gradient-accumulation fusion) a linear whose
     weight-gradient GEMM accumulates into the fp32 main grad itself.
   * linear_bias_gelu: the bias goes INTO the matmul (cuBLASLt's bias epilogue), then tanh-GELU.
     Measured on the H200 (bench/results/profile_h200_s3a.md): with the bias add left to
     Inductor, the backward recomputed GELU' in two kernels (141 us/layer at 124M) where
-    addmm + GELU needs 83 us.
+    addmm + GELU needs 83 us. gelu_impl 'triton' (the default): the GELU forward and the backward
+    with the bias gradient are hpcmeg/model/triton_gelu.py's kernels (exp2-based; 38.5 + 62.8 us
+    vs Inductor's libdevice-tanh 45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
+  * With both (bench/results/user_path_s9b_124M_kernels.md, 124M user path, one call): 494.6K vs
+    482.7K tokens/s (+2.5 %).
   * linear_cross_entropy: never builds fp32 logits for the whole batch. 'fused' (default): bf16
     logits, then _CrossEntropyFromLogits, whose forward is one fp32 logsumexp pass (+ a gather
     of N target logits; on CUDA with Triton the one-read kernel of triton_ce.py, else Inductor's

@@ -18,6 +18,12 @@ of the bf16 scores' size: 18.9 MB per layer at 124M, micro batch 12) that the fo
 backward kernels read. (Regenerating the mask inside each kernel, one Philox call per 16 elements
 plus the unpacking, cost 0.11 ms in the forward and 0.30 ms in the backward per layer at 124M on the
 H200, more than the whole attention without dropout: bench/results/attention_probe_h200_s8a.json.)
+A tile reads its bits as one [rows, cols / 16] block of words, expanded in registers (Blocks.mask_load
+1): at 124M, p = 0.1, forward 0.144 ms and backward 0.270 ms against 0.218 and 0.385 when every
+element loads its own word (bench/results/attention_probe_h200_s9a.json). Drawing the bits costs
+0.044 ms per layer (Philox's 32-bit multiplies: 4.7 M calls). In the user path (profile_h200_s9_124M_
+gbs192_triton_attn.md) the whole attention is ~0.44 ms per layer against cuDNN's ~0.47 with its
+q/k/v gradient concatenation and memsets: about even end to end, so it is opt-in.
 
 Keep-mask layout (the twin `reference_keep` builds exactly this; tests/test_triton_attention.py
 checks it bit for bit in Triton's interpreter): for flat head index bh = b * heads + h, query row i
@@ -193,7 +199,8 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
-                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                    MASK_LOAD: tl.constexpr):
         start_m = tl.program_id(0)
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -279,9 +286,11 @@ if triton is not None:
         dv = tl.zeros([BN, D], tl.float32)
         # queries on the diagonal block (masked), then every later query block (unmasked)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
-                            cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True, DROPOUT, MASK_LOAD)
+                            cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True,
+                            DROPOUT, MASK_LOAD)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
-                            cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False, DROPOUT, MASK_LOAD)
+                            cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False,
+                            DROPOUT, MASK_LOAD)
         # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
@@ -372,8 +381,8 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
     grid = (s // blocks.fwd_m, b * h)
     with _on(qkv.device):
         _fwd_kernel[grid](qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale,
-                          sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, MASK_LOAD=blocks.mask_load,
-                          num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
+                          sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0,
+                          MASK_LOAD=blocks.mask_load, num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse, bits
 
 

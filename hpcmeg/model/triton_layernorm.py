@@ -48,13 +48,14 @@ Kernel design (one pass over the rows, no atomics, deterministic):
 
 Contract
   layer_norm_backward(dy, x, weight, eps, d_res=None, keep=None, scale=1.0, bias_grad=False,
-                      launch=DEFAULT_LAUNCH) -> (dx, d_branch, dw, db, dbias): the Triton kernels (CUDA tensors; CPU tensors under
-      TRITON_INTERPRET=1 in the tests). dy, x, d_res [..., H] with any leading dims (flattened;
-      made contiguous if they are not), weight [H] fp32 or the activation dtype, keep bool [..., H]
-      or None, scale the kept values' factor 1 / (1 - p). dx, d_branch [..., H] contiguous in dy's
+                      launch=DEFAULT_LAUNCH) -> (dx, d_branch, dw, db, dbias):
+      the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1 in the tests).
+      dy, x, d_res [..., H] with any leading dims (flattened; made contiguous if they are not),
+      weight [H] fp32 or the activation dtype, keep bool [..., H] or None, scale the kept values'
+      factor 1 / (1 - p). dx, d_branch [..., H] contiguous in dy's
       dtype; dw, db, dbias fp32 [H]. d_branch is empty (numel 0) when keep is None, and dbias too
       unless bias_grad: then dbias = sum_rows(dx) (no dropout: the branch's gradient is dx itself).
-  reference_backward(dy, x, weight, eps, d_res=None, keep=None, scale=1.0): the plain PyTorch twin,
+  reference_backward(dy, x, weight, eps, d_res=None, keep=None, scale=1.0, bias_grad=False): the twin,
       same outputs: aten's own LayerNorm backward in fp32 (native_layer_norm_backward, what autograd
       of F.layer_norm runs) plus the add, mask and sums written out. (Not torch.autograd itself:
       the twin is also the custom op's CPU kernel, which runs below the autograd dispatch key, where
