@@ -11,6 +11,8 @@
   converter, run offline).
 - Conversion models: VOCAB, LAYERS, H, HEADS, FFN, POS, tiny_model (a GPT with randomised
   LayerNorms and biases), make_run (TP1 PP1 checkpoints of it, as the trainer saves them).
+- Triton kernels on the CPU: run_in_triton_interpreter (a check script in a fresh Python under
+  TRITON_INTERPRET=1, with Triton 3.6's interpreter patched for numpy 2).
 """
 from __future__ import annotations
 
@@ -335,3 +337,26 @@ def random_batches(n: int, rows: int, seq: int, vocab: int, seed: int = 11) -> l
         x = torch.randint(0, vocab, (rows, seq + 1), generator=g)
         out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
     return out
+
+
+# Prepended to every interpreter check: Triton 3.6's interpreter turns a loop bound into
+# int(1-element array), which numpy 2 refuses; give its tensors an __index__ that takes the element.
+_INTERPRETER_PATCH = """
+from triton.runtime import interpreter as _ti
+_orig = _ti._patch_lang_tensor
+def _patched(tensor, scope):
+    _orig(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+_ti._patch_lang_tensor = _patched
+"""
+
+
+def run_in_triton_interpreter(script: str, expect: str = "ok", timeout: int = 300) -> None:
+    """Run `script` in a fresh Python with TRITON_INTERPRET=1 (Triton kernels on CPU tensors) and
+    assert it exits 0 with `expect` as the end of its output; skip when triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", _INTERPRETER_PATCH + script], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0 and r.stdout.strip().endswith(expect), r.stdout[-1000:] + r.stderr[-3000:]

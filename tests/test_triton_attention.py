@@ -5,10 +5,6 @@ the default backend, eager and under torch.compile.
 
 The kernels compiled for the GPU are checked by bench/attention_probe.py on the H200.
 """
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,17 +13,11 @@ import torch.nn.functional as F
 from hpcmeg.model import triton_attention as ta
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
+from helpers import run_in_triton_interpreter
 
 _INTERPRETER_CHECK = r"""
 import dataclasses
 import torch
-from triton.runtime import interpreter as _ti
-_orig = _ti._patch_lang_tensor
-def _patched(tensor, scope):
-    # Triton 3.6's interpreter turns a loop bound into int(1-element array), which numpy 2 refuses
-    _orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-_ti._patch_lang_tensor = _patched
 from hpcmeg.model import triton_attention as ta
 
 seed = torch.tensor([123456789012345], dtype=torch.int64)
@@ -55,12 +45,7 @@ print("ok")
 
 
 def test_kernels_match_the_twins_in_the_interpreter():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_in_triton_interpreter(_INTERPRETER_CHECK)
 
 
 def test_keep_mask_statistics_and_seed_dependence():

@@ -5,10 +5,6 @@ several dbias partial rows); the twins against ops.bias_gelu, F.gelu and autogra
 
 The kernels compiled for the GPU are checked (and timed) by bench/gelu_probe.py on the H200.
 """
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,17 +12,11 @@ import torch.nn.functional as F
 
 from hpcmeg.model import ops
 from hpcmeg.model import triton_gelu as tg
+from helpers import run_in_triton_interpreter
 
 _INTERPRETER_CHECK = r"""
 import warnings
 import torch
-from triton.runtime import interpreter as _ti
-_orig = _ti._patch_lang_tensor
-def _patched(tensor, scope):
-    # Triton 3.6's interpreter turns a loop bound into int(1-element array), which numpy 2 refuses
-    _orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-_ti._patch_lang_tensor = _patched
 warnings.filterwarnings("ignore", "overflow", RuntimeWarning)  # numpy's exp2 -> inf for very negative h
 from hpcmeg.model import ops
 from hpcmeg.model import triton_gelu as tg
@@ -91,12 +81,7 @@ print("ok")
 
 
 def test_kernels_match_the_twins_in_the_interpreter():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    run_in_triton_interpreter(_INTERPRETER_CHECK)
 
 
 def test_forward_twin_is_bias_gelu_and_torch_gelu():

@@ -5,26 +5,16 @@ bias-dropout-add forward; the custom op (opcheck) and the launch plan.
 
 The kernels compiled for the GPU are checked by bench/layernorm_probe.py on the H200.
 """
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from hpcmeg.model import ops
 from hpcmeg.model import triton_layernorm as tln
+from helpers import run_in_triton_interpreter
 
 _INTERPRETER_CHECK = r"""
 import torch
-from triton.runtime import interpreter as _ti
-_orig = _ti._patch_lang_tensor
-def _patched(tensor, scope):
-    # Triton 3.6's interpreter turns a loop bound into int(1-element array), which numpy 2 refuses
-    _orig(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-_ti._patch_lang_tensor = _patched
 from hpcmeg.model import triton_layernorm as tln
 
 def rel(a, b):
@@ -93,12 +83,7 @@ print("ok", n_checks)
 
 
 def test_kernels_match_the_twin_in_the_interpreter():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok 10"), r.stdout[-1000:] + r.stderr[-3000:]
+    run_in_triton_interpreter(_INTERPRETER_CHECK, expect="ok 10")
 
 
 def _autograd_grads(residual, a, bias, keep, scale, w, b, gy, g_res, eps):
