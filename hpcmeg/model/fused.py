@@ -29,16 +29,16 @@ What "fused" means here, op by op:
     vs Inductor's libdevice-tanh 45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
   * With both (bench/results/user_path_s9b_124M_kernels.md, 124M user path, one call): 494.6K vs
     482.7K tokens/s (+2.5 %).
-  * linear_cross_entropy: never builds fp32 logits for the whole batch. 'fused' (default): bf16
+  * linear_cross_entropy: never builds fp32 logits for the whole batch. 'fused': bf16
     logits, then _CrossEntropyFromLogits, whose forward is one fp32 logsumexp pass (+ a gather
     of N target logits; on CUDA with Triton the one-read kernel of triton_ce.py, else Inductor's
     lowering, 'fused_inductor' forces the latter) and whose backward writes softmax - onehot in
     ONE pass over the logits.
     Autograd's own backward of gather materialised a dense fp32 [N, V] zeros+scatter tensor
     (2.5 GB at 124M, micro batch 12) and read it back: 0.53 + ~0.5 ms per step on the H200.
-    'grad_in_forward': the forward kernel overwrites the logits with softmax - onehot, and the
-    backward folds the per-token scale into the LM-head GEMMs (no backward pass over the logits;
-    _LinearCEGradInForward). 'compiled': the previous formulation (logsumexp - gather under plain
+    'grad_in_forward' (the default): the forward kernel overwrites the logits with softmax - onehot,
+    and the backward folds the per-token scale into the LM-head GEMMs (no backward pass over the
+    logits; _LinearCEGradInForward). 'compiled': the previous formulation (logsumexp - gather under plain
     autograd), kept for comparison. Eager CUDA calls of both get their own torch.compile. 'chunked': a custom
     autograd function over token chunks that keeps no logits at all (recomputes them in
     backward: ~1/3 more LM-head FLOPs, for the least memory).
