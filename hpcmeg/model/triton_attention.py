@@ -18,9 +18,9 @@ of the bf16 scores' size: 18.9 MB per layer at 124M, micro batch 12) that the fo
 backward kernels read. (Regenerating the mask inside each kernel, one Philox call per 16 elements
 plus the unpacking, cost 0.11 ms in the forward and 0.30 ms in the backward per layer at 124M on the
 H200, more than the whole attention without dropout: bench/results/attention_probe_h200_s8a.json.)
-A tile reads its bits as one [rows, cols / 16] block of words, expanded in registers (Blocks.mask_load
-1): at 124M, p = 0.1, forward 0.144 ms and backward 0.270 ms against 0.218 and 0.385 when every
-element loads its own word (bench/results/attention_probe_h200_s9a.json). Drawing the bits costs
+A tile reads its bits as one [rows, cols / 16] block of words, expanded in registers (_kept): at
+124M, p = 0.1, forward 0.144 ms and backward 0.270 ms against 0.218 and 0.385 when every element
+loaded its own word (bench/results/attention_probe_h200_s9a.json). Drawing the bits costs
 0.044 ms per layer (Philox's 32-bit multiplies: 4.7 M calls). In the user path (profile_h200_s9_124M_
 gbs192_triton_attn.md) the whole attention is ~0.44 ms per layer against cuDNN's ~0.47 with its
 q/k/v gradient concatenation and memsets: about even end to end, so it is opt-in.
@@ -87,7 +87,6 @@ class Blocks:
     dq_n: int = 32    # key columns per dQ iteration
     bwd_warps: int = 4
     bwd_stages: int = 3
-    mask_load: int = 1  # how a tile reads the keep bits: 0 one load per element, 1 per word (_kept)
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -148,35 +147,24 @@ if triton is not None:
         tl.store(BITS + bh.to(tl.int64) * S * S16 + c, bits.to(tl.int16))
 
     @triton.jit
-    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr,
-              MASK_LOAD: tl.constexpr):
+    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
         """bool keep tile of query rows `rows` [R] x key columns col0 .. col0 + C from one head's bits;
-        TRANS: transposed, [C, R]. MASK_LOAD 0: every element loads its own int16 (16 lanes load
-        each word: L1 hits, but one load per element); 1: the tile's [R, C / 16] words are loaded
-        once (coalesced) and expanded to [R, C] in registers (Triton moves them into the scores'
-        layout through shared memory)."""
-        if MASK_LOAD == 0:
-            cols = col0 + tl.arange(0, C)
-            if TRANS:
-                x = tl.load(bits + rows[None, :] * S16 + (cols // 16)[:, None])
-                sh = (cols % 16)[:, None]
-            else:
-                x = tl.load(bits + rows[:, None] * S16 + (cols // 16)[None, :])
-                sh = (cols % 16)[None, :]
-            keep = ((x.to(tl.int32) >> sh) & 1) != 0
-        else:
-            words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
-            shift = tl.arange(0, 16)
-            k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
-            keep = tl.reshape(k3, (R, C)) != 0
-            if TRANS:
-                keep = tl.trans(keep)
+        TRANS: transposed, [C, R]. The tile's [R, C / 16] words are loaded once (coalesced) and
+        expanded in registers (Triton moves them into the scores' layout through shared memory);
+        one int16 load per element instead (16 lanes per word, L1 hits) took 0.218 + 0.385 ms
+        forward + backward against 0.144 + 0.270 at 124M, p = 0.1 (attention_probe_h200_s9a.json)."""
+        words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
+        shift = tl.arange(0, 16)
+        k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
+        keep = tl.reshape(k3, (R, C)) != 0
+        if TRANS:
+            keep = tl.trans(keep)
         return keep
 
     @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, qk_scale,
                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                   DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
+                   DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -191,7 +179,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
             acc = acc * alpha[:, None]
             if DROPOUT:
-                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False, MASK_LOAD), p, 0.0)
+                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), p, 0.0)
             v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
@@ -199,8 +187,7 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
-                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
-                    MASK_LOAD: tl.constexpr):
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
         start_m = tl.program_id(0)
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -215,9 +202,9 @@ if triton is not None:
         acc = tl.zeros([BM, D], tl.float32)
         # keys strictly left of the diagonal block: no mask; then the diagonal block, masked
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, 0, start_m * BM,
-                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT, MASK_LOAD)
+                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, start_m * BM,
-                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT, MASK_LOAD)
+                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
         out = acc / l_i[:, None]
         if DROPOUT:
             out = out * keep_scale
@@ -240,7 +227,7 @@ if triton is not None:
     @triton.jit
     def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, col0, cols, lo, hi, S16,
                    thresh, keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                   DIAG: tl.constexpr, DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
+                   DIAG: tl.constexpr, DROPOUT: tl.constexpr):
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         for start_m in range(lo, hi, BM):
@@ -253,7 +240,7 @@ if triton is not None:
             do = tl.load(do_ptr + rows[:, None] * o_s + offs_d[None, :])  # [BM, D]
             dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
             if DROPOUT:
-                keep = _kept(bits, rows, col0, S16, BM, BN, True, MASK_LOAD)  # [BN, BM]
+                keep = _kept(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
                 pdt = tl.where(keep, pt * keep_scale, 0.0)
                 dpt = tl.where(keep, dpt * keep_scale, 0.0)
             else:
@@ -267,7 +254,7 @@ if triton is not None:
     @triton.jit
     def _dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
                     qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                    DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
+                    DROPOUT: tl.constexpr):
         start_n = tl.program_id(0) * BN
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -287,10 +274,10 @@ if triton is not None:
         # queries on the diagonal block (masked), then every later query block (unmasked)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True,
-                            DROPOUT, MASK_LOAD)
+                            DROPOUT)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False,
-                            DROPOUT, MASK_LOAD)
+                            DROPOUT)
         # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
@@ -298,7 +285,7 @@ if triton is not None:
     @triton.jit
     def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, keep_scale,
                   qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                  DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
+                  DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -310,7 +297,7 @@ if triton is not None:
                 p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
             dp = tl.dot(do, vt)
             if DROPOUT:
-                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False, MASK_LOAD), dp * keep_scale, 0.0)
+                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), dp * keep_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(q.dtype), tl.trans(kt), dq)
         return dq
@@ -318,7 +305,7 @@ if triton is not None:
     @triton.jit
     def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
                    qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   DROPOUT: tl.constexpr, MASK_LOAD: tl.constexpr):
+                   DROPOUT: tl.constexpr):
         start_m = tl.program_id(0) * BM
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -333,9 +320,9 @@ if triton is not None:
         bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         dq = tl.zeros([BM, D], tl.float32)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, 0, start_m,
-                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT, MASK_LOAD)
+                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, start_m,
-                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT, MASK_LOAD)
+                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT)
         tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
 
 
@@ -382,7 +369,7 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
     with _on(qkv.device):
         _fwd_kernel[grid](qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale,
                           sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0,
-                          MASK_LOAD=blocks.mask_load, num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
+                          num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse, bits
 
 
@@ -402,10 +389,10 @@ def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torc
         _delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
         common = (lse, delta, dqkv, bits, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
         _dkv_kernel[(s // blocks.dkv_n, b * h)](qkv, dout, *common, D=d, BN=blocks.dkv_n, BM=blocks.dkv_m,
-                                                DROPOUT=t > 0, MASK_LOAD=blocks.mask_load, num_warps=blocks.bwd_warps,
+                                                DROPOUT=t > 0, num_warps=blocks.bwd_warps,
                                                 num_stages=blocks.bwd_stages)
         _dq_kernel[(s // blocks.dq_m, b * h)](qkv, dout, *common, D=d, BM=blocks.dq_m, BN=blocks.dq_n,
-                                              DROPOUT=t > 0, MASK_LOAD=blocks.mask_load, num_warps=blocks.bwd_warps,
+                                              DROPOUT=t > 0, num_warps=blocks.bwd_warps,
                                               num_stages=blocks.bwd_stages)
     return dqkv
 
