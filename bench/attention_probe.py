@@ -3,12 +3,15 @@ against cuDNN SDPA at the model sizes' attention shapes, over a few tile configu
 
 Agreement (bf16 kernels vs the fp32 twin on the same bf16 inputs; ||a - b|| / ||b||): output and
 dqkv at dropout 0 and 0.1 (the twin has the kernels' exact keep-mask), and at dropout 0 against
-SDPA. Time (CUDA events, mean of --iters after warm-up): forward alone, backward alone and
+SDPA. Time: SDPA by CUDA events (mean of --iters after warm-up); the Triton kernels by median CUDA-graph
+replays (triton.testing.do_bench_cudagraph, as the compiled model launches them: event timing of
+0.1 ms kernels carries the launchers' Python). Forward alone, backward alone and
 forward + backward of attention as the model runs it, from qkv [b, s, heads, 3 * head_dim] to
 out and back to the gradient of qkv: for SDPA that includes the split into q, k, v (views) and
 autograd's concatenation of dq, dk, dv; for Triton it is the kernels themselves.
 Configurations: --fwd and --bwd list tile overrides (Blocks field=value, '+'-joined; 'default').
 Usage: python bench/attention_probe.py --sizes 124M,1.3B [--fwd "default fwd_warps=8 ..."] [--bwd "..."]
+       [--p 0.1] [--no-sdpa] [--no-agreement]
 Writes <out>/attention_probe.json.
 """
 from __future__ import annotations
@@ -48,6 +51,16 @@ def timed(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def graphed(fn) -> float:
+    """Median ms of fn replayed in a CUDA graph; events if capture fails."""
+    from triton.testing import do_bench_cudagraph
+    try:
+        return do_bench_cudagraph(fn, rep=50, return_mode="median")
+    except Exception as e:  # noqa: BLE001
+        print(f"  cuda-graph timing failed ({type(e).__name__}: {str(e)[:80]}); events", flush=True)
+        return timed(fn, 20)
+
+
 def blocks(spec: str) -> ta.Blocks:
     if spec == "default":
         return ta.DEFAULT_BLOCKS
@@ -61,17 +74,18 @@ def sdpa_step(qkv, p, backend):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
 
 
-def agreement(b, s, h, d, rows):
+def agreement(b, s, h, d, rows, spec="default"):
     g = torch.Generator(device="cuda").manual_seed(3)
     qkv = torch.randn(b, s, h, 3 * d, device="cuda", generator=g).bfloat16()
     do = torch.randn(b, s, h, d, device="cuda", generator=g).bfloat16()
     seed = torch.tensor([1234567], dtype=torch.int64, device="cuda")
     for p in (0.0, 0.1):
-        out, lse, bits = ta.forward(qkv, seed, p)
-        dqkv = ta.backward(do, qkv, out, lse, bits, p)
+        bl = blocks(spec)
+        out, lse, bits = ta.forward(qkv, seed, p, bl)
+        dqkv = ta.backward(do, qkv, out, lse, bits, p, bl)
         ref_out = ta.reference(qkv.float(), seed, p)
         ref_g = ta.reference_backward(do.float(), qkv.float(), seed, p)
-        r = dict(check=f"triton vs twin p={p}", out=rel(out, ref_out), dqkv=rel(dqkv, ref_g),
+        r = dict(check=f"triton [{spec}] vs twin p={p}", out=rel(out, ref_out), dqkv=rel(dqkv, ref_g),
                  lse=rel(lse, ta._reference_lse2(qkv.float())))
         if p == 0:
             x = qkv.clone().requires_grad_(True)
@@ -87,14 +101,14 @@ def agreement(b, s, h, d, rows):
         torch.cuda.empty_cache()
 
 
-def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows):
+def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), sdpa=True):
     qkv = torch.randn(b, s, h, 3 * d, device="cuda").bfloat16()
     do = torch.randn(b, s, h, d, device="cuda").bfloat16()
     seed = torch.tensor([99], dtype=torch.int64, device="cuda")
     flops = 4 * b * h * s * s * d / 2  # causal forward, two matmuls; backward 2.5x that
     res = dict(size=size, shape=[b, s, h, d])
-    for p in (0.0, 0.1):
-        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+    for p in ps:
+        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))[:2 * sdpa]:
             x = qkv.clone().requires_grad_(True)
             try:
                 res[f"{name} p={p} fwd"] = timed(lambda: sdpa_step(x, p, be), iters)
@@ -107,16 +121,16 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows):
         for spec in fwd_specs:
             bl = blocks(spec)
             try:
-                res[f"triton p={p} fwd [{spec}]"] = timed(lambda: ta.forward(qkv, seed, p, bl), iters)
+                res[f"triton p={p} fwd [{spec}]"] = graphed(lambda: ta.forward(qkv, seed, p, bl))
             except Exception as e:  # a tile that does not fit (shared memory, registers)
                 res[f"triton p={p} fwd [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
         out, lse, bits = ta.forward(qkv, seed, p)
         if p:
-            res[f"triton p={p} keep bits"] = timed(lambda: ta.keep_bits(seed, b * h, s, p), iters)
+            res[f"triton p={p} keep bits"] = graphed(lambda: ta.keep_bits(seed, b * h, s, p))
         for spec in bwd_specs:
             bl = blocks(spec)
             try:
-                res[f"triton p={p} bwd [{spec}]"] = timed(lambda: ta.backward(do, qkv, out, lse, bits, p, bl), iters)
+                res[f"triton p={p} bwd [{spec}]"] = graphed(lambda: ta.backward(do, qkv, out, lse, bits, p, bl))
             except Exception as e:
                 res[f"triton p={p} bwd [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
         fw = [v for k, v in res.items() if k.startswith(f"triton p={p} fwd") and isinstance(v, float)]
@@ -137,15 +151,23 @@ def main() -> None:
     ap.add_argument("--fwd", default="default")
     ap.add_argument("--bwd", default="default")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--p", default="0.0,0.1", help="dropout rates to time")
+    ap.add_argument("--no-sdpa", action="store_true", help="time only the Triton kernels")
+    ap.add_argument("--no-agreement", action="store_true")
+    ap.add_argument("--agree", default="default", help="tile configurations checked against the twin")
+    ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     rows: list = []
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), cudnn=torch.backends.cudnn.version())
-    agreement(2, 1024, 4, 64, rows)
-    agreement(2, 256, 4, 128, rows)
+    if not a.no_agreement:
+        for spec in a.agree.split():
+            agreement(2, 1024, 4, 64, rows, spec)
+            agreement(2, 256, 4, 128, rows, spec)
     for size in a.sizes.split(","):
-        timing(size, *SHAPES[size], a.fwd.split(), a.bwd.split(), a.iters, rows)
-    with open(os.path.join(a.out, "attention_probe.json"), "w") as f:
+        timing(size, *SHAPES[size], a.fwd.split(), a.bwd.split(), a.iters, rows,
+               tuple(float(x) for x in a.p.split(",")), not a.no_sdpa)
+    with open(os.path.join(a.out, f"attention_probe{'_' + a.tag if a.tag else ''}.json"), "w") as f:
         json.dump(dict(env=env, fwd=a.fwd, bwd=a.bwd, rows=rows), f, indent=1)
 
 

@@ -39,7 +39,9 @@ from hpcmeg.train.optim import param_groups  # noqa: E402
 
 
 # --hpcmeg-variants: recipe overrides per named hpcmeg run
-VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "attn_cudnn": ["model.attention_backend=cudnn"]}
+VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "attn_cudnn": ["model.attention_backend=cudnn"],
+            # session 7's kernels (before the Triton LayerNorm/GELU and the grad-in-forward CE): the A/B of their numerics
+            "s7_kernels": ["model.layernorm_impl=inductor", "model.gelu_impl=inductor", "model.cross_entropy=fused"]}
 
 def run_hpcmeg(r) -> dict:
     times, trainer = tt.run_trainer(r)

@@ -43,7 +43,7 @@ from hpcmeg.model.gpt import GPT  # noqa: E402
 from hpcmeg.train.optim import build_optimizer  # noqa: E402
 from hpcmeg.train.step import TrainStep  # noqa: E402
 
-SIZES = {"124M": (12, 768, 12), "355M": (24, 1024, 16)}
+SIZES = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "1.3B": (24, 2048, 16)}
 SEQ, VOCAB = 1024, 50257
 CG = {"triton.cudagraphs": True}
 CD = {"coordinate_descent_tuning": True}

@@ -27,8 +27,10 @@ assert torch.equal(bits[:, need], ta.reference_bits(seed, BH, S, 0.3)[:, need]),
 
 torch.manual_seed(0)
 B, S, H, D = 2, 128, 2, 16
-small = ta.Blocks(fwd_m=32, fwd_n=16, dkv_n=32, dkv_m=16, dq_m=32, dq_n=16)  # several blocks per row
-wide = ta.Blocks(fwd_m=128, fwd_n=64, dkv_n=128, dkv_m=32, dq_m=128, dq_n=32)  # one diagonal block
+# several blocks per row, each row's bits as one int16 / int32 word, heaviest blocks first
+small = ta.Blocks(fwd_m=32, fwd_n=16, dkv_n=32, dkv_m=16, dq_m=32, dq_n=16, row_words=1, heavy_first=1)
+# one diagonal block; row words of 64 (forward) and 32 bits (dQ), word blocks where a tile is 128 wide (dK/dV)
+wide = ta.Blocks(fwd_m=128, fwd_n=64, dkv_n=128, dkv_m=32, dq_m=128, dq_n=32, row_words=1)
 for p in (0.0, 0.2):
     for blocks in (small, ta.DEFAULT_BLOCKS, wide):
         qkv = torch.randn(B, S, H, 3 * D)

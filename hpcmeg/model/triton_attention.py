@@ -87,6 +87,17 @@ class Blocks:
     dq_n: int = 32    # key columns per dQ iteration
     bwd_warps: int = 4
     bwd_stages: int = 3
+    row_words: int = 0  # 1: a tile reads each row's keep bits as one integer (see _kept); 0: word blocks
+    heavy_first: int = 0  # 1: grid (heads, blocks) with the longest causal rows launched first
+
+    def __post_init__(self):
+        # a loop's step must divide the block it walks (the first loop stops at the diagonal block,
+        # which must start on a step boundary) and every block must divide SEQ_MULTIPLE
+        for outer, inner in (("fwd_m", "fwd_n"), ("dkv_n", "dkv_m"), ("dq_m", "dq_n")):
+            o, i = getattr(self, outer), getattr(self, inner)
+            if o % i or SEQ_MULTIPLE % o or i < 16:
+                raise ValueError(f"attention Blocks: {inner}={i} must divide {outer}={o}, which must divide "
+                                 f"{SEQ_MULTIPLE}, and both be >= 16")
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -132,7 +143,7 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _bits_kernel(seed_ptr, BITS, S, thresh, R: tl.constexpr, G: tl.constexpr):
+    def _attn_bits_kernel(seed_ptr, BITS, S, thresh, R: tl.constexpr, G: tl.constexpr):
         """The keep-mask as bits: BITS [b * h, s, s / 16] int16, bit j % 16 of word (i, j // 16) =
         keep(i, j); one program per R rows x 16 * G columns, blocks right of the diagonal skipped."""
         pm, pn, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -147,12 +158,30 @@ if triton is not None:
         tl.store(BITS + bh.to(tl.int64) * S * S16 + c, bits.to(tl.int16))
 
     @triton.jit
-    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
+    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr,
+              ROW_WORDS: tl.constexpr):
         """bool keep tile of query rows `rows` [R] x key columns col0 .. col0 + C from one head's bits;
-        TRANS: transposed, [C, R]. The tile's [R, C / 16] words are loaded once (coalesced) and
-        expanded in registers (Triton moves them into the scores' layout through shared memory);
-        one int16 load per element instead (16 lanes per word, L1 hits) took 0.218 + 0.385 ms
-        forward + backward against 0.144 + 0.270 at 124M, p = 0.1 (attention_probe_h200_s9a.json)."""
+        TRANS: transposed, [C, R].
+        ROW_WORDS (C <= 64, col0 % C == 0): the C bits of a row are C / 16 adjacent little-endian
+        int16 words, so one int16/int32/int64 load per row gives them with bit j - col0 = column j;
+        the row vector is loaded in the scores' own row (or, transposed, column) layout and each
+        element shifts out its bit: no layout conversion.
+        Otherwise the tile's [R, C / 16] words are loaded once (coalesced) and expanded in registers
+        (Triton moves them into the scores' layout through shared memory); one int16 load per element
+        instead took 0.218 + 0.385 ms forward + backward against 0.144 + 0.270 at 124M, p = 0.1
+        (attention_probe_h200_s9a.json)."""
+        if ROW_WORDS and C <= 64:
+            ptr = bits + rows * S16 + col0 // 16  # [R] int16 pointers, 8-byte aligned for C = 64
+            if C == 64:
+                w = tl.load(ptr.to(tl.pointer_type(tl.int64)))
+            elif C == 32:
+                w = tl.load(ptr.to(tl.pointer_type(tl.int32)))
+            else:
+                w = tl.load(ptr)
+            sh = tl.arange(0, C).to(w.dtype)
+            if TRANS:
+                return ((w[None, :] >> sh[:, None]) & 1) != 0
+            return ((w[:, None] >> sh[None, :]) & 1) != 0
         words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
         shift = tl.arange(0, 16)
         k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
@@ -164,7 +193,7 @@ if triton is not None:
     @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, qk_scale,
                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                   DROPOUT: tl.constexpr):
+                   DROPOUT: tl.constexpr, RW: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -179,17 +208,22 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
             acc = acc * alpha[:, None]
             if DROPOUT:
-                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), p, 0.0)
+                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False, RW), p, 0.0)
             v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
         return acc, l_i, m_i
 
     @triton.jit
-    def _fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
-                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
-        start_m = tl.program_id(0)
-        bh = tl.program_id(1)
+    def _attn_fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                    RW: tl.constexpr, HEAVY: tl.constexpr):
+        if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
+            start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+            bh = tl.program_id(0)
+        else:
+            start_m = tl.program_id(0)
+            bh = tl.program_id(1)
         b, h = bh // H, bh % H
         base = QKV + b.to(tl.int64) * s_b + h * s_h
         rows = start_m * BM + tl.arange(0, BM)
@@ -202,9 +236,9 @@ if triton is not None:
         acc = tl.zeros([BM, D], tl.float32)
         # keys strictly left of the diagonal block: no mask; then the diagonal block, masked
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, 0, start_m * BM,
-                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
+                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT, RW)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, start_m * BM,
-                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
+                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT, RW)
         out = acc / l_i[:, None]
         if DROPOUT:
             out = out * keep_scale
@@ -213,7 +247,7 @@ if triton is not None:
         tl.store(LSE + bh.to(tl.int64) * S + rows, m_i + tl.math.log2(l_i))
 
     @triton.jit
-    def _delta_kernel(O, DO, DELTA, o_b, o_s, o_h, H, S, D: tl.constexpr, BM: tl.constexpr):
+    def _attn_delta_kernel(O, DO, DELTA, o_b, o_s, o_h, H, S, D: tl.constexpr, BM: tl.constexpr):
         # delta_i = dO_i . O_i (fp32), the softmax backward's row term; O and dO share out's strides
         start_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -227,7 +261,7 @@ if triton is not None:
     @triton.jit
     def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, col0, cols, lo, hi, S16,
                    thresh, keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                   DIAG: tl.constexpr, DROPOUT: tl.constexpr):
+                   DIAG: tl.constexpr, DROPOUT: tl.constexpr, RW: tl.constexpr):
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         for start_m in range(lo, hi, BM):
@@ -240,7 +274,7 @@ if triton is not None:
             do = tl.load(do_ptr + rows[:, None] * o_s + offs_d[None, :])  # [BM, D]
             dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
             if DROPOUT:
-                keep = _kept(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
+                keep = _kept(bits, rows, col0, S16, BM, BN, True, RW)  # [BN, BM]
                 pdt = tl.where(keep, pt * keep_scale, 0.0)
                 dpt = tl.where(keep, dpt * keep_scale, 0.0)
             else:
@@ -252,11 +286,15 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
+    def _attn_dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
                     qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                    DROPOUT: tl.constexpr):
-        start_n = tl.program_id(0) * BN
-        bh = tl.program_id(1)
+                    DROPOUT: tl.constexpr, RW: tl.constexpr, HEAVY: tl.constexpr):
+        if HEAVY:  # grid (heads, key blocks): key block 0 meets every query, so it goes first
+            start_n = tl.program_id(1) * BN
+            bh = tl.program_id(0)
+        else:
+            start_n = tl.program_id(0) * BN
+            bh = tl.program_id(1)
         b, h = bh // H, bh % H
         base = b.to(tl.int64) * s_b + h * s_h  # same strides for qkv and dqkv
         cols = start_n + tl.arange(0, BN)
@@ -274,10 +312,10 @@ if triton is not None:
         # queries on the diagonal block (masked), then every later query block (unmasked)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True,
-                            DROPOUT)
+                            DROPOUT, RW)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False,
-                            DROPOUT)
+                            DROPOUT, RW)
         # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
@@ -285,7 +323,7 @@ if triton is not None:
     @triton.jit
     def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, keep_scale,
                   qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                  DROPOUT: tl.constexpr):
+                  DROPOUT: tl.constexpr, RW: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -297,17 +335,21 @@ if triton is not None:
                 p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
             dp = tl.dot(do, vt)
             if DROPOUT:
-                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), dp * keep_scale, 0.0)
+                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False, RW), dp * keep_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(q.dtype), tl.trans(kt), dq)
         return dq
 
     @triton.jit
-    def _dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
+    def _attn_dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
                    qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   DROPOUT: tl.constexpr):
-        start_m = tl.program_id(0) * BM
-        bh = tl.program_id(1)
+                   DROPOUT: tl.constexpr, RW: tl.constexpr, HEAVY: tl.constexpr):
+        if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
+            start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BM
+            bh = tl.program_id(0)
+        else:
+            start_m = tl.program_id(0) * BM
+            bh = tl.program_id(1)
         b, h = bh // H, bh % H
         base = b.to(tl.int64) * s_b + h * s_h
         rows = start_m + tl.arange(0, BM)
@@ -320,9 +362,9 @@ if triton is not None:
         bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         dq = tl.zeros([BM, D], tl.float32)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, 0, start_m,
-                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT)
+                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT, RW)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, start_m,
-                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT)
+                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT, RW)
         tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
 
 
@@ -342,6 +384,10 @@ def _shape(qkv: torch.Tensor) -> tuple[int, int, int, int]:
     return b, s, h, d3 // 3
 
 
+def _grid(n_blocks: int, n_heads: int, blocks: Blocks) -> tuple[int, int]:
+    return (n_heads, n_blocks) if blocks.heavy_first else (n_blocks, n_heads)
+
+
 BITS_ROWS, BITS_GROUPS = 64, 8  # the bits kernel's tile: 64 rows x 128 columns
 
 
@@ -351,7 +397,7 @@ def keep_bits(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tensor:
     t, _ = dropout_threshold(p)
     bits = torch.empty(bh, s, s // 16, dtype=torch.int16, device=seed.device)
     with _on(seed.device):
-        _bits_kernel[(s // BITS_ROWS, s // (16 * BITS_GROUPS), bh)](seed, bits, s, t, R=BITS_ROWS, G=BITS_GROUPS,
+        _attn_bits_kernel[(s // BITS_ROWS, s // (16 * BITS_GROUPS), bh)](seed, bits, s, t, R=BITS_ROWS, G=BITS_GROUPS,
                                                                      num_warps=4)
     return bits
 
@@ -365,11 +411,11 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
     lse = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)
     bits = keep_bits(seed, b * h, s, p) if t else torch.empty(0, dtype=torch.int16, device=qkv.device)
     sm_scale = 1.0 / math.sqrt(d)
-    grid = (s // blocks.fwd_m, b * h)
     with _on(qkv.device):
-        _fwd_kernel[grid](qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale,
-                          sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0,
-                          num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
+        _attn_fwd_kernel[_grid(s // blocks.fwd_m, b * h, blocks)](
+            qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale, sm_scale * LOG2E, D=d,
+            BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, RW=blocks.row_words, HEAVY=blocks.heavy_first,
+            num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse, bits
 
 
@@ -386,14 +432,14 @@ def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torc
     sm_scale = 1.0 / math.sqrt(d)
     ostr, qstr = out.stride()[:3], qkv.stride()[:3]
     with _on(qkv.device):
-        _delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
+        _attn_delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
         common = (lse, delta, dqkv, bits, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
-        _dkv_kernel[(s // blocks.dkv_n, b * h)](qkv, dout, *common, D=d, BN=blocks.dkv_n, BM=blocks.dkv_m,
-                                                DROPOUT=t > 0, num_warps=blocks.bwd_warps,
-                                                num_stages=blocks.bwd_stages)
-        _dq_kernel[(s // blocks.dq_m, b * h)](qkv, dout, *common, D=d, BM=blocks.dq_m, BN=blocks.dq_n,
-                                              DROPOUT=t > 0, num_warps=blocks.bwd_warps,
-                                              num_stages=blocks.bwd_stages)
+        flags = dict(DROPOUT=t > 0, RW=blocks.row_words, HEAVY=blocks.heavy_first, num_warps=blocks.bwd_warps,
+                     num_stages=blocks.bwd_stages)
+        _attn_dkv_kernel[_grid(s // blocks.dkv_n, b * h, blocks)](qkv, dout, *common, D=d, BN=blocks.dkv_n,
+                                                                  BM=blocks.dkv_m, **flags)
+        _attn_dq_kernel[_grid(s // blocks.dq_m, b * h, blocks)](qkv, dout, *common, D=d, BM=blocks.dq_m,
+                                                                BN=blocks.dq_n, **flags)
     return dqkv
 
 

@@ -119,7 +119,7 @@ if triton is not None:
         return s, e * s
 
     @triton.jit
-    def _fwd_kernel(H, G, n, BLOCK: tl.constexpr):
+    def _gelu_fwd_kernel(H, G, n, BLOCK: tl.constexpr):
         """g = h * sigmoid(2u) over n contiguous elements; BLOCK per program."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: n may pass 2^31
         mask = offs < n
@@ -128,7 +128,7 @@ if triton is not None:
         tl.store(G + offs, (h * s).to(G.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _bwd_kernel(DG, H, DH, PART, N, F: tl.constexpr, BLOCK_F: tl.constexpr, ROWS: tl.constexpr):
+    def _gelu_bwd_kernel(DG, H, DH, PART, N, F: tl.constexpr, BLOCK_F: tl.constexpr, ROWS: tl.constexpr):
         """dh = dg * g'(h) for columns block program_id(0) and row tiles program_id(1) + k * R;
         the fp32 column sums of this program's dh go to row program_id(1) of PART [R, F].
         F is a compile-time constant (one compile per ffn width): the row stride is then known, so
@@ -204,7 +204,7 @@ def gelu_forward(h: torch.Tensor, blocks: Blocks = DEFAULT_BLOCKS) -> torch.Tens
     g = torch.empty_like(h)
     n = h.numel()
     if n:
-        launch(_fwd_kernel, (triton.cdiv(n, blocks.fwd_block),), h.device, h, g, n,
+        launch(_gelu_fwd_kernel, (triton.cdiv(n, blocks.fwd_block),), h.device, h, g, n,
                BLOCK=blocks.fwd_block, num_warps=blocks.fwd_warps)
     return g
 
@@ -238,7 +238,7 @@ def gelu_backward(dg: torch.Tensor, h: torch.Tensor, blocks: Blocks = DEFAULT_BL
     dbias = torch.empty(f, dtype=torch.float32, device=h.device)  # every column written below: no memset
     r = n_row_programs or row_programs(n, f, h.device, blocks)
     part = dbias.view(1, f) if r == 1 else torch.empty(r, f, dtype=torch.float32, device=h.device)
-    launch(_bwd_kernel, (triton.cdiv(f, blocks.bwd_f), r), h.device, dg2, h2, dh, part, n,
+    launch(_gelu_bwd_kernel, (triton.cdiv(f, blocks.bwd_f), r), h.device, dg2, h2, dh, part, n,
            F=f, BLOCK_F=blocks.bwd_f, ROWS=blocks.bwd_rows, num_warps=blocks.bwd_warps, **_register_cap(blocks))
     if r > 1:
         launch(_sum_rows_kernel, (triton.cdiv(f, blocks.sum_f),), h.device, part, dbias, r,
