@@ -180,15 +180,17 @@ if triton is not None:
                 w = tl.load(ptr)
             sh = tl.arange(0, C).to(w.dtype)
             if TRANS:
-                return ((w[None, :] >> sh[:, None]) & 1) != 0
-            return ((w[:, None] >> sh[None, :]) & 1) != 0
-        words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
-        shift = tl.arange(0, 16)
-        k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
-        keep = tl.reshape(k3, (R, C)) != 0
-        if TRANS:
-            keep = tl.trans(keep)
-        return keep
+                keep = ((w[None, :] >> sh[:, None]) & 1) != 0
+            else:
+                keep = ((w[:, None] >> sh[None, :]) & 1) != 0
+        else:
+            words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
+            shift = tl.arange(0, 16)
+            k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
+            keep = tl.reshape(k3, (R, C)) != 0
+            if TRANS:
+                keep = tl.trans(keep)
+        return keep  # one return: Triton's compiler rejects returns of different shapes (the interpreter does not)
 
     @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, qk_scale,
