@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hpcmeg.model import triton_attention as ta
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
-from helpers import run_in_triton_interpreter
+from helpers import compile_for_hopper, run_in_triton_interpreter
 
 _INTERPRETER_CHECK = r"""
 import torch
@@ -46,6 +46,23 @@ print("ok")
 
 def test_kernels_match_the_twins_in_the_interpreter():
     run_in_triton_interpreter(_INTERPRETER_CHECK)
+
+
+def test_kernels_compile_for_hopper():
+    """What the GPU runs: the default tiles and the per-row keep words, at head dims 64 and 128."""
+    pytest.importorskip("triton")
+    ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16")
+    ints = {n: "i32" for n in ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "H", "S", "thresh")}
+    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    for d, blocks in ((64, ta.DEFAULT_BLOCKS), (128, ta.Blocks(row_words=1 - ta.DEFAULT_BLOCKS.row_words))):
+        flags = dict(D=d, DROPOUT=True, RW=blocks.row_words, HEAVY=blocks.heavy_first)
+        fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n),
+                                 blocks.fwd_warps, blocks.fwd_stages)
+        assert fwd.metadata.shared <= 227 * 1024  # fits an H100/H200 SM
+        for kernel, tiles in ((ta._attn_dkv_kernel, dict(BN=blocks.dkv_n, BM=blocks.dkv_m)),
+                              (ta._attn_dq_kernel, dict(BM=blocks.dq_m, BN=blocks.dq_n))):
+            k = compile_for_hopper(kernel, types, dict(flags, **tiles), blocks.bwd_warps, blocks.bwd_stages)
+            assert k.metadata.shared <= 227 * 1024
 
 
 def test_keep_mask_statistics_and_seed_dependence():
