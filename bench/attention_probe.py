@@ -67,6 +67,29 @@ def blocks(spec: str) -> ta.Blocks:
     return dataclasses.replace(ta.DEFAULT_BLOCKS, **{k: int(v) for k, v in (kv.split("=") for kv in spec.split("+"))})
 
 
+SHARED = ("row_words", "heavy_first")  # Blocks fields both directions' launches read
+
+
+def best_spec(res: dict, p: float) -> str:
+    """The fastest forward + backward pair of timed specs that agree on SHARED, as one '+'-joined
+    Blocks spec (what $HPCMEG_ATTENTION_BLOCKS takes)."""
+    def timed_specs(kind):
+        out = []
+        for k, v in res.items():
+            if k.startswith(f"triton p={p} {kind} [") and isinstance(v, float):
+                spec = k.split("[", 1)[1][:-1]
+                out.append((v, spec, dataclasses.asdict(blocks(spec))))
+        return out
+    pairs = [(tf + tb, sf, sb, bf, bb) for tf, sf, bf in timed_specs("fwd") for tb, sb, bb in timed_specs("bwd")
+             if all(bf[k] == bb[k] for k in SHARED)]
+    if not pairs:
+        return "default"
+    _, sf, sb, bf, bb = min(pairs)
+    base = dataclasses.asdict(ta.DEFAULT_BLOCKS)
+    merged = {k: (bf[k] if k.startswith("fwd_") else bb[k]) for k in base}
+    return "+".join(f"{k}={v}" for k, v in merged.items() if v != base[k]) or "default"
+
+
 def sdpa_step(qkv, p, backend):
     d = qkv.shape[-1] // 3
     q, k, v = (t.transpose(1, 2) for t in qkv.split(d, dim=-1))
@@ -138,6 +161,7 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), s
         if fw and bw:
             res[f"triton p={p} best fwd+bwd"] = min(fw) + min(bw)
             res[f"triton p={p} best TFLOP/s"] = round(3.5 * flops / ((min(fw) + min(bw)) * 1e-3) / 1e12, 1)
+        res[f"triton p={p} best spec"] = best_spec(res, p)
         c = res.get(f"cudnn p={p} fwd+bwd")
         if isinstance(c, float):
             res[f"cudnn p={p} TFLOP/s"] = round(3.5 * flops / (c * 1e-3) / 1e12, 1)
@@ -171,6 +195,10 @@ def main() -> None:
     for size in a.sizes.split(","):
         timing(size, *SHAPES[size], a.fwd.split(), a.bwd.split(), a.iters, rows,
                tuple(float(x) for x in a.p.split(",")), not a.no_sdpa)
+    for r in rows:  # one file per size: the best spec, for $HPCMEG_ATTENTION_BLOCKS of the runs that follow
+        if "size" in r and f"triton p={a.p.split(',')[-1]} best spec" in r:
+            with open(os.path.join(a.out, f"attention_best_{r['size']}.txt"), "w") as f:
+                f.write(r[f"triton p={a.p.split(',')[-1]} best spec"])
     with open(os.path.join(a.out, f"attention_probe{'_' + a.tag if a.tag else ''}.json"), "w") as f:
         json.dump(dict(env=env, fwd=a.fwd, bwd=a.bwd, rows=rows), f, indent=1)
 

@@ -101,7 +101,7 @@ class Blocks:
 
 
 DEFAULT_BLOCKS = Blocks()
-BLOCKS_ENV = "HPCMEG_ATTENTION_BLOCKS"  # e.g. "fwd_m=64,bwd_warps=8": bench/attention_probe.py's tuning knob
+BLOCKS_ENV = "HPCMEG_ATTENTION_BLOCKS"  # e.g. "fwd_m=64,bwd_warps=8" (or '+'-joined): the benchmarks' tuning knob
 
 
 def blocks_from_env() -> Blocks:
@@ -110,7 +110,8 @@ def blocks_from_env() -> Blocks:
     if not spec:
         return DEFAULT_BLOCKS
     try:
-        return dataclasses.replace(DEFAULT_BLOCKS, **{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
+        pairs = (kv.split("=") for kv in spec.replace("+", ",").split(",") if kv and kv != "default")
+        return dataclasses.replace(DEFAULT_BLOCKS, **{k: int(v) for k, v in pairs})
     except (TypeError, ValueError) as e:
         raise ValueError(f"${BLOCKS_ENV}={spec!r}: want NAME=INT,... with names from "
                          f"{[f.name for f in dataclasses.fields(Blocks)]} ({e})") from None
