@@ -183,6 +183,18 @@ def test_master_update_compiled_matches_plain():
         torch.testing.assert_close(x, z, rtol=1e-5, atol=1e-6)
 
 
+def test_sum_of_squares_compiled_matches_plain_and_vector_norm():
+    """The gradient norm's fp64 sum of squares: compiled (what CUDA runs, the cast fused into the
+    reduction) == plain twin == torch.linalg.vector_norm(dtype=float64) squared, to fp64 rounding."""
+    from hpcmeg.train.optim import _compiled_sumsq, sum_of_squares_fp64
+    g = torch.randn(100_003, generator=torch.Generator().manual_seed(1)) * 1e-3
+    plain, comp = sum_of_squares_fp64(g), _compiled_sumsq()(g)
+    ref = torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+    assert plain.dtype == comp.dtype == torch.float64
+    assert abs(float(plain - ref)) <= 1e-13 * float(ref) and abs(float(comp - ref)) <= 1e-13 * float(ref)
+    assert abs(float(sum_of_squares_fp64(g * 2)) - 4 * float(ref)) <= 4e-13 * float(ref)
+
+
 def test_bf16_micro_batches_accumulate_in_fp32():
     """16 micro batches of bf16 gradients sum in the buffer's fp32 main grads (exact for these bf16
     values), where a bf16 running sum rounds at every add. The loss sum(p * g) makes p.grad == g."""
