@@ -87,6 +87,8 @@ class Blocks:
     dq_n: int = 32    # key columns per dQ iteration
     bwd_warps: int = 4
     bwd_stages: int = 3
+    # Two options built in session 10 and checked on the CPU (interpreter, sm90 compile) but not yet
+    # timed on the GPU (bench/results/user_path_h200_s10.md has the probe command that decides them):
     row_words: int = 0  # 1: a tile reads each row's keep bits as one integer (see _kept); 0: word blocks
     heavy_first: int = 0  # 1: grid (heads, blocks) with the longest causal rows launched first
 
