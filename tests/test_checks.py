@@ -50,7 +50,9 @@ def _validate(capsys, tmp_path, *sets, profile=None):
 
 
 @pytest.mark.parametrize("profile", ["local", "local-slurm"])
-def test_validate_is_submits_check(capsys, tmp_path, data, profile):
+def test_validate_is_submits_check(capsys, tmp_path, data, profile, request):
+    if profile == "local-slurm":  # the node-local path checks pass because the nodes are this host
+        request.getfixturevalue("slurm_cluster")
     # good inputs (a leading blank line, plain and gzip): exit 0, nothing written anywhere
     rc, out, err = _validate(capsys, tmp_path, f"data.inputs=[{data}/good.jsonl,{data}/good.jsonl.gz]", profile=profile)
     assert rc == 0, err
@@ -93,7 +95,8 @@ def test_percent_in_run_dir_is_refused(capsys, tmp_path, data):
     assert rc == 2 and len(err) == 1 and not (tmp_path / "r").exists()
 
 
-def test_env_passthrough_and_secret_names(capsys, tmp_path, data, monkeypatch):
+def test_env_passthrough_and_secret_names(capsys, tmp_path, data, monkeypatch, slurm_cluster):
+    # slurm_cluster: with the local cluster's nodes on this host, tmp_path counts as shared
     inputs = f"data.inputs=[{data}/good.jsonl]"
     monkeypatch.delenv("HPCMEG_T_UNSET", raising=False)
     monkeypatch.setenv("HPCMEG_T_SET", "v")

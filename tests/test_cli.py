@@ -50,7 +50,9 @@ def test_bad_batch_exits_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_validate_prints_derived(tmp_path):
+def test_validate_prints_derived(tmp_path, slurm_cluster):
+    # slurm_cluster: the recipe's /lustre output root and this venv pass the node-local checks only
+    # because the local cluster's nodes are this host
     data = tmp_path / "shard.jsonl"
     data.write_text('{"content": "print(1)"}\n')
     image = tmp_path / "hpcmeg.sif"  # submit's checks (which validate runs) refuse an image that is not there
