@@ -221,8 +221,8 @@ if triton is not None:
 
     @triton.jit
     def _attn_fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
-                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
-                    RW: tl.constexpr, HEAVY: tl.constexpr):
+                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
+                         RW: tl.constexpr, HEAVY: tl.constexpr):
         if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
             start_m = tl.num_programs(1) - 1 - tl.program_id(1)
             bh = tl.program_id(0)
@@ -291,9 +291,9 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _attn_dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
-                    qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                    DROPOUT: tl.constexpr, RW: tl.constexpr, HEAVY: tl.constexpr):
+    def _attn_dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
+                         keep_scale, qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                         DROPOUT: tl.constexpr, RW: tl.constexpr, HEAVY: tl.constexpr):
         if HEAVY:  # grid (heads, key blocks): key block 0 meets every query, so it goes first
             start_n = tl.program_id(1) * BN
             bh = tl.program_id(0)
@@ -346,9 +346,9 @@ if triton is not None:
         return dq
 
     @triton.jit
-    def _attn_dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale,
-                   qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   DROPOUT: tl.constexpr, RW: tl.constexpr, HEAVY: tl.constexpr):
+    def _attn_dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
+                        keep_scale, qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        DROPOUT: tl.constexpr, RW: tl.constexpr, HEAVY: tl.constexpr):
         if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
             start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BM
             bh = tl.program_id(0)
@@ -402,8 +402,8 @@ def keep_bits(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tensor:
     t, _ = dropout_threshold(p)
     bits = torch.empty(bh, s, s // 16, dtype=torch.int16, device=seed.device)
     with _on(seed.device):
-        _attn_bits_kernel[(s // BITS_ROWS, s // (16 * BITS_GROUPS), bh)](seed, bits, s, t, R=BITS_ROWS, G=BITS_GROUPS,
-                                                                     num_warps=4)
+        _attn_bits_kernel[(s // BITS_ROWS, s // (16 * BITS_GROUPS), bh)](seed, bits, s, t, R=BITS_ROWS,
+                                                                          G=BITS_GROUPS, num_warps=4)
     return bits
 
 
