@@ -97,6 +97,9 @@ for dt in (torch.float32, torch.bfloat16):
     torch.testing.assert_close(a, b, **tol)
     assert torch.equal(a[:, 9000:], full[:, 9000:])
     torch.testing.assert_close(a[:, :9000].float().sum(-1), torch.zeros(5), atol=5e-3, rtol=0)  # rows sum to 0
+    c = full.clone()  # two programs looping over the 5 rows (the persistent grid): the same result
+    torch.testing.assert_close(triton_ce.ce_forward_grad_(c[:, :9000], labels, programs=2), gl, rtol=0, atol=0)
+    assert torch.equal(c, a)
 torch.library.opcheck(triton_ce.cross_entropy_lse, (torch.randn(6, 300), torch.randint(0, 300, (6,))))
 torch.library.opcheck(triton_ce.cross_entropy_grad_, (torch.randn(6, 300), torch.randint(0, 300, (6,))))
 print("ok")
@@ -106,16 +109,20 @@ print("ok")
 def test_triton_ce_forward_in_the_interpreter():
     """hpcmeg/model/triton_ce.py's kernel run by Triton's CPU interpreter against its PyTorch twin
     (the same kernel compiled for the GPU is checked by bench/gpu_agreement.py on the H200)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
+    from helpers import run_in_triton_interpreter
+    run_in_triton_interpreter(_TRITON_CE_CHECK)
 
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", _TRITON_CE_CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+def test_triton_ce_grad_kernel_compiles_for_hopper():
+    """The grad-in-forward CE kernel (a loop over rows with a runtime step) compiles for sm90."""
+    pytest.importorskip("triton")
+    from helpers import compile_for_hopper
+
+    from hpcmeg.model import triton_ce
+    k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel,
+                           dict(logits_ptr="*bf16", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32",
+                                n_rows="i32"), dict(V=50304, BLOCK=triton_ce.BLOCK), num_warps=8)
+    assert k.metadata.shared <= 227 * 1024
 
 
 def test_bias_dropout_add_layer_norm_eval_and_train():
