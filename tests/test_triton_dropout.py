@@ -2,7 +2,7 @@
 Triton kernel against the twin bit for bit in Triton's CPU interpreter, the custom op (opcheck),
 and the op inside torch.compile (Inductor, CPU) with gradients.
 
-The same kernel compiled for the GPU is not checked here (no GPU on this machine).
+The same kernel is compiled for sm90 here but not run (no GPU on this machine).
 """
 import importlib.util
 import math
@@ -37,16 +37,20 @@ def test_philox_known_answer_vectors():
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_twin_keep_fraction_and_determinism(p):
-    n = 200_000  # not a multiple of 4 * BLOCK = 4096: the last program is a partial one
+    n = 200_000  # not a multiple of 8 * BLOCK = 8192: the last program is a partial one
     a = td.reference_keep_mask(_seed(1234), [n], p)
     assert a.dtype == torch.bool and a.shape == (n,)
     # binomial: the keep fraction has std sqrt(p (1 - p) / n) (6.7e-4 at p = 0.1, 1.1e-3 at 0.5); 5 std
     tol = 5 * math.sqrt(p * (1 - p) / n)
     assert abs(a.float().mean().item() - (1 - p)) < tol
-    # ...and so does each of the four Philox output words (flat elements k*BLOCK.. of each program)
-    words = a[: (n // (4 * td.BLOCK)) * 4 * td.BLOCK].view(-1, 4, td.BLOCK)
-    for k in range(4):
-        assert abs(words[:, k].float().mean().item() - (1 - p)) < 2 * tol
+    # ...and so does each 16-bit half of each Philox output word (flat elements g*BLOCK.. of each
+    # program, g = 2 * word + half); tol * sqrt(8) is the 5-std bound of an eighth of the sample
+    groups = a[: (n // (td.PER_CALL * td.BLOCK)) * td.PER_CALL * td.BLOCK].view(-1, td.PER_CALL, td.BLOCK)
+    for g in range(td.PER_CALL):
+        assert abs(groups[:, g].float().mean().item() - (1 - p)) < tol * math.sqrt(td.PER_CALL), g
+    # the two halves of one word are independent: they agree on a fraction p^2 + (1 - p)^2
+    lo, hi = groups[:, 0::2].reshape(-1), groups[:, 1::2].reshape(-1)
+    assert abs((lo == hi).float().mean().item() - (p * p + (1 - p) ** 2)) < 2 * tol
     assert torch.equal(td.reference_keep_mask(_seed(1234), [n], p), a)  # pure function of the seed
     b = td.reference_keep_mask(_seed(1235), [n], p)
     # independent masks disagree on a fraction 2 p (1 - p) of the elements
@@ -56,10 +60,28 @@ def test_twin_keep_fraction_and_determinism(p):
     assert torch.equal(td.reference_keep_mask(_seed(1234), [8, 25_000], p), a.view(8, 25_000))
 
 
+def test_thresholds_and_scale():
+    """p is applied in steps of 2**-16 and the kept values' factor makes the expectation exact."""
+    assert td.threshold(0.0) == 0 and td.threshold(1.0) == 65536
+    assert td.threshold(0.1) == 6554 and td.threshold(0.5) == 32768
+    for p in (0.0, 0.01, 0.1, 0.25, 0.3, 0.5, 0.9, 0.99999):
+        t = td.threshold(p)
+        assert abs(t / 65536 - p) <= 2**-17  # p_eff within half a step of p
+        assert abs((1 - t / 65536) * td.keep_scale(p) - 1) < 1e-15
+    assert td.keep_scale(0.25) == 1 / 0.75 and td.keep_scale(1.0) == 0.0
+    # a p between two steps rounds: the draw h in [0, 65535] is kept iff h >= t
+    s = _seed(7)
+    words = td.philox4x32_10(*[torch.zeros(1, dtype=torch.int64)] * 4, s & 0xFFFFFFFF, s >> 32)
+    h0 = int(words[0]) & 0xFFFF  # element 0 is the low half of counter 0's first word
+    for t in (h0, h0 + 1):
+        p = t / 65536
+        assert bool(td.reference_keep_mask(s, [1], p)[0]) == (h0 >= t)
+
+
 def test_twin_edge_cases():
     s = _seed(2**62 - 1)  # high key word non-zero
-    assert bool(td.reference_keep_mask(s, [3, 4097], 0.0).all())  # u >= 0 always: p = 0 keeps all
-    assert not bool(td.reference_keep_mask(s, [3, 4097], 1.0).any())  # u < 1 always
+    assert bool(td.reference_keep_mask(s, [3, 8193], 0.0).all())  # h >= 0 always: p = 0 keeps all
+    assert not bool(td.reference_keep_mask(s, [3, 8193], 1.0).any())  # h < 65536 always
     e = td.reference_keep_mask(s, [0, 7], 0.1)
     assert e.shape == (0, 7) and e.dtype == torch.bool
     assert td.reference_keep_mask(s, [], 0.5).shape == ()
@@ -83,11 +105,12 @@ def test_custom_op_opcheck_and_fake():
 
 def test_inside_torch_compile_with_grad():
     """draw_seed + the op in one fullgraph Inductor (CPU) graph: runs, reproducible under
-    torch.manual_seed, fresh masks otherwise, and d(out)/dx = keep / (1 - p)."""
+    torch.manual_seed, fresh masks otherwise, and d(out)/dx = keep * keep_scale(p)."""
     p = 0.1
+    scale = td.keep_scale(p)
 
     def f(x):
-        return x * td.dropout_keep_mask(td.draw_seed(x.device), list(x.shape), p) * (1 / (1 - p))
+        return x * td.dropout_keep_mask(td.draw_seed(x.device), list(x.shape), p) * scale
 
     cf = torch.compile(f, backend="inductor", fullgraph=True)
     x = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).requires_grad_()
@@ -100,9 +123,9 @@ def test_inside_torch_compile_with_grad():
     assert not torch.equal(y1, y3)
     keep = y1.detach() != 0  # x ~ N(0, 1) has no zeros
     assert abs(keep.float().mean().item() - (1 - p)) < 0.02  # n = 6000: std 3.9e-3
-    torch.testing.assert_close(y1.detach(), x.detach() * keep * (1 / (1 - p)), rtol=0, atol=0)
+    torch.testing.assert_close(y1.detach(), x.detach() * keep * scale, rtol=0, atol=0)
     y1.sum().backward()
-    torch.testing.assert_close(x.grad, keep.float() * (1 / (1 - p)), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, keep.float() * scale, rtol=0, atol=0)
 
 
 # Run as a file (not `python -c`): @triton.jit reads the kernel's source with inspect.
@@ -116,53 +139,45 @@ M = 0xFFFFFFFF
 
 @triton.jit
 def _words(seed_ptr, out_ptr, start, BLOCK: tl.constexpr):
-    # raw Philox words and uniforms of counters start + [0, BLOCK), as triton.language.random draws them
+    # raw Philox words of counters start + [0, BLOCK), as triton.language.random draws them
     c = start + tl.arange(0, BLOCK).to(tl.int64)
     seed = tl.load(seed_ptr)
     r0, r1, r2, r3 = tl.randint4x(seed, c)
-    u0, u1, u2, u3 = tl.rand4x(seed, c)
     j = tl.arange(0, BLOCK)
     tl.store(out_ptr + 0 * BLOCK + j, r0.to(tl.int64) & 0xFFFFFFFF)
     tl.store(out_ptr + 1 * BLOCK + j, r1.to(tl.int64) & 0xFFFFFFFF)
     tl.store(out_ptr + 2 * BLOCK + j, r2.to(tl.int64) & 0xFFFFFFFF)
     tl.store(out_ptr + 3 * BLOCK + j, r3.to(tl.int64) & 0xFFFFFFFF)
-    tl.store(out_ptr + 4 * BLOCK + j, u0.to(tl.int32, bitcast=True).to(tl.int64))
-    tl.store(out_ptr + 5 * BLOCK + j, u1.to(tl.int32, bitcast=True).to(tl.int64))
-    tl.store(out_ptr + 6 * BLOCK + j, u2.to(tl.int32, bitcast=True).to(tl.int64))
-    tl.store(out_ptr + 7 * BLOCK + j, u3.to(tl.int32, bitcast=True).to(tl.int64))
 
-# 1. raw words and uniforms, counters across 2**32 (high counter word 0 then 1), a seed > 2**32
+# 1. raw words, counters across 2**32 (high counter word 0 then 1), a seed > 2**32
 B = 64
 seed = torch.tensor([0x0123456789ABCDEF], dtype=torch.int64)
 start = 2**32 - B // 2
-out = torch.empty(8 * B, dtype=torch.int64)
+out = torch.empty(4 * B, dtype=torch.int64)
 _words[(1,)](seed, out, start, BLOCK=B)
 c = torch.arange(start, start + B, dtype=torch.int64)
 z = torch.zeros_like(c)
 ref = td.philox4x32_10(c & M, c >> 32, z, z, seed & M, (seed >> 32) & M)
 for k in range(4):
     assert torch.equal(out[k * B:(k + 1) * B], ref[k]), ("word", k)
-    u = td._uniform(ref[k])
-    assert torch.equal(out[(4 + k) * B:(5 + k) * B].to(torch.int32).view(torch.float32), u), ("uniform", k)
 
 # 2. the keep-mask kernel (the launch keep_mask does, minus its CUDA device guard) against the twin
 for v in (1234, 2**62 - 1):
     s = torch.tensor([v], dtype=torch.int64)
-    for shape in ([7], [3, 4100], [2 * 4 * td.BLOCK], [0, 5]):
+    for shape in ([7], [3, 8200], [2 * td.PER_CALL * td.BLOCK], [0, 5]):
         for p in (0.0, 0.1, 0.5, 1.0):
             got = torch.empty(shape, dtype=torch.bool)
             n = got.numel()
             if n:
-                td._keep_mask_kernel[(triton.cdiv(n, 4 * td.BLOCK),)](s, got, n, p, BLOCK=td.BLOCK,
-                                                                     num_warps=td.NUM_WARPS)
+                td._keep_mask_kernel[(triton.cdiv(n, td.PER_CALL * td.BLOCK),)](
+                    s, got, n, td.threshold(p), BLOCK=td.BLOCK, num_warps=td.NUM_WARPS)
             assert torch.equal(got, td.reference_keep_mask(s, shape, p)), (v, shape, p)
 print("ok")
 """
 
 
 def test_kernel_matches_twin_in_the_interpreter(tmp_path):
-    """hpcmeg/model/triton_dropout.py's kernel (and triton.language.random's raw Philox words and
-    uniforms) run by Triton's CPU interpreter against the PyTorch twin, bit for bit."""
+    """hpcmeg/model/triton_dropout.py's kernel (and triton.language.random's raw Philox words) run by Triton's CPU interpreter against the PyTorch twin, bit for bit."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
     script = tmp_path / "check_triton_dropout.py"
@@ -170,3 +185,12 @@ def test_kernel_matches_twin_in_the_interpreter(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_kernel_compiles_for_hopper():
+    """The keep-mask kernel compiles for sm90 (Triton's compiler, not only its interpreter)."""
+    pytest.importorskip("triton")
+    from helpers import compile_for_hopper
+    k = compile_for_hopper(td._keep_mask_kernel, dict(seed_ptr="*i64", out_ptr="*i1", n="i64", t="i32"),
+                           dict(BLOCK=td.BLOCK), num_warps=td.NUM_WARPS)
+    assert "mul.hi.u32" in k.asm["ptx"]  # Philox's high multiplies, i.e. the generator was compiled in

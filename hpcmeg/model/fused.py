@@ -6,7 +6,7 @@ What "fused" means here, op by op:
     > math by default: on Hopper cuDNN's kernel is the fastest SDPA backend; the list falls
     through when a backend refuses the inputs, e.g. dropout or CPU tensors).
   * dropout (embedding output, residual branches): on CUDA a bool keep-mask from the Philox
-    kernel of triton_dropout.py (4 random numbers per Philox call; Inductor's own lowering draws
+    kernel of triton_dropout.py (8 draws of 16 bits per Philox call; Inductor's own lowering draws
     one per element inside the fused kernel, which made the bias-dropout-add+LN kernel 61 us
     instead of 18 us at 124M on the H200), the scaling fused by Inductor; GPTConfig.dropout_impl
     'native' keeps torch's dropout. Attention dropout stays inside the SDPA kernel.
@@ -160,14 +160,15 @@ def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:
 
 def dropout(x: torch.Tensor, p: float, training: bool, dropout_impl: str = "triton") -> torch.Tensor:
     """Dropout; on CUDA with dropout_impl 'triton' the keep-mask comes from triton_dropout's Philox kernel
-    (a bool [x.shape] tensor, 4 draws per Philox call) and the scaling x * keep / (1 - p) is left to
-    Inductor, which fuses it (and its backward, grad * keep / (1 - p)) into the neighbouring kernel.
+    (a bool [x.shape] tensor, 8 draws of 16 bits per Philox call, so p in steps of 2**-16) and the
+    scaling x * keep * keep_scale(p) (65536 / (65536 - round(p * 65536)), 1 / (1 - p) to 8e-6) is left
+    to Inductor, which fuses it (and its backward, grad * keep * keep_scale(p)) into the neighbouring kernel.
     The seed is drawn from torch's generator, so torch.manual_seed / the saved RNG state replay it."""
     if not training or p == 0:
         return x
     if _mask_kernel_for(x, dropout_impl):
         keep = torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
-        return x * keep * (1.0 / (1.0 - p))
+        return x * keep * triton_dropout.keep_scale(p)
     return F.dropout(x, p=p, training=True)
 
 
@@ -210,11 +211,14 @@ def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bi
                                 layernorm_impl: str = "triton"):
     """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm."""
     if layernorm_impl == "triton" and torch.is_grad_enabled() and bias is not None:
-        keep = None
+        keep, scale = None, 1.0
         if training and p > 0:
-            keep = (torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
-                    if _mask_kernel_for(x, dropout_impl) else torch.rand_like(x, dtype=torch.float32) >= p)
-        return _BiasDropoutAddLayerNorm.apply(x, bias, residual, keep, 1.0 / (1.0 - p) if keep is not None else 1.0,
+            if _mask_kernel_for(x, dropout_impl):
+                keep = torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
+                scale = triton_dropout.keep_scale(p)
+            else:
+                keep, scale = torch.rand_like(x, dtype=torch.float32) >= p, 1.0 / (1.0 - p)
+        return _BiasDropoutAddLayerNorm.apply(x, bias, residual, keep, scale,
                                               ln_weight, ln_bias, eps)
     out = bias_dropout_add(x, bias, residual, p, training, dropout_impl)
     return out, F.layer_norm(out, (out.shape[-1],), ln_weight, ln_bias, eps)

@@ -1,35 +1,46 @@
-"""Dropout keep-masks from one Philox4x32-10 call per FOUR elements, in Triton, with a bit-exact
-PyTorch twin.
+"""Dropout keep-masks from one Philox4x32-10 call per EIGHT elements (16-bit thresholds), in
+Triton, with a bit-exact PyTorch twin.
 
 Why: inside the fused bias-dropout-add + LayerNorm kernel, Inductor lowers dropout as one
 tl.rand per element, i.e. one full Philox4x32-10 (10 rounds) per element of which it keeps one
 of the four 32-bit outputs. On the H200 at [12, 1024, 768] bf16 that made the kernel 61 us instead
-of 18 us. This file draws the mask in a separate cheap kernel that uses all four outputs of each
-Philox call (tl.rand4x: 4x fewer rounds) and writes a bool keep-mask (1 byte per element); the
-Inductor-fused kernel then only reads it (x * keep * (1 / (1 - p))).
+of 18 us. This file draws the mask in a separate cheap kernel and writes a bool keep-mask (1 byte
+per element); the Inductor-fused kernel then only reads it (x * keep * keep_scale(p)).
+The kernel is bound by Philox's 32-bit multiplies, not by its 1-byte stores: with four 32-bit
+uniforms per call (sessions 4-10) it took 13.7 us per [12, 1024, 768] mask on the H200
+(profile_h200_s9_124M_gbs192.md: 25 masks per 124M micro batch, 0.34 ms, 1.4 % of it; the 9.4 MB
+of stores alone are ~2.5 us). Each 32-bit Philox word now gives two elements, one per 16-bit half,
+so half the Philox calls; the price is that p is applied in steps of 2**-16 (p_eff = t / 65536 with
+t = round(p * 65536): 0.100006 for p = 0.1), and keep_scale(p) = 65536 / (65536 - t) keeps the
+expectation exact. (The attention kernels' mask uses 8-bit thresholds, 16 per call; 16 bits keep
+p_eff within 8e-6 of p at every p.)
 
 Contract
   dropout_keep_mask(seed [1] int64, shape list[int], p float in [0, 1]) -> keep, bool, `shape`,
-    on seed.device; keep = u >= p with u ~ U[0, 1) in fp32, so P(keep) = 1 - p (p = 0 keeps all,
-    p = 1 keeps none). The mask is a pure function of (seed value, shape, p): element i of the
-    flattened mask is fixed by (seed, i) and p alone (see "Layout"), whatever the device, so the
-    same seed gives the same mask on CUDA and on CPU. The op never reads the seed on the host
-    (no .item(), no sync), so it is usable inside torch.compile(fullgraph=True) and CUDA graphs.
-    It is the torch custom op hpcmeg::dropout_keep_mask (one opaque kernel for torch.compile; its
-    fake only gives the shape): the Triton kernel on CUDA, `reference_keep_mask` elsewhere.
+    on seed.device; keep = h >= t with h a uniform 16-bit integer and t = threshold(p), so
+    P(keep) = 1 - t / 65536 (p = 0 keeps all, p = 1 keeps none). The mask is a pure function of
+    (seed value, shape, p): element i of the flattened mask is fixed by (seed, i) and t alone (see
+    "Layout"), whatever the device, so the same seed gives the same mask on CUDA and on CPU. The op
+    never reads the seed on the host (no .item(), no sync), so it is usable inside
+    torch.compile(fullgraph=True) and CUDA graphs. It is the torch custom op
+    hpcmeg::dropout_keep_mask (one opaque kernel for torch.compile; its fake only gives the shape):
+    the Triton kernel on CUDA, `reference_keep_mask` elsewhere.
+  threshold(p) -> t = floor(p * 65536 + 0.5) in [0, 65536]; keep_scale(p) -> 65536 / (65536 - t),
+    the factor of the kept values (0.0 when nothing is kept).
   draw_seed(device) -> [1] int64 in [0, 2**62), drawn from torch's generator of that device, so
     torch.manual_seed and the RNG states saved in checkpoints make masks reproducible and
     resumable; torch's CUDA generator is safe under CUDA graph capture (each replay a new seed).
   reference_keep_mask(seed, shape, p): the plain PyTorch twin, BIT-EXACT with the kernel (same
-    Philox constants and counter layout as triton/language/random.py, same uint -> float
-    conversion, same fp32 compare). tests/test_triton_dropout.py checks it against the published
-    Random123 known-answer vectors and against the kernel in Triton's CPU interpreter.
+    Philox constants and counter layout as triton/language/random.py). tests/test_triton_dropout.py
+    checks it against the published Random123 known-answer vectors and against the kernel in
+    Triton's CPU interpreter (and compiles the kernel for sm90).
   philox4x32_10(c0, c1, c2, c3, k0, k1): the raw generator on int64 tensors holding uint32 values.
 
-Layout: program `pid` covers flat elements [pid*4*BLOCK, (pid+1)*4*BLOCK). Philox counter
+Layout: program `pid` covers flat elements [pid*8*BLOCK, (pid+1)*8*BLOCK). Philox counter
   c = pid*BLOCK + j (j in [0, BLOCK)), as (c0, c1, c2, c3) = (low 32 bits of c, high 32 bits, 0, 0)
-  with key (k0, k1) = (low 32 bits of seed, high 32 bits); its k-th output word (k = 0..3) gives
-  element pid*4*BLOCK + k*BLOCK + j. So the mask depends on BLOCK, which both sides read from the
+  with key (k0, k1) = (low 32 bits of seed, high 32 bits); the low 16 bits of its k-th output word
+  (k = 0..3) give element pid*8*BLOCK + 2k*BLOCK + j, the high 16 bits element
+  pid*8*BLOCK + (2k+1)*BLOCK + j. So the mask depends on BLOCK, which both sides read from the
   module constant below: changing BLOCK changes every mask drawn from a given seed.
 Triton is optional here: without it (a CPU-only install) the twin and the op's non-CUDA path work.
 """
@@ -45,14 +56,16 @@ try:
 except ImportError:  # CPU-only install: no kernel, the op runs the twin
     triton = tl = None
 
-# Philox counters per program; each gives 4 elements, so a program writes 4 * BLOCK = 4096 bools
-# (4 contiguous 1 KB runs: coalesced byte stores). With num_warps=4 (128 threads) each thread holds
+# Philox counters per program; each gives 8 elements, so a program writes 8 * BLOCK = 8192 bools
+# (8 contiguous 1 KB runs: coalesced byte stores). With num_warps=4 (128 threads) each thread holds
 # 8 counters (8 x 4 uint32 state words + the key: ~40 live registers, so no spills expected) and
-# stores 8 contiguous bytes per output word. [12, 1024, 768] = 9.4M elements -> 2,304 programs,
-# ~17 per SM on the 132-SM H200: enough waves that the tail does not matter. (Chosen by this
-# reasoning, not yet timed on the GPU.)
+# stores 8 contiguous bytes per output half-word. [12, 1024, 768] = 9.4M elements -> 1,152
+# programs, ~9 per SM on the 132-SM H200. (Chosen by this reasoning, not yet timed on the GPU:
+# bench/dropout_probe.py times it.)
 BLOCK = 1024
 NUM_WARPS = 4
+PER_CALL = 8  # elements per Philox call: 4 output words x 2 halves
+HALF = 1 << 16
 
 # Philox4x32-10 constants, as in triton/language/random.py (philox_impl, 32-bit branch) and Random123
 PHILOX_KEY_A = 0x9E3779B9    # key bump per round (golden ratio), word 0
@@ -60,23 +73,32 @@ PHILOX_KEY_B = 0xBB67AE85    # key bump per round (sqrt(3) - 1), word 1
 PHILOX_ROUND_A = 0xD2511F53  # multiplier of counter word 0
 PHILOX_ROUND_B = 0xCD9E8D57  # multiplier of counter word 2
 PHILOX_ROUNDS = 10
-UINT_TO_FLOAT_SCALE = 4.6566127342e-10  # triton's uint_to_uniform_float, 32-bit: < 2**-31, applied in fp32
 _M32 = 0xFFFFFFFF
+_M16 = 0xFFFF
 
 
 if triton is not None:
     @triton.jit
-    def _keep_mask_kernel(seed_ptr, out_ptr, n, p, BLOCK: tl.constexpr):
-        # seed_ptr: [1] int64; out_ptr: [n] bool; p: fp32 drop probability
+    def _keep_mask_kernel(seed_ptr, out_ptr, n, t, BLOCK: tl.constexpr):
+        # seed_ptr: [1] int64; out_ptr: [n] bool; t: int32 threshold in [0, 65536] (keep iff half >= t)
         pid = tl.program_id(0).to(tl.int64)  # int64 counters and offsets: n >= 2**31 works
         seed = tl.load(seed_ptr)
         j = tl.arange(0, BLOCK).to(tl.int64)
-        u0, u1, u2, u3 = tl.rand4x(seed, pid * BLOCK + j)  # one Philox call -> 4 x [BLOCK] fp32 in [0, 1)
-        base = pid * (4 * BLOCK) + j
-        tl.store(out_ptr + base, u0 >= p, mask=base < n)
-        tl.store(out_ptr + base + BLOCK, u1 >= p, mask=base + BLOCK < n)
-        tl.store(out_ptr + base + 2 * BLOCK, u2 >= p, mask=base + 2 * BLOCK < n)
-        tl.store(out_ptr + base + 3 * BLOCK, u3 >= p, mask=base + 3 * BLOCK < n)
+        r0, r1, r2, r3 = tl.randint4x(seed, pid * BLOCK + j)  # one Philox call -> 4 x [BLOCK] uint32
+        base = pid * (8 * BLOCK) + j
+        _store_halves(out_ptr, base, n, r0, t, BLOCK)
+        _store_halves(out_ptr, base + 2 * BLOCK, n, r1, t, BLOCK)
+        _store_halves(out_ptr, base + 4 * BLOCK, n, r2, t, BLOCK)
+        _store_halves(out_ptr, base + 6 * BLOCK, n, r3, t, BLOCK)
+
+    @triton.jit
+    def _store_halves(out_ptr, offs, n, r, t, BLOCK: tl.constexpr):
+        # r: [BLOCK] uint32 words -> elements offs (low 16 bits) and offs + BLOCK (high 16 bits);
+        # both halves are < 65536, so the int32 compare with t in [0, 65536] is exact
+        lo = (r & 0xFFFF).to(tl.int32)
+        hi = (r >> 16).to(tl.int32)  # logical shift: r is unsigned
+        tl.store(out_ptr + offs, lo >= t, mask=offs < n)
+        tl.store(out_ptr + offs + BLOCK, hi >= t, mask=offs + BLOCK < n)
 
 
 def _check(seed: torch.Tensor, p: float) -> None:
@@ -87,6 +109,18 @@ def _check(seed: torch.Tensor, p: float) -> None:
         raise ValueError(f"dropout keep mask: p must be in [0, 1], got {p}")
 
 
+def threshold(p: float) -> int:
+    """t = round(p * 65536) in [0, 65536]: an element is kept iff its uniform 16-bit draw is >= t."""
+    return int(math.floor(p * HALF + 0.5))
+
+
+def keep_scale(p: float) -> float:
+    """The factor of the kept values, 65536 / (65536 - t), so that E[keep] * keep_scale = 1 up to the
+    float's rounding (0.0 when p rounds to 1 and nothing is kept)."""
+    t = threshold(p)
+    return HALF / (HALF - t) if t < HALF else 0.0
+
+
 def keep_mask(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
     """The Triton launcher: bool keep-mask of `shape` on seed.device (a CUDA tensor)."""
     _check(seed, p)
@@ -94,8 +128,8 @@ def keep_mask(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
     n = out.numel()
     if n:
         with torch.cuda.device(seed.device):
-            _keep_mask_kernel[(triton.cdiv(n, 4 * BLOCK),)](seed, out, n, float(p), BLOCK=BLOCK,
-                                                            num_warps=NUM_WARPS)
+            _keep_mask_kernel[(triton.cdiv(n, PER_CALL * BLOCK),)](seed, out, n, threshold(p), BLOCK=BLOCK,
+                                                                   num_warps=NUM_WARPS)
     return out
 
 
@@ -120,26 +154,21 @@ def philox4x32_10(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torc
     return c0, c1, c2, c3
 
 
-def _uniform(r: torch.Tensor) -> torch.Tensor:
-    # triton's uint_to_uniform_float: x = bitcast int32; x < 0 -> -x - 1; fp32(x) * fp32(scale).
-    # For r >= 2**31, x = r - 2**32 and -x - 1 = 2**32 - 1 - r = r ^ 0xFFFFFFFF, in [0, 2**31).
-    x = torch.where(r >= 2**31, r ^ _M32, r)
-    return x.to(torch.float32) * torch.tensor(UINT_TO_FLOAT_SCALE, dtype=torch.float32, device=r.device)
-
-
 def reference_keep_mask(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
     """The plain PyTorch twin of `keep_mask`, bit for bit, on any device."""
     _check(seed, p)
     n = math.prod(shape)
     dev = seed.device
-    n_prog = -(-n // (4 * BLOCK))
+    n_prog = -(-n // (PER_CALL * BLOCK))
     c = torch.arange(n_prog * BLOCK, dtype=torch.int64, device=dev)  # counter pid*BLOCK + j
     s = seed.to(torch.int64)
     words = philox4x32_10(c & _M32, (c >> 32) & _M32, torch.zeros_like(c), torch.zeros_like(c),
                           s & _M32, (s >> 32) & _M32)  # (seed >> 32) & M: the logical shift's bits
-    # [n_prog, 4, BLOCK]: word k of counter pid*BLOCK + j -> flat element pid*4*BLOCK + k*BLOCK + j
-    u = torch.stack([_uniform(w).view(n_prog, BLOCK) for w in words], dim=1).reshape(-1)[:n]
-    return (u >= torch.tensor(p, dtype=torch.float32, device=dev)).reshape(shape)
+    # [n_prog, 8, BLOCK]: half h of word k of counter pid*BLOCK + j -> flat element
+    # pid*8*BLOCK + (2k + h)*BLOCK + j
+    halves = [x for w in words for x in (w & _M16, w >> 16)]
+    h = torch.stack([x.view(n_prog, BLOCK) for x in halves], dim=1).reshape(-1)[:n]
+    return (h >= threshold(p)).reshape(shape)
 
 
 @torch.library.custom_op("hpcmeg::dropout_keep_mask", mutates_args=())

@@ -52,7 +52,7 @@ Contract
       the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1 in the tests).
       dy, x, d_res [..., H] with any leading dims (flattened; made contiguous if they are not),
       weight [H] fp32 or the activation dtype, keep bool [..., H] or None, scale the kept values'
-      factor 1 / (1 - p). dx, d_branch [..., H] contiguous in dy's
+      factor (triton_dropout.keep_scale(p) for its masks, 1 / (1 - p) for torch's). dx, d_branch [..., H] contiguous in dy's
       dtype; dw, db, dbias fp32 [H]. d_branch is empty (numel 0) when keep is None, and dbias too
       unless bias_grad: then dbias = sum_rows(dx) (no dropout: the branch's gradient is dx itself).
   reference_backward(dy, x, weight, eps, d_res=None, keep=None, scale=1.0, bias_grad=False): the twin,
