@@ -195,13 +195,17 @@ def main() -> None:
     for size in a.sizes.split(","):
         timing(size, *SHAPES[size], a.fwd.split(), a.bwd.split(), a.iters, rows,
                tuple(float(x) for x in a.p.split(",")), not a.no_sdpa)
+        write(a, env, rows)  # after each size: a run cut short by its timeout keeps what it timed
+
+
+def write(a, env: dict, rows: list) -> None:
+    last_p = a.p.split(",")[-1]
     for r in rows:  # one file per size: the best spec, for $HPCMEG_ATTENTION_BLOCKS of the runs that follow
-        if "size" in r and f"triton p={a.p.split(',')[-1]} best spec" in r:
+        if "size" in r and f"triton p={last_p} best spec" in r:
             with open(os.path.join(a.out, f"attention_best_{r['size']}.txt"), "w") as f:
-                f.write(r[f"triton p={a.p.split(',')[-1]} best spec"])
+                f.write(r[f"triton p={last_p} best spec"])
     with open(os.path.join(a.out, f"attention_probe{'_' + a.tag if a.tag else ''}.json"), "w") as f:
         json.dump(dict(env=env, fwd=a.fwd, bwd=a.bwd, rows=rows), f, indent=1)
-
 
 if __name__ == "__main__":
     main()

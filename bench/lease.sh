@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
+# what they decide, each step under its own timeout and all under one budget, every result in $OUT.
+#
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: probes u124):
+#     probes  attention tiles (bench/attention_probe.py: the row-word / heavy-first options against the
+#             defaults at 124M and 355M, p = 0.1; writes attention_best_<size>.txt), the CE grid
+#             (bench/ce_probe.py; writes ce_best.txt), the hidden-dropout keep-mask on the GPU against
+#             its twin bit for bit and its time (bench/gpu_agreement.py --parts dropout)
+#     u124 | u355 | u1.3B
+#             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped, hpcmeg with
+#             the CE grid of ce_best.txt, and hpcmeg with Triton attention at attention_best_<size>.txt
+#             and that CE grid (the probes' files, from this call or copied into $OUT beforehand)
+# Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
+# encoder.json + vocab.bpe; default .tok, carried to the device as its README says).
+# Why one script: a lease is ~30 device-minutes with a ~3-minute start, and starts are refused or
+# machines taken back without notice (session 10 lost most of its lease that way), so one call has
+# to answer as much as it can and leave what it measured on disk even when a step is cut short.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hpcmeg-lease}
+TOK=${TOK:-.tok}
+BUDGET=${LEASE_BUDGET_S:-570}
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1
+export HPCMEG_COMMIT=${HPCMEG_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+START=$SECONDS
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+
+# step NAME MAX_S CMD...: CMD under timeout min(MAX_S, what is left - 5 s), its output in $OUT/NAME.log
+step() {
+    local name=$1 max=$2 l t
+    shift 2
+    l=$(left)
+    t=$((max < l - 5 ? max : l - 5))
+    if ((t < 30)); then
+        echo "== $name: skipped, ${l} s left" | tee -a "$OUT/lease.log"
+        return 0
+    fi
+    echo "== $name (timeout $t s, $l s left): $*" | tee -a "$OUT/lease.log"
+    timeout "$t" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: exit $? after $((SECONDS - START)) s" | tee -a "$OUT/lease.log"
+    tail -n 25 "$OUT/$name.log"
+}
+
+user_path() {  # user_path SIZE MAX_S
+    local size=$1 max=$2 ce=0 attn=default items
+    [[ -s $OUT/ce_best.txt ]] && ce=$(cat "$OUT/ce_best.txt")
+    [[ -s $OUT/attention_best_$size.txt ]] && attn=$(cat "$OUT/attention_best_$size.txt")
+    items="nano hpcmeg"
+    [[ $ce != 0 ]] && items+=" hpcmeg:env=HPCMEG_CE_PROGRAMS_PER_SM:$ce"
+    items+=" hpcmeg:set=model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$attn|HPCMEG_CE_PROGRAMS_PER_SM:$ce"
+    step "user_path_$size" "$max" python bench/user_path.py --sizes "$size" --tok "$TOK" --tag "lease_$size" \
+        --budget-s $(($(left) - 60)) --items "$items"
+}
+
+echo "hpcmeg lease at commit $HPCMEG_COMMIT, budget $BUDGET s, stages: ${*:-probes u124}" | tee "$OUT/lease.log"
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>/dev/null | tee -a "$OUT/lease.log"
+[[ $# -eq 0 ]] && set -- probes u124
+for stage in "$@"; do
+    case $stage in
+        probes)
+            RW=row_words=1+heavy_first=1
+            step attention_probe 150 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
+                --agree "$RW" \
+                --fwd "default row_words=1 $RW $RW+fwd_m=128+fwd_warps=8 $RW+fwd_m=128 $RW+fwd_stages=4" \
+                --bwd "default row_words=1 $RW $RW+dkv_m=64 $RW+dq_n=64 $RW+dkv_m=64+dq_n=64 $RW+bwd_warps=8+dkv_n=128+dq_m=128"
+            step ce_probe 45 python bench/ce_probe.py --rows 12288,8192 --per-sm 0,1,2,3,4,6,8 --tag lease
+            step dropout_check 90 python bench/gpu_agreement.py --parts dropout --out "$OUT"
+            ;;
+        u124) user_path 124M 300 ;;
+        u355) user_path 355M 520 ;;
+        u1.3B) user_path 1.3B 520 ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, u124, u355 or u1.3B)" >&2; exit 2 ;;
+    esac
+done
+echo "== done after $((SECONDS - START)) s; results in $OUT" | tee -a "$OUT/lease.log"
