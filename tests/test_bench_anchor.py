@@ -83,3 +83,28 @@ def test_user_path_items():
     assert (o["hd"], o["mb"], o["gbs"]) == (user_path.RECIPE_DROPOUT, 8, 64)  # the recipe's dropout by default
     with pytest.raises(SystemExit, match="unknown key"):
         user_path.parse_item("nano:dropout=0.1", "124M")
+
+
+def test_lease_script_items(tmp_path, monkeypatch):
+    """bench/lease.sh: an unknown stage fails with one line and exit 2 before any GPU work; the
+    user-path item it builds from the probes' files parses into the attention spec and CE grid the
+    kernels then read from the environment."""
+    import subprocess
+
+    import user_path
+
+    from hpcmeg.model import triton_attention
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(["bash", os.path.join(root, "bench", "lease.sh"), "u125"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
+    assert r.returncode == 2 and "unknown stage 'u125'" in r.stderr
+    spec = "row_words=1+heavy_first=1+dkv_m=64"
+    item = f"hpcmeg:set=model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:{spec}|HPCMEG_CE_PROGRAMS_PER_SM:2"
+    assert item.split(":", 1)[1].split(",")[1] in open(os.path.join(root, "bench", "lease.sh")).read().replace(
+        "$attn", spec).replace("$ce", "2")
+    kind, o = user_path.parse_item(item, "124M")
+    assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton"]
+    assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec, "HPCMEG_CE_PROGRAMS_PER_SM": "2"}
+    monkeypatch.setenv(triton_attention.BLOCKS_ENV, spec)
+    b = triton_attention.blocks_from_env()
+    assert (b.row_words, b.heavy_first, b.dkv_m, b.fwd_m) == (1, 1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)
