@@ -134,7 +134,7 @@ def test_residual_stream_dtype_under_autocast(fp32_res):
     """Megatron semantics: bf16 residual stream under bf16 autocast unless fp32_residual_connection."""
     m = GPT(tiny(fused=True, fp32_residual_connection=fp32_res))
     seen = []
-    m.encoder.layers[1].register_forward_hook(lambda mod, inp, out: seen.append((inp[0].dtype, out.dtype)))
+    m.encoder.layers[1].register_forward_hook(lambda mod, inp, out: seen.append((inp[0].dtype, out[0].dtype)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = m(torch.randint(0, 128, (2, 8)), torch.randint(0, 128, (2, 8)))
     want = torch.float32 if fp32_res else torch.bfloat16

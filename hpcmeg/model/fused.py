@@ -14,7 +14,9 @@ What "fused" means here, op by op:
     kernels (F.layer_norm), which Inductor fuses under torch.compile with the neighbouring residual
     adds, dropout scaling and casts. Their backward (layernorm_impl 'triton', the default) is ONE
     pass of hpcmeg/model/triton_layernorm.py per LayerNorm: dx with the residual-gradient add and
-    the dropout mask, and the partial sums of dw, db and the branch bias gradient, where Inductor
+    the dropout mask, and the partial sums of dw, db and the branch bias gradient (gpt.py ends both
+    residual branches of a layer with bias_dropout_add_layer_norm: the MLP's with the next layer's
+    input LayerNorm or the final one, so the only plain layer_norm is layer 0's), where Inductor
     ran a fused kernel and then column reductions re-reading its inputs (in CUDA-graph replays on
     the H200 at 124M's shape: 37.9 vs 70.8 us; bench/results/layernorm_probe_h200_s9b.json).
     'inductor' keeps autograd's formulation.

@@ -115,13 +115,28 @@ class TransformerLayer(nn.Module):
         self.ops, self.drop_kw = _ops_for(cfg, "dropout_impl")
         _, self.ln_kw = _ops_for(cfg, "layernorm_impl")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None = None,
+                next_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [b, s, hidden]: the residual stream -> (the stream after this layer, next_norm's
+        LayerNorm of it or None). h: input_layernorm(x) when the layer before computed it (fused
+        with its closing bias-dropout-add), else None (computed here). next_norm: (weight, bias) of
+        the LayerNorm that follows (the next layer's input_layernorm or the final one): the closing
+        bias-dropout-add and that LayerNorm are one op, as the attention branch's and
+        post_attention_layernorm always were, so the fused path's backward of the MLP branch end is
+        the one LayerNorm pass of triton_layernorm.py too (mask, residual gradient and bias gradient
+        included) instead of separate dropout-backward and bias-sum kernels."""
         ln1, ln2w = self.input_layernorm, self.post_attention_layernorm
-        attn, attn_bias = self.self_attention(self.ops.layer_norm(x, ln1.weight, ln1.bias, self.eps, **self.ln_kw))
+        if h is None:
+            h = self.ops.layer_norm(x, ln1.weight, ln1.bias, self.eps, **self.ln_kw)
+        attn, attn_bias = self.self_attention(h)
         x, h = self.ops.bias_dropout_add_layer_norm(attn, attn_bias, x, self.p, self.training,
                                                     ln2w.weight, ln2w.bias, self.eps, **self.drop_kw, **self.ln_kw)
         out, out_bias = self.mlp(h)
-        return self.ops.bias_dropout_add(out, out_bias, x, self.p, self.training, **self.drop_kw)
+        if next_norm is None:
+            return self.ops.bias_dropout_add(out, out_bias, x, self.p, self.training, **self.drop_kw), None
+        return self.ops.bias_dropout_add_layer_norm(out, out_bias, x, self.p, self.training, *next_norm, self.eps,
+                                                    **self.drop_kw, **self.ln_kw)
 
 
 class Encoder(nn.Module):
@@ -133,10 +148,16 @@ class Encoder(nn.Module):
         self.eps = cfg.layernorm_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
+        # each layer ends with the LayerNorm that follows it (the next layer's input one, or the
+        # final one), so it hands on both the residual stream x and that LayerNorm's output h
+        h = None
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_layernorm
+            x, h = layer(x, h, None if nxt is None else (nxt.weight, nxt.bias))
         ln = self.final_layernorm
-        return x if ln is None else self.ops.layer_norm(x, ln.weight, ln.bias, self.eps, **self.ln_kw)
+        if ln is None:
+            return x
+        return h if h is not None else self.ops.layer_norm(x, ln.weight, ln.bias, self.eps, **self.ln_kw)
 
 
 class LMHead(nn.Module):
