@@ -9,8 +9,9 @@
 #             its twin bit for bit and its time (bench/gpu_agreement.py --parts dropout)
 #     u124 | u355 | u1.3B
 #             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped, hpcmeg with
-#             the CE grid of ce_best.txt, and hpcmeg with Triton attention at attention_best_<size>.txt
-#             and that CE grid (the probes' files, from this call or copied into $OUT beforehand)
+#             every untimed option (Triton attention at attention_best_<size>.txt, the CE grid of
+#             ce_best.txt, dropout_impl 'fused'), then each option alone, as far as the budget goes
+#             (the probes' files from this call, or copied into $OUT beforehand)
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says).
 # Why one script: a lease is ~30 device-minutes with a ~3-minute start, and starts are refused or
@@ -45,12 +46,16 @@ step() {
 }
 
 user_path() {  # user_path SIZE MAX_S
-    local size=$1 max=$2 ce=0 attn=default items
+    local size=$1 max=$2 ce=0 attn=default all one items
     [[ -s $OUT/ce_best.txt ]] && ce=$(cat "$OUT/ce_best.txt")
     [[ -s $OUT/attention_best_$size.txt ]] && attn=$(cat "$OUT/attention_best_$size.txt")
-    items="nano hpcmeg"
+    # rows in order of what they decide, so --budget-s drops the least important: the anchor, the
+    # shipped defaults, every untimed option together, then each option alone
+    all="hpcmeg:set=model.attention_backend=triton|model.dropout_impl=fused"
+    all+=",env=HPCMEG_ATTENTION_BLOCKS:$attn|HPCMEG_CE_PROGRAMS_PER_SM:$ce"
+    items="nano hpcmeg $all hpcmeg:set=model.dropout_impl=fused"
+    items+=" hpcmeg:set=model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$attn"
     [[ $ce != 0 ]] && items+=" hpcmeg:env=HPCMEG_CE_PROGRAMS_PER_SM:$ce"
-    items+=" hpcmeg:set=model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$attn|HPCMEG_CE_PROGRAMS_PER_SM:$ce"
     step "user_path_$size" "$max" python bench/user_path.py --sizes "$size" --tok "$TOK" --tag "lease_$size" \
         --budget-s $(($(left) - 60)) --items "$items"
 }
@@ -69,7 +74,7 @@ for stage in "$@"; do
             step ce_probe 45 python bench/ce_probe.py --rows 12288,8192 --per-sm 0,1,2,3,4,6,8 --tag lease
             step dropout_check 90 python bench/gpu_agreement.py --parts dropout --out "$OUT"
             ;;
-        u124) user_path 124M 300 ;;
+        u124) user_path 124M 420 ;;
         u355) user_path 355M 520 ;;
         u1.3B) user_path 1.3B 520 ;;
         *) echo "bench/lease.sh: unknown stage '$stage' (want probes, u124, u355 or u1.3B)" >&2; exit 2 ;;

@@ -377,7 +377,11 @@ def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4
     missing = [n for n in names if n not in types and n not in constexprs]
     assert not missing, f"compile_for_hopper: no type or value for {missing}"
     sig = {n: "constexpr" if n in constexprs else types[n] for n in names}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig,
+    # pointers 16-byte aligned, as a launch with torch's allocations specializes them (without it
+    # every load compiles to scalar accesses, which the GPU never runs)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n not in constexprs and types[n].startswith("*")}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, attrs=attrs,
                                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))

@@ -99,11 +99,12 @@ def test_lease_script_items(tmp_path, monkeypatch):
                        env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
     assert r.returncode == 2 and "unknown stage 'u125'" in r.stderr
     spec = "row_words=1+heavy_first=1+dkv_m=64"
-    item = f"hpcmeg:set=model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:{spec}|HPCMEG_CE_PROGRAMS_PER_SM:2"
-    assert item.split(":", 1)[1].split(",")[1] in open(os.path.join(root, "bench", "lease.sh")).read().replace(
-        "$attn", spec).replace("$ce", "2")
+    item = ("hpcmeg:set=model.attention_backend=triton|model.dropout_impl=fused,"
+            f"env=HPCMEG_ATTENTION_BLOCKS:{spec}|HPCMEG_CE_PROGRAMS_PER_SM:2")
+    script = open(os.path.join(root, "bench", "lease.sh")).read().replace("$attn", spec).replace("$ce", "2")
+    assert item.split(":", 1)[1].split(",")[1] in script and item.split(":", 1)[1].split(",")[0] in script
     kind, o = user_path.parse_item(item, "124M")
-    assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton"]
+    assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton", "model.dropout_impl=fused"]
     assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec, "HPCMEG_CE_PROGRAMS_PER_SM": "2"}
     monkeypatch.setenv(triton_attention.BLOCKS_ENV, spec)
     b = triton_attention.blocks_from_env()

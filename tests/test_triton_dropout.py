@@ -37,17 +37,17 @@ def test_philox_known_answer_vectors():
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_twin_keep_fraction_and_determinism(p):
-    n = 200_000  # not a multiple of 8 * BLOCK = 8192: the last program is a partial one
+    n = 200_003  # not a multiple of 8 (a partial last counter) nor of 8 * BLOCK (a partial last program)
     a = td.reference_keep_mask(_seed(1234), [n], p)
     assert a.dtype == torch.bool and a.shape == (n,)
     # binomial: the keep fraction has std sqrt(p (1 - p) / n) (6.7e-4 at p = 0.1, 1.1e-3 at 0.5); 5 std
     tol = 5 * math.sqrt(p * (1 - p) / n)
     assert abs(a.float().mean().item() - (1 - p)) < tol
-    # ...and so does each 16-bit half of each Philox output word (flat elements g*BLOCK.. of each
-    # program, g = 2 * word + half); tol * sqrt(8) is the 5-std bound of an eighth of the sample
-    groups = a[: (n // (td.PER_CALL * td.BLOCK)) * td.PER_CALL * td.BLOCK].view(-1, td.PER_CALL, td.BLOCK)
-    for g in range(td.PER_CALL):
-        assert abs(groups[:, g].float().mean().item() - (1 - p)) < tol * math.sqrt(td.PER_CALL), g
+    # ...and so does each 16-bit half of each Philox output word (element e takes half e % 8 of
+    # counter e // 8); tol * sqrt(8) is the 5-std bound of an eighth of the sample
+    groups = a[: n // 8 * 8].view(-1, 8)
+    for g in range(8):
+        assert abs(groups[:, g].float().mean().item() - (1 - p)) < tol * math.sqrt(8), g
     # the two halves of one word are independent: they agree on a fraction p^2 + (1 - p)^2
     lo, hi = groups[:, 0::2].reshape(-1), groups[:, 1::2].reshape(-1)
     assert abs((lo == hi).float().mean().item() - (p * p + (1 - p) ** 2)) < 2 * tol
@@ -57,7 +57,7 @@ def test_twin_keep_fraction_and_determinism(p):
     assert abs((a != b).float().mean().item() - 2 * p * (1 - p)) < 2 * tol
     # element i depends on (seed, i) only: a shorter mask is a prefix, a reshaped one the same bits
     assert torch.equal(td.reference_keep_mask(_seed(1234), [5000], p), a[:5000])
-    assert torch.equal(td.reference_keep_mask(_seed(1234), [8, 25_000], p), a.view(8, 25_000))
+    assert torch.equal(td.reference_keep_mask(_seed(1234), [8, 25_000], p), a[:200_000].view(8, 25_000))
 
 
 def test_thresholds_and_scale():
@@ -76,6 +76,23 @@ def test_thresholds_and_scale():
     for t in (h0, h0 + 1):
         p = t / 65536
         assert bool(td.reference_keep_mask(s, [1], p)[0]) == (h0 >= t)
+
+
+def test_layout_and_bit_packing():
+    """Element e is half e % 8 of counter e // 8 (independent of the kernel's BLOCK); pack_bits puts
+    8 adjacent elements in one byte, unpack_bits inverts it."""
+    s = _seed(99)
+    z = torch.zeros(1, dtype=torch.int64)
+    words = td.philox4x32_10(torch.tensor([5]), z, z, z, s & 0xFFFFFFFF, s >> 32)  # counter 5
+    halves = [int(w) >> sh & 0xFFFF for w in words for sh in (0, 16)]
+    t = td.threshold(0.3)
+    assert td.reference_keep_mask(s, [64], 0.3)[40:48].tolist() == [h >= t for h in halves]
+    keep = td.reference_keep_mask(s, [3, 37], 0.3)  # 111 elements: a partial last byte
+    bits = td.pack_bits(keep)
+    assert bits.dtype == torch.uint8 and bits.shape == (14,)
+    assert int(bits[1]) == sum(int(keep.reshape(-1)[8 + j]) << j for j in range(8))
+    assert torch.equal(td.unpack_bits(bits, [3, 37]), keep)
+    assert td.pack_bits(torch.ones(0, dtype=torch.bool)).shape == (0,)
 
 
 def test_twin_edge_cases():

@@ -69,9 +69,10 @@ try:
     HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = True
 except ImportError:  # no triton (CPU-only installs): the Inductor/eager formulation below
     HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = False
-# register torch.ops.hpcmeg.flash_attention, .layer_norm_backward and .gelu_tanh(_backward) (their CPU
-# paths are the plain twins, so no triton needed)
+# register torch.ops.hpcmeg.flash_attention, .layer_norm_backward, .gelu_tanh(_backward) and
+# .bias_dropout_add_layer_norm (their CPU paths are the plain twins, so no triton needed)
 from hpcmeg.model import triton_attention  # noqa: E402
+from hpcmeg.model import triton_bdaln  # noqa: E402
 from hpcmeg.model import triton_gelu, triton_layernorm  # noqa: E402,F401
 
 _SDPA_ORDER = {
@@ -157,7 +158,7 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
 def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:
     """Whether dropout of x takes the Triton keep-mask (CUDA only: on CPU the op would run its
     PyTorch twin, slower than torch's dropout)."""
-    return impl == "triton" and HAVE_TRITON_DROPOUT and x.is_cuda
+    return impl in ("triton", "fused") and HAVE_TRITON_DROPOUT and x.is_cuda
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, dropout_impl: str = "triton") -> torch.Tensor:
@@ -209,10 +210,34 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
                 dw.to(weight.dtype), db.to(weight.dtype), None)
 
 
+class _BiasDropoutAddLayerNormKernel(_BiasDropoutAddLayerNorm):
+    """The same op with its forward as ONE kernel of triton_bdaln.py that draws the dropout mask
+    itself and saves it bit-packed (dropout_impl 'fused'); the backward is the parent's (the
+    LayerNorm pass reads the packed bits). Inputs: (x, bias, residual, seed, p, weight, ln_bias,
+    eps), so the gradients come back in the parent's positions."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, seed, p, weight, ln_bias, eps):
+        out, y, bits = torch.ops.hpcmeg.bias_dropout_add_layer_norm(x, bias, residual, seed, p, weight, ln_bias, eps)
+        ctx.save_for_backward(out, weight, bits)
+        ctx.scale, ctx.eps = triton_dropout.keep_scale(p), eps
+        return out, y
+
+
+def _in_kernel_mask_for(x, residual, ln_weight, impl: str) -> bool:
+    """Whether dropout_impl 'fused' takes triton_bdaln's kernel for these tensors (CUDA, H % 8 == 0,
+    one dtype, no autocast); otherwise the separate keep-mask kernel ('triton')."""
+    return impl == "fused" and HAVE_TRITON_DROPOUT and triton_bdaln.supports(x, residual, ln_weight)
+
+
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton",
                                 layernorm_impl: str = "triton"):
-    """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm."""
+    """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm
+    (dropout_impl 'fused' and the kernel takes the tensors: _BiasDropoutAddLayerNormKernel)."""
     if layernorm_impl == "triton" and torch.is_grad_enabled() and bias is not None:
+        if training and 0 < p < 1 and _in_kernel_mask_for(x, residual, ln_weight, dropout_impl):
+            return _BiasDropoutAddLayerNormKernel.apply(x, bias.to(x.dtype), residual, triton_dropout.draw_seed(x.device),
+                                                        p, ln_weight, ln_bias, eps)
         keep, scale = None, 1.0
         if training and p > 0:
             if _mask_kernel_for(x, dropout_impl):

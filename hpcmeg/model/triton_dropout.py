@@ -34,14 +34,18 @@ Contract
     Philox constants and counter layout as triton/language/random.py). tests/test_triton_dropout.py
     checks it against the published Random123 known-answer vectors and against the kernel in
     Triton's CPU interpreter (and compiles the kernel for sm90).
+  keep8(seed, c, t): the @triton.jit building block, for kernels that draw the mask themselves
+    (triton_bdaln.py): int64 counters c of shape [..., 1] -> keep [..., 8] of elements 8c .. 8c + 7.
+  pack_bits(keep) -> uint8 [ceil(n / 8)], bit j of byte i = element 8i + j of the flattened keep;
+    unpack_bits(bits, shape) -> bool `shape`: the bit-packed form (1/8 of the bytes) and back.
   philox4x32_10(c0, c1, c2, c3, k0, k1): the raw generator on int64 tensors holding uint32 values.
 
-Layout: program `pid` covers flat elements [pid*8*BLOCK, (pid+1)*8*BLOCK). Philox counter
-  c = pid*BLOCK + j (j in [0, BLOCK)), as (c0, c1, c2, c3) = (low 32 bits of c, high 32 bits, 0, 0)
-  with key (k0, k1) = (low 32 bits of seed, high 32 bits); the low 16 bits of its k-th output word
-  (k = 0..3) give element pid*8*BLOCK + 2k*BLOCK + j, the high 16 bits element
-  pid*8*BLOCK + (2k+1)*BLOCK + j. So the mask depends on BLOCK, which both sides read from the
-  module constant below: changing BLOCK changes every mask drawn from a given seed.
+Layout (one definition for every kernel that draws a mask from this file): element e of the
+  flattened mask comes from Philox counter c = e // 8, as (c0, c1, c2, c3) = (low 32 bits of c,
+  high 32 bits, 0, 0) with key (k0, k1) = (low 32 bits of seed, high 32 bits): its output word
+  k = (e % 8) // 2, low 16 bits for even e, high 16 bits for odd e. So eight adjacent elements share
+  one Philox call, a row of an [N, H] activation (H % 8 == 0) starts on a fresh counter, and the
+  mask does not depend on how a kernel cuts the work into programs.
 Triton is optional here: without it (a CPU-only install) the twin and the op's non-CUDA path work.
 """
 from __future__ import annotations
@@ -56,12 +60,12 @@ try:
 except ImportError:  # CPU-only install: no kernel, the op runs the twin
     triton = tl = None
 
-# Philox counters per program; each gives 8 elements, so a program writes 8 * BLOCK = 8192 bools
-# (8 contiguous 1 KB runs: coalesced byte stores). With num_warps=4 (128 threads) each thread holds
-# 8 counters (8 x 4 uint32 state words + the key: ~40 live registers, so no spills expected) and
-# stores 8 contiguous bytes per output half-word. [12, 1024, 768] = 9.4M elements -> 1,152
-# programs, ~9 per SM on the 132-SM H200. (Chosen by this reasoning, not yet timed on the GPU:
-# bench/dropout_probe.py times it.)
+# Philox counters per program; each gives 8 adjacent elements, so a program writes 8 * BLOCK = 8192
+# bools, each thread 8 contiguous bytes per counter (coalesced stores). With num_warps=4 (128
+# threads) each thread holds 8 counters (8 x 4 uint32 state words + the key: ~40 live registers, so
+# no spills expected). [12, 1024, 768] = 9.4M elements -> 1,152 programs, ~9 per SM on the 132-SM
+# H200. (Chosen by this reasoning, not yet timed on the GPU: bench/gpu_agreement.py --parts
+# dropout times it.)
 BLOCK = 1024
 NUM_WARPS = 4
 PER_CALL = 8  # elements per Philox call: 4 output words x 2 halves
@@ -79,26 +83,23 @@ _M16 = 0xFFFF
 
 if triton is not None:
     @triton.jit
-    def _keep_mask_kernel(seed_ptr, out_ptr, n, t, BLOCK: tl.constexpr):
-        # seed_ptr: [1] int64; out_ptr: [n] bool; t: int32 threshold in [0, 65536] (keep iff half >= t)
-        pid = tl.program_id(0).to(tl.int64)  # int64 counters and offsets: n >= 2**31 works
-        seed = tl.load(seed_ptr)
-        j = tl.arange(0, BLOCK).to(tl.int64)
-        r0, r1, r2, r3 = tl.randint4x(seed, pid * BLOCK + j)  # one Philox call -> 4 x [BLOCK] uint32
-        base = pid * (8 * BLOCK) + j
-        _store_halves(out_ptr, base, n, r0, t, BLOCK)
-        _store_halves(out_ptr, base + 2 * BLOCK, n, r1, t, BLOCK)
-        _store_halves(out_ptr, base + 4 * BLOCK, n, r2, t, BLOCK)
-        _store_halves(out_ptr, base + 6 * BLOCK, n, r3, t, BLOCK)
+    def keep8(seed, c, t):
+        """c: int64 Philox counters [..., 1] -> keep int1 [..., 8], element 8c + g kept iff the 16-bit
+        half g % 2 of output word g // 2 is >= t (t: threshold in [0, 65536])."""
+        r0, r1, r2, r3 = tl.randint4x(seed, c)  # 4 x uint32, c's shape
+        g = tl.arange(0, 8)
+        w = tl.where(g < 4, tl.where(g < 2, r0, r1), tl.where(g < 6, r2, r3))  # [..., 8]
+        half = tl.where((g & 1) == 0, w & 0xFFFF, w >> 16).to(tl.int32)  # logical shift: w is unsigned
+        return half >= t
 
     @triton.jit
-    def _store_halves(out_ptr, offs, n, r, t, BLOCK: tl.constexpr):
-        # r: [BLOCK] uint32 words -> elements offs (low 16 bits) and offs + BLOCK (high 16 bits);
-        # both halves are < 65536, so the int32 compare with t in [0, 65536] is exact
-        lo = (r & 0xFFFF).to(tl.int32)
-        hi = (r >> 16).to(tl.int32)  # logical shift: r is unsigned
-        tl.store(out_ptr + offs, lo >= t, mask=offs < n)
-        tl.store(out_ptr + offs + BLOCK, hi >= t, mask=offs + BLOCK < n)
+    def _keep_mask_kernel(seed_ptr, out_ptr, n, t, BLOCK: tl.constexpr):
+        # seed_ptr: [1] int64; out_ptr: [n] bool; t: int32 threshold in [0, 65536]
+        pid = tl.program_id(0).to(tl.int64)  # int64 counters and offsets: n >= 2**31 works
+        c = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)[:, None]  # [BLOCK, 1]
+        keep = keep8(tl.load(seed_ptr), c, t)  # [BLOCK, 8]
+        e = c * 8 + tl.arange(0, 8)[None, :]
+        tl.store(out_ptr + e, keep, mask=e < n)
 
 
 def _check(seed: torch.Tensor, p: float) -> None:
@@ -159,16 +160,30 @@ def reference_keep_mask(seed: torch.Tensor, shape: list[int], p: float) -> torch
     _check(seed, p)
     n = math.prod(shape)
     dev = seed.device
-    n_prog = -(-n // (PER_CALL * BLOCK))
-    c = torch.arange(n_prog * BLOCK, dtype=torch.int64, device=dev)  # counter pid*BLOCK + j
+    c = torch.arange(-(-n // PER_CALL), dtype=torch.int64, device=dev)  # counter e // 8
     s = seed.to(torch.int64)
     words = philox4x32_10(c & _M32, (c >> 32) & _M32, torch.zeros_like(c), torch.zeros_like(c),
                           s & _M32, (s >> 32) & _M32)  # (seed >> 32) & M: the logical shift's bits
-    # [n_prog, 8, BLOCK]: half h of word k of counter pid*BLOCK + j -> flat element
-    # pid*8*BLOCK + (2k + h)*BLOCK + j
-    halves = [x for w in words for x in (w & _M16, w >> 16)]
-    h = torch.stack([x.view(n_prog, BLOCK) for x in halves], dim=1).reshape(-1)[:n]
+    # [counters, 8]: element 8c + 2k + h is half h of word k of counter c
+    h = torch.stack([x for w in words for x in (w & _M16, w >> 16)], dim=1).reshape(-1)[:n]
     return (h >= threshold(p)).reshape(shape)
+
+
+def pack_bits(keep: torch.Tensor) -> torch.Tensor:
+    """bool mask (any shape) -> uint8 [ceil(n / 8)]: bit j of byte i is flat element 8i + j."""
+    flat = keep.reshape(-1)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=keep.device)
+    return (flat.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_bits(bits: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """The inverse of pack_bits: bool `shape` from uint8 [ceil(prod(shape) / 8)]."""
+    n = math.prod(shape)
+    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
+    return ((bits.to(torch.int32)[:, None] >> shifts) & 1).reshape(-1)[:n].bool().reshape(shape)
 
 
 @torch.library.custom_op("hpcmeg::dropout_keep_mask", mutates_args=())
