@@ -151,12 +151,13 @@ def plan(n: int, h: int, device: torch.device, launch: Launch = DEFAULT_LAUNCH) 
 
 if triton is not None:
     @triton.jit
-    def _load_rows(DY, X, DRES, KEEP, r0, row_end, cols, H: tl.constexpr, R: tl.constexpr,
+    def _load_rows(DY, X, DRES, KEEP, r0, row_end, cols, H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr,
                    HAS_RES: tl.constexpr, HAS_KEEP: tl.constexpr, KEEP_BITS: tl.constexpr):
         """Rows r0 .. r0 + R - 1 (those < row_end) of dy, x, d_res, keep as loaded (not upcast:
         a prefetched tile waits in registers at 2 B or 1 B per element); masked lanes are 0.
-        KEEP_BITS: keep is bit-packed (bit e % 8 of byte e // 8 for flat element e): each element
-        gets its byte here and its bit where it is used (_kept_bit)."""
+        KEEP_BITS: keep is bit-packed (bit e % 8 of byte e // 8 for flat element e; H % 8 == 0, so
+        a row's bits are its own H / 8 bytes): loaded as [R, BLOCK_H / 8] bytes, one per thread's 8
+        adjacent columns, and expanded to the tile where used (_kept)."""
         rows = r0 + tl.arange(0, R)
         m = (rows < row_end)[:, None] & (cols < H)[None, :]
         offs = rows.to(tl.int64)[:, None] * H + cols[None, :]  # int64: N * H may pass 2^31
@@ -168,16 +169,21 @@ if triton is not None:
         keep = m  # a placeholder without HAS_KEEP (never read)
         if HAS_KEEP:
             if KEEP_BITS:
-                keep = tl.load(KEEP + (offs >> 3), mask=m, other=0)  # 8 adjacent elements share a byte
+                g = tl.arange(0, BLOCK_H // 8)
+                keep = tl.load(KEEP + rows.to(tl.int64)[:, None] * (H // 8) + g[None, :],
+                               mask=(rows < row_end)[:, None] & (g < H // 8)[None, :], other=0)
             else:
                 keep = tl.load(KEEP + offs, mask=m, other=0)  # the bool mask as bytes
         return x, dy, res, keep
 
     @triton.jit
-    def _kept(keep_raw, offs, KEEP_BITS: tl.constexpr):
-        """Whether each element was kept: its own byte, or its bit of the shared byte."""
+    def _kept(keep_raw, cols, R: tl.constexpr, BLOCK_H: tl.constexpr, KEEP_BITS: tl.constexpr):
+        """Whether each element of the [R, BLOCK_H] tile was kept: its own byte, or (KEEP_BITS) its
+        bit of its group's byte, broadcast to the group's 8 columns in registers (the reshape keeps
+        each thread's 8 adjacent columns together: no shared memory on sm90)."""
         if KEEP_BITS:
-            kept = ((keep_raw.to(tl.int32) >> (offs & 7).to(tl.int32)) & 1) != 0
+            b8 = tl.reshape(tl.broadcast_to(keep_raw.to(tl.int32)[:, :, None], (R, BLOCK_H // 8, 8)), (R, BLOCK_H))
+            kept = ((b8 >> (cols[None, :] & 7)) & 1) != 0
         else:
             kept = keep_raw != 0
         return kept
@@ -201,12 +207,12 @@ if triton is not None:
         acc_dw = tl.zeros([BLOCK_H], tl.float32)
         acc_db = tl.zeros([BLOCK_H], tl.float32)
         acc_dbias = tl.zeros([BLOCK_H], tl.float32)
-        x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, row_start, row_end, cols, H, R, HAS_RES, HAS_KEEP,
-                                              KEEP_BITS)
+        x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, row_start, row_end, cols, H, BLOCK_H, R, HAS_RES,
+                                              HAS_KEEP, KEEP_BITS)
         for r0 in range(row_start, row_end, R):
             x_raw, dy_raw, res_raw, keep_raw = x_n, dy_n, res_n, keep_n
             if PREFETCH:
-                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, R,
+                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, BLOCK_H, R,
                                                       HAS_RES, HAS_KEEP, KEEP_BITS)
             rows = r0 + tl.arange(0, R)
             m = (rows < row_end)[:, None] & cmask[None, :]
@@ -233,13 +239,13 @@ if triton is not None:
                 dx += res_raw.to(tl.float32)
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=m)
             if HAS_KEEP:
-                dbr = tl.where(_kept(keep_raw, offs, KEEP_BITS), dx * scale, 0.0)
+                dbr = tl.where(_kept(keep_raw, cols, R, BLOCK_H, KEEP_BITS), dx * scale, 0.0)
                 tl.store(DBR + offs, dbr.to(DBR.dtype.element_ty), mask=m)
                 acc_dbias += tl.sum(dbr, axis=0)
             elif BIAS_SUM:  # no dropout: the branch's gradient is dx itself (not stored twice)
                 acc_dbias += tl.sum(dx, axis=0)
             if not PREFETCH:
-                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, R,
+                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, BLOCK_H, R,
                                                       HAS_RES, HAS_KEEP, KEEP_BITS)
         part = PART + pid.to(tl.int64) * (K * H) + cols
         tl.store(part, acc_dw, mask=cmask)
@@ -286,14 +292,16 @@ def _check(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, d_res: Optio
         problems.append(f"d_res {tuple(d_res.shape)} must be dy's shape {tuple(dy.shape)}")
     if keep is not None and not (keep.shape == dy.shape and keep.dtype == torch.bool or _packed(keep, dy)):
         problems.append(f"keep {tuple(keep.shape)} {keep.dtype} must be bool of dy's shape {tuple(dy.shape)}, or "
-                        f"uint8 [{-(-dy.numel() // 8)}] bits (triton_dropout.pack_bits)")
+                        f"uint8 [{-(-dy.numel() // 8)}] bits (triton_dropout.pack_bits) with H % 8 == 0")
     if problems:
         raise ValueError("layer_norm_backward: " + "; ".join(problems))
 
 
 def _packed(keep: torch.Tensor, dy: torch.Tensor) -> bool:
-    """keep is the bit-packed mask of dy's elements (triton_dropout.pack_bits / triton_bdaln's bits)."""
-    return keep.dtype == torch.uint8 and keep.shape == (-(-dy.numel() // 8),)
+    """keep is the bit-packed mask of dy's elements (triton_dropout.pack_bits / triton_bdaln's
+    bits), rows of whole bytes (H % 8 == 0)."""
+    return (keep.dtype == torch.uint8 and keep.shape == (-(-dy.numel() // 8),) and dy.dim() >= 1
+            and dy.shape[-1] % 8 == 0)
 
 
 def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
