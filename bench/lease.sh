@@ -12,6 +12,8 @@
 #             every untimed option (Triton attention at attention_best_<size>.txt, the CE grid of
 #             ce_best.txt, dropout_impl 'fused'), then each option alone, as far as the budget goes
 #             (the probes' files from this call, or copied into $OUT beforehand)
+#     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0, so
+#             it checks the default path's numerics, e.g. session 11's fused MLP-branch LayerNorm)
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says).
 # Why one script: a lease is ~30 device-minutes with a ~3-minute start, and starts are refused or
@@ -60,9 +62,15 @@ user_path() {  # user_path SIZE MAX_S
         --budget-s $(($(left) - 60)) --items "$items"
 }
 
-echo "hpcmeg lease at commit $HPCMEG_COMMIT, budget $BUDGET s, stages: ${*:-probes u124}" | tee "$OUT/lease.log"
-nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>/dev/null | tee -a "$OUT/lease.log"
 [[ $# -eq 0 ]] && set -- probes u124
+for stage in "$@"; do  # every stage checked before any runs
+    case $stage in
+        probes | u124 | u355 | u1.3B | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, u124, u355, u1.3B or loss)" >&2; exit 2 ;;
+    esac
+done
+echo "hpcmeg lease at commit $HPCMEG_COMMIT, budget $BUDGET s, stages: $*" | tee "$OUT/lease.log"
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>/dev/null | tee -a "$OUT/lease.log"
 for stage in "$@"; do
     case $stage in
         probes)
@@ -77,7 +85,8 @@ for stage in "$@"; do
         u124) user_path 124M 420 ;;
         u355) user_path 355M 520 ;;
         u1.3B) user_path 1.3B 520 ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, u124, u355 or u1.3B)" >&2; exit 2 ;;
+        loss) step loss_parity 240 python bench/loss_parity.py --steps 400 --eval-interval 50 --tok "$TOK" --tag lease \
+            --out "$OUT" ;;
     esac
 done
 echo "== done after $((SECONDS - START)) s; results in $OUT" | tee -a "$OUT/lease.log"

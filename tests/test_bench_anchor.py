@@ -95,9 +95,10 @@ def test_lease_script_items(tmp_path, monkeypatch):
 
     from hpcmeg.model import triton_attention
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run(["bash", os.path.join(root, "bench", "lease.sh"), "u125"], capture_output=True, text=True,
-                       env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
+    r = subprocess.run(["bash", os.path.join(root, "bench", "lease.sh"), "loss", "u125"], capture_output=True,
+                       text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
     assert r.returncode == 2 and "unknown stage 'u125'" in r.stderr
+    assert not (tmp_path / "loss_parity.log").exists()  # the valid stage before it did not start
     spec = "row_words=1+heavy_first=1+dkv_m=64"
     item = ("hpcmeg:set=model.attention_backend=triton|model.dropout_impl=fused,"
             f"env=HPCMEG_ATTENTION_BLOCKS:{spec}|HPCMEG_CE_PROGRAMS_PER_SM:2")
