@@ -4,7 +4,8 @@
 #
 #   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: probes u124):
 #     probes  attention tiles (bench/attention_probe.py: the row-word / heavy-first options against the
-#             defaults at 124M and 355M, p = 0.1; writes attention_best_<size>.txt), the CE grid
+#             defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN; writes attention_best_<size>.txt
+#             after each size), the CE grid
 #             (bench/ce_probe.py; writes ce_best.txt), the hidden-dropout keep-mask on the GPU against
 #             its twin bit for bit and its time (bench/gpu_agreement.py --parts dropout)
 #     u124 | u355 | u1.3B
@@ -75,7 +76,7 @@ for stage in "$@"; do
     case $stage in
         probes)
             RW=row_words=1+heavy_first=1
-            step attention_probe 150 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
+            step attention_probe 200 python bench/attention_probe.py --sizes 124M,355M,1.3B --p 0.1 --tag lease \
                 --agree "$RW" \
                 --fwd "default row_words=1 $RW $RW+fwd_m=128+fwd_warps=8 $RW+fwd_m=128 $RW+fwd_stages=4" \
                 --bwd "default row_words=1 $RW $RW+dkv_m=64 $RW+dq_n=64 $RW+dkv_m=64+dq_n=64 $RW+bwd_warps=8+dkv_n=128+dq_m=128"
