@@ -18,7 +18,9 @@
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0, so
 #             it checks the default path's numerics, e.g. session 11's fused MLP-branch LayerNorm)
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
-# encoder.json + vocab.bpe; default .tok, carried to the device as its README says).
+# encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
+# folder in the tree with an earlier call's ce_best.txt / attention_best_<size>.txt, for a call
+# without the probes stage).
 # Why one script: a lease is ~30 device-minutes with a ~3-minute start, and starts are refused or
 # machines taken back without notice (session 10 lost most of its lease that way), so one call has
 # to answer as much as it can and leave what it measured on disk even when a step is cut short.
@@ -51,9 +53,12 @@ step() {
 }
 
 user_path() {  # user_path SIZE MAX_S
-    local size=$1 max=$2 ce=0 attn=default all one items
-    [[ -s $OUT/ce_best.txt ]] && ce=$(cat "$OUT/ce_best.txt")
-    [[ -s $OUT/attention_best_$size.txt ]] && attn=$(cat "$OUT/attention_best_$size.txt")
+    local size=$1 max=$2 ce=0 attn=default all items
+    local d
+    for d in "$OUT" "${LEASE_BEST:-}"; do  # this call's probes first, then an earlier call's
+        [[ -n $d && $ce == 0 && -s $d/ce_best.txt ]] && ce=$(cat "$d/ce_best.txt")
+        [[ -n $d && $attn == default && -s $d/attention_best_$size.txt ]] && attn=$(cat "$d/attention_best_$size.txt")
+    done
     # rows in order of what they decide, so --budget-s drops the least important: the anchor, the
     # shipped defaults, every untimed option together, then each option alone
     all="hpcmeg:set=model.attention_backend=triton|model.dropout_impl=fused"

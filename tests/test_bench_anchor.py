@@ -86,27 +86,37 @@ def test_user_path_items():
 
 
 def test_lease_script_items(tmp_path, monkeypatch):
-    """bench/lease.sh: an unknown stage fails with one line and exit 2 before any GPU work; the
-    user-path item it builds from the probes' files parses into the attention spec and CE grid the
-    kernels then read from the environment."""
+    """bench/lease.sh: an unknown stage fails with one line and exit 2 before any stage runs; a
+    user-path stage builds its rows from an earlier call's probe files (LEASE_BEST), and those rows
+    parse into the settings and the attention spec / CE grid the kernels read from the environment
+    (the run itself fails here, without a GPU, after logging its command)."""
     import subprocess
 
     import user_path
 
     from hpcmeg.model import triton_attention
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run(["bash", os.path.join(root, "bench", "lease.sh"), "loss", "u125"], capture_output=True,
-                       text=True, env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
+    lease = os.path.join(root, "bench", "lease.sh")
+    out, best = tmp_path / "out", tmp_path / "best"
+    best.mkdir()
+    r = subprocess.run(["bash", lease, "loss", "u125"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(out)}, timeout=60)
     assert r.returncode == 2 and "unknown stage 'u125'" in r.stderr
-    assert not (tmp_path / "loss_parity.log").exists()  # the valid stage before it did not start
+    assert not (out / "loss_parity.log").exists()  # the valid stage before it did not start
     spec = "row_words=1+heavy_first=1+dkv_m=64"
-    item = ("hpcmeg:set=model.attention_backend=triton|model.dropout_impl=fused,"
-            f"env=HPCMEG_ATTENTION_BLOCKS:{spec}|HPCMEG_CE_PROGRAMS_PER_SM:2")
-    script = open(os.path.join(root, "bench", "lease.sh")).read().replace("$attn", spec).replace("$ce", "2")
-    assert item.split(":", 1)[1].split(",")[1] in script and item.split(":", 1)[1].split(",")[0] in script
-    kind, o = user_path.parse_item(item, "124M")
+    (best / "attention_best_124M.txt").write_text(spec)
+    (best / "ce_best.txt").write_text("2")
+    r = subprocess.run(["bash", lease, "u124"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+                       env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
+                            "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
+    assert r.returncode == 0, r.stderr
+    logged = (out / "lease.log").read_text()
+    items = logged.split("--items ", 1)[1].split("\n", 1)[0].split()
+    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 6, items
+    kind, o = user_path.parse_item(items[2], "124M")  # every option together
     assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton", "model.dropout_impl=fused"]
     assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec, "HPCMEG_CE_PROGRAMS_PER_SM": "2"}
-    monkeypatch.setenv(triton_attention.BLOCKS_ENV, spec)
+    assert user_path.parse_item(items[-1], "124M")[1]["env"] == {"HPCMEG_CE_PROGRAMS_PER_SM": "2"}
+    monkeypatch.setenv(triton_attention.BLOCKS_ENV, o["env"][triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()
     assert (b.row_words, b.heavy_first, b.dkv_m, b.fwd_m) == (1, 1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)
