@@ -13,6 +13,9 @@
 #             every untimed option (Triton attention at attention_best_<size>.txt, the CE grid of
 #             ce_best.txt, dropout_impl 'fused'), then each option alone, as far as the budget goes
 #             (the probes' files from this call, or copied into $OUT beforehand)
+#     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
+#             graphs (bench/gpu_agreement.py --parts model,wgrad: session 11's layer ends and the
+#             sunk word embedding among them)
 #     p124    where the 124M user path's time goes now (bench/profile_step.py, dropout 0.1, global
 #             batch 192, dropout_impl 'fused'): which kernels session 11's changes removed, what is left
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0, so
@@ -73,8 +76,9 @@ user_path() {  # user_path SIZE MAX_S
 [[ $# -eq 0 ]] && set -- probes u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | u124 | u355 | u1.3B | p124 | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, u124, u355, u1.3B, p124 or loss)" >&2; exit 2 ;;
+        probes | u124 | u355 | u1.3B | checks | p124 | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, u124, u355, u1.3B, checks, p124 or loss)" >&2
+           exit 2 ;;
     esac
 done
 echo "hpcmeg lease at commit $HPCMEG_COMMIT, budget $BUDGET s, stages: $*" | tee "$OUT/lease.log"
@@ -93,6 +97,7 @@ for stage in "$@"; do
         u124) user_path 124M 420 ;;
         u355) user_path 355M 520 ;;
         u1.3B) user_path 1.3B 520 ;;
+        checks) step gpu_agreement 240 python bench/gpu_agreement.py --parts model,wgrad --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 --set model.dropout_impl=fused ;;

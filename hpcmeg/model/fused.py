@@ -358,10 +358,11 @@ class _LinearCEGradInForward(torch.autograd.Function):
     gpu_agreement_h200_s7_ce.json): LM head + loss fwd+bwd 4.76 ms vs 4.91 ms."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels):  # hidden [N, h], weight [V, h], labels [N]
+    def forward(ctx, hidden, weight, labels, flat=None, offset=0):  # hidden [N, h], weight [V, h], labels [N]
         logits = hidden @ weight.t()  # [N, V] in the operands' dtype
         loss = _ce_grad_(logits, labels)
         ctx.save_for_backward(logits, hidden, weight)
+        ctx.flat, ctx.offset = flat, offset  # a sink (wgrad.py): d W goes into the main grad
         return loss
 
     @staticmethod
@@ -369,8 +370,11 @@ class _LinearCEGradInForward(torch.autograd.Function):
         G, hidden, weight = ctx.saved_tensors
         g = g.reshape(-1, 1).float()  # [N, 1]
         d_hidden = ((G @ weight).float() * g).to(hidden.dtype)
-        d_weight = G.t() @ (hidden.float() * g).to(hidden.dtype)
-        return d_hidden, d_weight, None
+        hg = (hidden.float() * g).to(hidden.dtype)
+        if ctx.flat is not None:  # main[V, h] += G^T (g * hidden), in the GEMM (fp32 C, beta 1)
+            torch.ops.hpcmeg.wgrad_accumulate_(ctx.flat, G, hg, ctx.offset)
+            return d_hidden, None, None, None, None
+        return d_hidden, G.t() @ hg, None, None, None
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -407,8 +411,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         impl: str = "fused", chunk_tokens: int = 4096) -> torch.Tensor:
-    """hidden [b, s, h], weight [V, h], labels [b, s] -> per-token loss float32 [b, s]."""
+                         impl: str = "fused", chunk_tokens: int = 4096, sink=None) -> torch.Tensor:
+    """hidden [b, s, h], weight [V, h], labels [b, s] -> per-token loss float32 [b, s]. sink (flat,
+    offset), impl 'grad_in_forward' only: the weight's gradient is added into the main grad there
+    (wgrad.py) and autograd gets none."""
+    if sink is not None and impl != "grad_in_forward":
+        raise ValueError(f"linear_cross_entropy: a main-grad sink needs impl 'grad_in_forward', not {impl!r}")
+    if sink is not None:
+        h, w = _autocast_cast(hidden, weight)
+        return _LinearCEGradInForward.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1),
+                                            *sink).view(labels.shape)
     if impl == "chunked":
         h, w = _autocast_cast(hidden, weight)
         loss = _ChunkedLinearCE.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), chunk_tokens)

@@ -57,7 +57,9 @@ class Embedding(nn.Module):
         self.ops, self.drop_kw = _ops_for(cfg, "dropout_impl")
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)
+        we = self.word_embeddings  # nn.Embedding, or tensor parallelism's vocabulary-parallel one
+        sink = wgrad.layer_sink(we)
+        x = (wgrad.embedding(tokens, we.weight, sink) if sink else we(tokens)) + self.position_embeddings(position_ids)
         return self.ops.dropout(x, self.p, self.training, **self.drop_kw)
 
 
@@ -169,11 +171,12 @@ class LMHead(nn.Module):
         super().__init__()
         self.fused, self.impl = cfg.fused, cfg.fused_ce
 
-    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, sink=None) -> torch.Tensor:
+        """sink: the weight's main-grad sink when it is a sunk weight (GPT.sinkable_weights)."""
         if labels is None:
-            return F.linear(h, weight)
+            return wgrad.linear(h, weight, None, sink)
         if self.fused:
-            return fused_ops.linear_cross_entropy(h, weight, labels, impl=self.impl)
+            return fused_ops.linear_cross_entropy(h, weight, labels, impl=self.impl, sink=sink)
         return plain_ops.linear_cross_entropy(h, weight, labels)
 
 
@@ -235,7 +238,23 @@ class GPT(nn.Module):
         h = self.encoder(x)
         if self.head is None:
             return h
+        sink = wgrad.layer_sink(self.embedding.word_embeddings) if self.embedding is not None else None
+        if sink:  # the tied weight is sunk: its output-layer gradient goes to the same main grad
+            return self.head(h, self.output_weight(), labels, sink=sink)
         return self.head(h, self.output_weight(), labels)
+
+    def sinkable_weights(self) -> list[torch.Tensor]:
+        """The weights whose every use can add its gradient straight into a main-grad sink
+        (wgrad.py; build_optimizer sinks them with gradient-accumulation fusion): every nn.Linear's,
+        and the word embedding when the embedding is a plain nn.Embedding and its tied output layer
+        here is an LMHead whose loss takes a sink (cross-entropy 'grad_in_forward'). Fused models only."""
+        if not self.cfg.fused:
+            return []
+        out = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
+        if (self.embedding is not None and type(self.embedding.word_embeddings) is nn.Embedding
+                and type(self.head) is LMHead and self.cfg.fused_ce == "grad_in_forward"):
+            out.append(self.embedding.word_embeddings.weight)
+        return out
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> the residual stream entering layer 0, [b, s, h] (first chunk only)."""

@@ -13,9 +13,17 @@ Contract:
     ParamAndGradBuffer's grad_data; fp32) and flat[offset : offset + out*in] the weight's main
     grad, viewed [out, in]. The backward ADDS dy^T x to it (the caller zeroes it at step start)
     and returns None as the weight's gradient (weight.grad stays None, no hook fires).
-  attach_sinks(model, sink_of) gives each nn.Linear its sink from outside (the trainer:
-    sink_of = ParamAndGradBuffer.sink_of of the sunk weights); layer_sink(layer) reads it back
-    (gpt.py's layers pass it to linear).
+  embedding(ids [..], weight [V, h], sink) -> weight[ids], as F.embedding; with a sink its backward
+    ADDS each dy row into row ids[i] of the main grad (index_add_, fp32) and returns None as the
+    weight's gradient: no dense [V, h] gradient, no zero-fill, no later add into the main grad
+    (with the tied output layer's GEMM accumulating into the same main grad, fused.py's
+    linear_cross_entropy with a sink, the word embedding is a sunk weight too).
+  attach_sinks(model, sink_of) gives each nn.Linear and nn.Embedding its sink from outside (the
+    trainer: sink_of = ParamAndGradBuffer.sink_of of the sunk weights); layer_sink(layer) reads it
+    back (gpt.py's layers pass it to linear / embedding).
+  torch.ops.hpcmeg.embedding_grad_accumulate_(flat, dy [.., h], ids [..], offset, rows) -> None: the
+    embedding's accumulation (index_add_ on CUDA and CPU alike; on CUDA its fp32 atomic adds order
+    repeated ids' rows as they come, as Inductor's embedding backward already did).
   torch.ops.hpcmeg.wgrad_accumulate_(flat, dy [.., out], x [.., in], offset) -> None: the accumulation;
     on CUDA one GEMM with beta = 1 (out_dtype=fp32 when flat is fp32 and dy/x are not); on CPU (the
     plain twin) the product in the operands' dtype, converted, then added. The op mutates `flat`
@@ -54,6 +62,35 @@ def _(flat, dy, x, offset):
     return None
 
 
+@torch.library.custom_op("hpcmeg::embedding_grad_accumulate_", mutates_args=("flat",))
+def embedding_grad_accumulate_(flat: torch.Tensor, dy: torch.Tensor, ids: torch.Tensor, offset: int,
+                               rows: int) -> None:
+    h = dy.shape[-1]
+    main = flat[offset:offset + rows * h].view(rows, h)
+    main.index_add_(0, ids.reshape(-1), dy.reshape(-1, h).to(flat.dtype))
+
+
+@embedding_grad_accumulate_.register_fake
+def _(flat, dy, ids, offset, rows):
+    return None
+
+
+class _EmbeddingSink(torch.autograd.Function):
+    """F.embedding whose weight gradient goes into the sink (flat on ctx, as _LinearSink's)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, flat, offset):
+        ctx.save_for_backward(ids)
+        ctx.flat, ctx.offset, ctx.rows = flat, offset, weight.shape[0]
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ids, = ctx.saved_tensors
+        torch.ops.hpcmeg.embedding_grad_accumulate_(ctx.flat, dy, ids, ctx.offset, ctx.rows)
+        return None, None, None, None
+
+
 class _LinearSink(torch.autograd.Function):
     """F.linear whose weight gradient goes into the sink. `flat` rides on ctx, not in
     save_for_backward: every layer's backward mutates it, which would trip autograd's version
@@ -75,12 +112,13 @@ class _LinearSink(torch.autograd.Function):
 
 
 def attach_sinks(model: nn.Module, sink_of) -> int:
-    """Give every nn.Linear of `model` whose weight `sink_of(weight)` maps to (flat, offset) (None:
-    leave it) its sink: `flat` as a non-persistent module buffer (torch.compile and CUDA graphs see
-    one static input; not in state_dict) and the offset. Returns how many layers got one."""
+    """Give every nn.Linear and nn.Embedding of `model` whose weight `sink_of(weight)` maps to (flat,
+    offset) (None: leave it) its sink: `flat` as a non-persistent module buffer (torch.compile and
+    CUDA graphs see one static input; not in state_dict) and the offset. Returns how many layers
+    got one."""
     n = 0
     for module in model.modules():
-        sink = sink_of(module.weight) if isinstance(module, nn.Linear) else None
+        sink = sink_of(module.weight) if isinstance(module, (nn.Linear, nn.Embedding)) else None
         if sink is not None:
             module.register_buffer(_SINK, sink[0], persistent=False)
             module.main_grad_offset = sink[1]
@@ -88,7 +126,7 @@ def attach_sinks(model: nn.Module, sink_of) -> int:
     return n
 
 
-def layer_sink(layer: nn.Linear):
+def layer_sink(layer: nn.Module):
     """The sink attach_sinks gave this layer, or None (then `linear` is F.linear)."""
     flat = getattr(layer, _SINK, None)
     return None if flat is None else (flat, layer.main_grad_offset)
@@ -99,3 +137,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     flat, offset = sink
     return _LinearSink.apply(x, weight, bias, flat, offset)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, sink=None) -> torch.Tensor:
+    if sink is None:
+        return F.embedding(ids, weight)
+    flat, offset = sink
+    return _EmbeddingSink.apply(ids, weight, flat, offset)

@@ -85,7 +85,12 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     extra.append((name + suffix, embedding_group))
     if wgrad_fusion and not getattr(getattr(model, "cfg", None), "fused", False):
         raise ValueError("build_optimizer: wgrad_fusion needs a fused model (only fused layers take sinks)")
-    sunk = frozenset(id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)) if wgrad_fusion else frozenset()
+    if not wgrad_fusion:
+        sunk = frozenset()
+    elif hasattr(model, "sinkable_weights"):  # GPT: its linears, and the tied word embedding when it can
+        sunk = frozenset(id(w) for w in model.sinkable_weights())
+    else:
+        sunk = frozenset(id(m.weight) for m in model.modules() if isinstance(m, nn.Linear))
     buffer = ParamAndGradBuffer(classes, param_dtype=param_dtype, grad_dtype=grad_dtype or torch.float32,
                                 dp_size=dp_size, dp_rank=dp_rank, dp_group=dp_group, shard=distributed,
                                 bucket_numel=bucket_numel or DEFAULT_BUCKET_NUMEL, extra_reductions=tuple(extra),
