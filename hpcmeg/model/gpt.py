@@ -15,7 +15,8 @@ Contract:
     encoder.layers.{i}.{input_layernorm, self_attention.query_key_value, self_attention.dense,
     post_attention_layernorm, mlp.dense_h_to_4h, mlp.dense_4h_to_h}.{weight, bias},
     encoder.final_layernorm.{weight, bias}; no buffers of its own (the trainer may attach a
-    non-persistent `main_grad_sink` to each nn.Linear: gradient-accumulation fusion, wgrad.attach_sinks).
+    non-persistent `main_grad_sink` to each nn.Linear and to the word embedding, sinkable_weights():
+    gradient-accumulation fusion, wgrad.attach_sinks).
   query_key_value rows are in checkpoint_version-2 order: for each head, its q rows, k rows,
   v rows ([heads, 3, head_dim] flattened), so the output is viewed as [.., heads, 3*head_dim].
   Under autocast the residual stream is in the autocast dtype unless cfg.fp32_residual_connection.
