@@ -275,3 +275,22 @@ def test_kernel_impls_give_the_model_of_the_inductor_impls(monkeypatch):
         torch.testing.assert_close(ga[n], gb[n], **TOL, msg=n)
     with pytest.raises(ValueError, match="layernorm_impl"):
         dataclasses.replace(cfg, layernorm_impl="apex")
+
+
+def test_bias_dropout_add_layer_norm_without_a_stream_gradient():
+    """out_grad False (the last layer before the final LayerNorm): the new residual needs no gradient,
+    and every input's gradient through y alone is the same as with out_grad True."""
+    torch.manual_seed(0)
+    x, bias, res = torch.randn(2, 7, 32), torch.randn(32), torch.randn(2, 7, 32)
+    w, b = 1 + 0.1 * torch.randn(32), torch.randn(32)
+    keep = torch.rand(2, 7, 32) > 0.2
+    grads = []
+    for out_grad in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, bias, res, w, b)]
+        out, y = fused._BiasDropoutAddLayerNorm.apply(leaves[0], leaves[1], leaves[2], keep, 1.25, leaves[3],
+                                                      leaves[4], 1e-5, out_grad)
+        assert out.requires_grad == out_grad
+        (y * torch.arange(32.0)).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for a, c in zip(*grads):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)

@@ -187,27 +187,38 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     pass: the LN backward, plus the gradient arriving at `out` from the residual path, times the
     keep-mask (the gradient of x), and the partial sums of dw, db and the bias gradient, where
     Inductor ran a fused kernel and then column reductions re-reading its inputs. keep None: no
-    dropout (all kept, scale 1)."""
+    dropout (all kept, scale 1). out_grad False: `out` is used only through y (the last layer's
+    residual stream before the final LayerNorm), so it is marked non-differentiable and the
+    backward gets no zero d_out to fill and read ([tokens, hidden] each); torch.compile honours
+    that, where it would materialise the zeros of an unused output."""
 
     @staticmethod
-    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps):
+    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True):
         branch = x + bias.to(x.dtype)
         if keep is not None:
             branch = branch * keep * scale
         out = residual + branch
         ctx.save_for_backward(out, weight, keep)
         ctx.scale, ctx.eps = scale, eps
+        ctx.set_materialize_grads(False)
+        ctx.out_grad = out_grad
+        if not out_grad:
+            ctx.mark_non_differentiable(out)
         return out, F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
 
     @staticmethod
     def backward(ctx, d_out, dy):
         out, weight, keep = ctx.saved_tensors
+        if dy is None:  # y unused (not in gpt.py): its gradient is zero
+            dy = torch.zeros_like(out)
+        if not ctx.out_grad:  # decided in forward, so a compiled backward never sees a zero d_out
+            d_out = None
         d_res, d_x, dw, db, dbias = torch.ops.hpcmeg.layer_norm_backward(
             dy, out, weight, ctx.eps, d_out, keep, ctx.scale, keep is None)
         if keep is None:  # no dropout: the branch's gradient is the residual's
             d_x = d_res
         return (d_x.to(out.dtype), dbias.to(weight.dtype), d_res.to(out.dtype), None, None,
-                dw.to(weight.dtype), db.to(weight.dtype), None)
+                dw.to(weight.dtype), db.to(weight.dtype), None, None)
 
 
 class _BiasDropoutAddLayerNormKernel(_BiasDropoutAddLayerNorm):
@@ -217,10 +228,14 @@ class _BiasDropoutAddLayerNormKernel(_BiasDropoutAddLayerNorm):
     eps), so the gradients come back in the parent's positions."""
 
     @staticmethod
-    def forward(ctx, x, bias, residual, seed, p, weight, ln_bias, eps):
+    def forward(ctx, x, bias, residual, seed, p, weight, ln_bias, eps, out_grad=True):
         out, y, bits = torch.ops.hpcmeg.bias_dropout_add_layer_norm(x, bias, residual, seed, p, weight, ln_bias, eps)
         ctx.save_for_backward(out, weight, bits)
         ctx.scale, ctx.eps = triton_dropout.keep_scale(p), eps
+        ctx.set_materialize_grads(False)
+        ctx.out_grad = out_grad
+        if not out_grad:
+            ctx.mark_non_differentiable(out)
         return out, y
 
 
@@ -231,13 +246,14 @@ def _in_kernel_mask_for(x, residual, ln_weight, impl: str) -> bool:
 
 
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton",
-                                layernorm_impl: str = "triton"):
+                                layernorm_impl: str = "triton", out_grad: bool = True):
     """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm
-    (dropout_impl 'fused' and the kernel takes the tensors: _BiasDropoutAddLayerNormKernel)."""
+    (dropout_impl 'fused' and the kernel takes the tensors: _BiasDropoutAddLayerNormKernel).
+    out_grad False: the caller uses the new residual only through its LayerNorm (it gets no gradient)."""
     if layernorm_impl == "triton" and torch.is_grad_enabled() and bias is not None:
         if training and 0 < p < 1 and _in_kernel_mask_for(x, residual, ln_weight, dropout_impl):
             return _BiasDropoutAddLayerNormKernel.apply(x, bias.to(x.dtype), residual, triton_dropout.draw_seed(x.device),
-                                                        p, ln_weight, ln_bias, eps)
+                                                        p, ln_weight, ln_bias, eps, out_grad)
         keep, scale = None, 1.0
         if training and p > 0:
             if _mask_kernel_for(x, dropout_impl):
@@ -246,7 +262,7 @@ def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bi
             else:
                 keep, scale = torch.rand_like(x, dtype=torch.float32) >= p, 1.0 / (1.0 - p)
         return _BiasDropoutAddLayerNorm.apply(x, bias, residual, keep, scale,
-                                              ln_weight, ln_bias, eps)
+                                              ln_weight, ln_bias, eps, out_grad)
     out = bias_dropout_add(x, bias, residual, p, training, dropout_impl)
     return out, F.layer_norm(out, (out.shape[-1],), ln_weight, ln_bias, eps)
 

@@ -119,7 +119,7 @@ class TransformerLayer(nn.Module):
         _, self.ln_kw = _ops_for(cfg, "layernorm_impl")
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None,
-                next_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+                next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, stream_used: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [b, s, hidden]: the residual stream -> (the stream after this layer, next_norm's
         LayerNorm of it or None). h: input_layernorm(x) when the layer before computed it (fused
@@ -128,7 +128,9 @@ class TransformerLayer(nn.Module):
         bias-dropout-add and that LayerNorm are one op, as the attention branch's and
         post_attention_layernorm always were, so the fused path's backward of the MLP branch end is
         the one LayerNorm pass of triton_layernorm.py too (mask, residual gradient and bias gradient
-        included) instead of separate dropout-backward and bias-sum kernels."""
+        included) instead of separate dropout-backward and bias-sum kernels. stream_used False: the
+        caller uses the returned stream only through next_norm (the last layer before the final
+        LayerNorm), so it needs no gradient of its own."""
         ln1, ln2w = self.input_layernorm, self.post_attention_layernorm
         if h is None:
             h = self.ops.layer_norm(x, ln1.weight, ln1.bias, self.eps, **self.ln_kw)
@@ -139,7 +141,7 @@ class TransformerLayer(nn.Module):
         if next_norm is None:
             return self.ops.bias_dropout_add(out, out_bias, x, self.p, self.training, **self.drop_kw), None
         return self.ops.bias_dropout_add_layer_norm(out, out_bias, x, self.p, self.training, *next_norm, self.eps,
-                                                    **self.drop_kw, **self.ln_kw)
+                                                    **self.drop_kw, **self.ln_kw, out_grad=stream_used)
 
 
 class Encoder(nn.Module):
@@ -155,8 +157,9 @@ class Encoder(nn.Module):
         # final one), so it hands on both the residual stream x and that LayerNorm's output h
         h = None
         for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_layernorm
-            x, h = layer(x, h, None if nxt is None else (nxt.weight, nxt.bias))
+            last = i + 1 == len(self.layers)
+            nxt = self.final_layernorm if last else self.layers[i + 1].input_layernorm
+            x, h = layer(x, h, None if nxt is None else (nxt.weight, nxt.bias), stream_used=not last)
         ln = self.final_layernorm
         if ln is None:
             return x

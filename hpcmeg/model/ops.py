@@ -52,8 +52,9 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
     return residual + dropout(x, p, training)
 
 
-def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps):
-    """(new_residual, LayerNorm(new_residual)): the branch end fused with the next pre-LN."""
+def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, out_grad: bool = True):
+    """(new_residual, LayerNorm(new_residual)): the branch end fused with the next pre-LN. out_grad:
+    a hint for fused.py's version (autograd here needs none: an unused output costs nothing)."""
     out = bias_dropout_add(x, bias, residual, p, training)
     return out, layer_norm(out, ln_weight, ln_bias, eps)
 
