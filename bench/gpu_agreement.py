@@ -220,7 +220,7 @@ def dropout_and_accumulation_checks(rows):
 
 
 def ce_checks(rows):
-    """The grad-in-forward cross-entropy (triton_ce.ce_forward_grad_ + fused._LinearCEGradInForward):
+    """The grad-in-forward cross-entropy (triton_ce.ce_forward_grad_ + fused_ce._LinearCEGradInForward):
     the kernel against its twin at GPT-2's vocabulary, the LM-head loss and gradients against the
     plain fp64 path, and fwd+bwd time of the LM head + loss at 124M's shape (12 x 1024 tokens, h 768,
     bf16, compiled as in the model) for 'fused' vs 'grad_in_forward'."""

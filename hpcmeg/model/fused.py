@@ -31,49 +31,31 @@ What "fused" means here, op by op:
     vs Inductor's libdevice-tanh 45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
   * With both (bench/results/user_path_s9b_124M_kernels.md, 124M user path, one call): 494.6K vs
     482.7K tokens/s (+2.5 %).
-  * linear_cross_entropy: never builds fp32 logits for the whole batch. 'fused': bf16
-    logits, then _CrossEntropyFromLogits, whose forward is one fp32 logsumexp pass (+ a gather
-    of N target logits; on CUDA with Triton the one-read kernel of triton_ce.py, else Inductor's
-    lowering, 'fused_inductor' forces the latter) and whose backward writes softmax - onehot in
-    ONE pass over the logits.
-    Autograd's own backward of gather materialised a dense fp32 [N, V] zeros+scatter tensor
-    (2.5 GB at 124M, micro batch 12) and read it back: 0.53 + ~0.5 ms per step on the H200.
-    'grad_in_forward' (the default): the forward kernel overwrites the logits with softmax - onehot,
-    and the backward folds the per-token scale into the LM-head GEMMs (no backward pass over the
-    logits; _LinearCEGradInForward). 'compiled': the previous formulation (logsumexp - gather under plain
-    autograd), kept for comparison. Eager CUDA calls of both get their own torch.compile. 'chunked': a custom
-    autograd function over token chunks that keeps no logits at all (recomputes them in
-    backward: ~1/3 more LM-head FLOPs, for the least memory).
+  * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
 
 Everything here also runs on CPU in fp32 (tests compare it against ops.py within 1e-5).
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hpcmeg.model import ops, wgrad
-from hpcmeg.model.ops import cross_entropy_with_lse
+from hpcmeg.model import wgrad
+from hpcmeg.model.fused_ce import HAVE_TRITON_CE, autocast_cast, linear_cross_entropy  # noqa: F401  (the op set)
+
+# the custom ops these register (torch.ops.hpcmeg.flash_attention, .layer_norm_backward,
+# .gelu_tanh(_backward), .bias_dropout_add_layer_norm, .dropout_keep_mask) must exist before
+# torch.compile traces the model; their CPU paths are the plain twins, so no triton needed
+from hpcmeg.model import triton_attention, triton_bdaln, triton_dropout
+from hpcmeg.model import triton_gelu, triton_layernorm  # noqa: F401
 
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
-# imports (then hpcmeg/model/triton_ce.py registers torch.ops.hpcmeg.cross_entropy_lse, the
-# one-pass CE forward used on CUDA; it must be registered before torch.compile traces the model).
+# imports (then the keep-mask op runs its kernel on CUDA).
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-try:
-    from hpcmeg.model import triton_ce as _triton_ce  # noqa: F401
-    from hpcmeg.model import triton_dropout
-    HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = True
-except ImportError:  # no triton (CPU-only installs): the Inductor/eager formulation below
-    HAVE_TRITON_CE = HAVE_TRITON_DROPOUT = False
-# register torch.ops.hpcmeg.flash_attention, .layer_norm_backward, .gelu_tanh(_backward) and
-# .bias_dropout_add_layer_norm (their CPU paths are the plain twins, so no triton needed)
-from hpcmeg.model import triton_attention  # noqa: E402
-from hpcmeg.model import triton_bdaln  # noqa: E402
-from hpcmeg.model import triton_gelu, triton_layernorm  # noqa: E402,F401
+HAVE_TRITON_DROPOUT = triton_dropout.triton is not None
 
 _SDPA_ORDER = {
     "auto": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -149,7 +131,7 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
     """tanh-GELU(x W^T + b). sink: the weight's main-grad sink (hpcmeg/model/wgrad.py), or None.
     gelu_impl 'triton': _LinearBiasGelu; 'inductor': linear then F.gelu (Inductor's kernels)."""
     if gelu_impl == "triton" and torch.is_grad_enabled():
-        x, weight, bias = _autocast_cast(x, weight, bias)
+        x, weight, bias = autocast_cast(x, weight, bias)
         flat, offset = sink if sink is not None else (None, 0)
         return _LinearBiasGelu.apply(x, weight, bias, flat, offset)
     return F.gelu(wgrad.linear(x, weight, bias, sink), approximate="tanh")
@@ -295,157 +277,3 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, dropout_p=p, is_causal=True)
     return out.transpose(1, 2)
-
-
-# ---- cross-entropy -------------------------------------------------------------------------
-
-def _ce_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # logsumexp - target logit, both in fp32; under Inductor the .float() fuses into the reduction
-    return cross_entropy_with_lse(logits, labels)[0]
-
-
-class _CrossEntropyFromLogits(torch.autograd.Function):
-    """Per-token CE from logits [..., V] (any float dtype) and labels [...] -> fp32 [...].
-
-    Saves the logits (already alive for the LM-head matmul's backward), labels and the fp32
-    logsumexp [...]; backward is d loss / d logits = (softmax - onehot(label)) * g, one
-    elementwise pass that Inductor fuses into a single kernel (read logits, write the grad)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
-        if use_triton:  # one read of the logits (hpcmeg/model/triton_ce.py)
-            loss, lse = torch.ops.hpcmeg.cross_entropy_lse(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            loss, lse = loss.view(labels.shape), lse.view(labels.shape)
-        else:
-            loss, lse = cross_entropy_with_lse(logits, labels)
-        ctx.save_for_backward(logits, labels, lse)
-        return loss
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        logits, labels, lse = ctx.saved_tensors
-        # softmax - onehot in fp32 registers: Inductor fuses it with the scale and the cast
-        return (ops.softmax_minus_onehot(logits, labels, lse) * g.unsqueeze(-1)).to(logits.dtype), None, None
-
-
-def _ce_fused(logits: torch.Tensor, labels: torch.Tensor, triton: bool = True) -> torch.Tensor:
-    use = triton and HAVE_TRITON_CE and logits.is_cuda
-    return _CrossEntropyFromLogits.apply(logits, labels, use)
-
-
-def _ce_fused_no_triton(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return _ce_fused(logits, labels, triton=False)
-
-
-@functools.cache
-def _compiled(fn):
-    """The compiled copy for eager CUDA callers, built on first use: calling torch.compile at
-    import time pulls in Dynamo/Inductor (7-12 s on CPU) even for runs that never take this path.
-    Inside an already-compiled model Dynamo inlines the plain function instead."""
-    return torch.compile(fn)
-
-
-def _autocast_cast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Cast to the active autocast dtype (custom autograd functions are not autocast-aware)."""
-    dev = ts[0].device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        return tuple(t.to(dt) for t in ts)
-    return ts
-
-
-def _ce_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """loss [N] fp32 of logits [N, V], which are overwritten by softmax - onehot(label)."""
-    if HAVE_TRITON_CE:
-        return torch.ops.hpcmeg.cross_entropy_grad_(logits, labels)
-    return ops.cross_entropy_grad_(logits, labels)  # no triton: the plain twin
-
-
-class _LinearCEGradInForward(torch.autograd.Function):
-    """Per-token CE of hidden @ weight^T whose logits become their own gradient in the forward.
-
-    The loss gradient w.r.t. logit (n, v) is g_n * G[n, v] with G = softmax - onehot known in the
-    forward and g [N] (the upstream per-token scale: loss mask x 1/tokens) known only in backward.
-    The forward's kernel writes G over the logits (one read, one write); the backward folds g into
-    the LM-head GEMMs' small operands instead of scaling [N, V]: d hidden = g * (G @ W) and
-    d W = G^T @ (g * hidden). So no backward pass over [N, V]: one HBM read of the logits less than
-    'fused' (whose compiled backward already reuses the logits' buffer for their gradient, so the
-    peak memory is the same). Measured on the H200 at 124M's shape (bench/results/
-    gpu_agreement_h200_s7_ce.json): LM head + loss fwd+bwd 4.76 ms vs 4.91 ms."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, flat=None, offset=0):  # hidden [N, h], weight [V, h], labels [N]
-        logits = hidden @ weight.t()  # [N, V] in the operands' dtype
-        loss = _ce_grad_(logits, labels)
-        ctx.save_for_backward(logits, hidden, weight)
-        ctx.flat, ctx.offset = flat, offset  # a sink (wgrad.py): d W goes into the main grad
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        G, hidden, weight = ctx.saved_tensors
-        g = g.reshape(-1, 1).float()  # [N, 1]
-        d_hidden = ((G @ weight).float() * g).to(hidden.dtype)
-        hg = (hidden.float() * g).to(hidden.dtype)
-        if ctx.flat is not None:  # main[V, h] += G^T (g * hidden), in the GEMM (fp32 C, beta 1)
-            torch.ops.hpcmeg.wgrad_accumulate_(ctx.flat, G, hg, ctx.offset)
-            return d_hidden, None, None, None, None
-        return d_hidden, G.t() @ hg, None, None, None
-
-
-class _ChunkedLinearCE(torch.autograd.Function):
-    """Per-token CE of hidden @ weight^T keeping only [N] fp32 logsumexps between passes."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int):  # hidden [N,h], weight [V,h], labels [N]
-        n = hidden.shape[0]
-        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(loss)
-        for i in range(0, n, chunk):
-            lf = (hidden[i:i + chunk] @ weight.t()).float()
-            lse[i:i + chunk] = torch.logsumexp(lf, -1)
-            loss[i:i + chunk] = lse[i:i + chunk] - lf.gather(1, labels[i:i + chunk, None]).squeeze(1)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk = chunk
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        chunk = ctx.chunk
-        grad_h = torch.empty_like(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for i in range(0, hidden.shape[0], chunk):
-            h = hidden[i:i + chunk]
-            p = ((h @ weight.t()).float() - lse[i:i + chunk, None]).exp_()  # softmax rows
-            p.scatter_add_(1, labels[i:i + chunk, None],
-                           torch.full_like(lse[i:i + chunk, None], -1.0))  # minus one-hot
-            p = (p * grad_loss[i:i + chunk, None]).to(hidden.dtype)
-            grad_h[i:i + chunk] = p @ weight
-            grad_w += (p.t() @ h).float()
-        return grad_h, grad_w.to(weight.dtype), None, None
-
-
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         impl: str = "fused", chunk_tokens: int = 4096, sink=None) -> torch.Tensor:
-    """hidden [b, s, h], weight [V, h], labels [b, s] -> per-token loss float32 [b, s]. sink (flat,
-    offset), impl 'grad_in_forward' only: the weight's gradient is added into the main grad there
-    (wgrad.py) and autograd gets none."""
-    if sink is not None and impl != "grad_in_forward":
-        raise ValueError(f"linear_cross_entropy: a main-grad sink needs impl 'grad_in_forward', not {impl!r}")
-    if sink is not None:
-        h, w = _autocast_cast(hidden, weight)
-        return _LinearCEGradInForward.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1),
-                                            *sink).view(labels.shape)
-    if impl == "chunked":
-        h, w = _autocast_cast(hidden, weight)
-        loss = _ChunkedLinearCE.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), chunk_tokens)
-        return loss.view(labels.shape)
-    if impl == "grad_in_forward":
-        h, w = _autocast_cast(hidden, weight)
-        return _LinearCEGradInForward.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1)).view(labels.shape)
-    logits = F.linear(hidden, weight)
-    fn = {"fused": _ce_fused, "fused_inductor": _ce_fused_no_triton, "compiled": _ce_from_logits}[impl]
-    if logits.is_cuda and not torch.compiler.is_compiling():
-        return _compiled(fn)(logits, labels)
-    return fn(logits, labels)

@@ -20,10 +20,10 @@ Contract
   softmax_local = exp(logits - lse_global), onehot_local only on the rank owning the label.
   No collective in backward: every rank holds the same loss and the same upstream grad, and
   its shard's gradient needs only the global lse saved from forward.
-- Size-1 group: the single-device computation (bitwise fused.py's CE), no communication.
+- Size-1 group: the single-device computation (bitwise fused_ce.py's CE), no communication.
 - "No fp32 logits" holds where it matters: on CUDA (the kernel forward, the backward compiled
   into one kernel for eager callers) and inside torch.compile (Inductor fuses the .float()); the
-  eager CPU path (tests) materialises fp32 temporaries, as fused.py's does.
+  eager CPU path (tests) materialises fp32 temporaries, as fused_ce.py's does.
 
 How the forward combines the shards: each rank computes, per token, the fp32 logsumexp of its
 shard (on CUDA the one-pass Triton kernel torch.ops.hpcmeg.cross_entropy_lse of
@@ -42,7 +42,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hpcmeg.model import fused
+from hpcmeg.model import fused_ce
 from hpcmeg.model.ops import cross_entropy_with_lse
 from hpcmeg.parallel import comm
 
@@ -73,7 +73,7 @@ def _grad_logits(logits, lse, local, in_shard, g):
 
 @functools.cache
 def _compiled_grad():
-    """Eager CUDA callers get the backward pass compiled into one kernel (as fused.py does);
+    """Eager CUDA callers get the backward pass compiled into one kernel (as fused_ce.py does);
     built on first use so CPU runs never import Inductor for it."""
     return torch.compile(_grad_logits)
 
@@ -106,7 +106,7 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tenso
         raise ValueError(f"vocab_parallel_cross_entropy: labels {tuple(labels.shape)} do not match "
                          f"logits {tuple(logits_local.shape)}")
     if use_triton is None:
-        use_triton = fused.HAVE_TRITON_CE and logits_local.is_cuda
+        use_triton = fused_ce.HAVE_TRITON_CE and logits_local.is_cuda
     n = comm.group_size(group)
     rank, name = (comm.group_rank(group), comm.group_name(group)) if n > 1 else (0, "")
     v = logits_local.shape[-1]
