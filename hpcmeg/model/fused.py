@@ -180,13 +180,17 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         if keep is not None:
             branch = branch * keep * scale
         out = residual + branch
+        _BiasDropoutAddLayerNorm.keep_for_backward(ctx, out, weight, keep, scale, eps, out_grad)
+        return out, F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
+
+    @staticmethod
+    def keep_for_backward(ctx, out, weight, keep, scale, eps, out_grad) -> None:
+        """What backward reads (keep: the bool mask, its packed bits, or None), for both forwards."""
         ctx.save_for_backward(out, weight, keep)
-        ctx.scale, ctx.eps = scale, eps
+        ctx.scale, ctx.eps, ctx.out_grad = scale, eps, out_grad
         ctx.set_materialize_grads(False)
-        ctx.out_grad = out_grad
         if not out_grad:
             ctx.mark_non_differentiable(out)
-        return out, F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
 
     @staticmethod
     def backward(ctx, d_out, dy):
@@ -212,12 +216,7 @@ class _BiasDropoutAddLayerNormKernel(_BiasDropoutAddLayerNorm):
     @staticmethod
     def forward(ctx, x, bias, residual, seed, p, weight, ln_bias, eps, out_grad=True):
         out, y, bits = torch.ops.hpcmeg.bias_dropout_add_layer_norm(x, bias, residual, seed, p, weight, ln_bias, eps)
-        ctx.save_for_backward(out, weight, bits)
-        ctx.scale, ctx.eps = triton_dropout.keep_scale(p), eps
-        ctx.set_materialize_grads(False)
-        ctx.out_grad = out_grad
-        if not out_grad:
-            ctx.mark_non_differentiable(out)
+        _BiasDropoutAddLayerNorm.keep_for_backward(ctx, out, weight, bits, triton_dropout.keep_scale(p), eps, out_grad)
         return out, y
 
 
