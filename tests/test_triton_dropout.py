@@ -78,21 +78,14 @@ def test_thresholds_and_scale():
         assert bool(td.reference_keep_mask(s, [1], p)[0]) == (h0 >= t)
 
 
-def test_layout_and_bit_packing():
-    """Element e is half e % 8 of counter e // 8 (independent of the kernel's BLOCK); pack_bits puts
-    8 adjacent elements in one byte, unpack_bits inverts it."""
+def test_layout():
+    """Element e is half e % 8 of counter e // 8 (independent of the kernel's BLOCK)."""
     s = _seed(99)
     z = torch.zeros(1, dtype=torch.int64)
     words = td.philox4x32_10(torch.tensor([5]), z, z, z, s & 0xFFFFFFFF, s >> 32)  # counter 5
     halves = [int(w) >> sh & 0xFFFF for w in words for sh in (0, 16)]
     t = td.threshold(0.3)
     assert td.reference_keep_mask(s, [64], 0.3)[40:48].tolist() == [h >= t for h in halves]
-    keep = td.reference_keep_mask(s, [3, 37], 0.3)  # 111 elements: a partial last byte
-    bits = td.pack_bits(keep)
-    assert bits.dtype == torch.uint8 and bits.shape == (14,)
-    assert int(bits[1]) == sum(int(keep.reshape(-1)[8 + j]) << j for j in range(8))
-    assert torch.equal(td.unpack_bits(bits, [3, 37]), keep)
-    assert td.pack_bits(torch.ones(0, dtype=torch.bool)).shape == (0,)
 
 
 def test_twin_edge_cases():

@@ -78,22 +78,12 @@ for wdtype in (torch.float32, torch.bfloat16):
     for name, g, r in zip(("dw", "db", "dbias"), got[2:], want[2:]):
         assert g.dtype == torch.float32 and rel(g, r) < 1e-5, (name, wdtype, rel(g, r))
     n_checks += 1
-
-# the bit-packed mask (triton_bdaln's bits; H = 104: 13 of 16 byte groups live, R = 8): bit for
-# bit the results of the bool mask it packs
-from hpcmeg.model import triton_dropout as td
-for shape, launch in (((37, 104), few), ((39, 768), tln.Launch(programs=8))):
-    args = inputs(shape, torch.float32, True, True)
-    got = tln.layer_norm_backward(*args[:5], td.pack_bits(args[5]), args[6], launch=launch)
-    ref = tln.layer_norm_backward(*args, launch=launch)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref)), shape
-    n_checks += 1
 print("ok", n_checks)
 """
 
 
 def test_kernels_match_the_twin_in_the_interpreter():
-    run_in_triton_interpreter(_INTERPRETER_CHECK, expect="ok 12")
+    run_in_triton_interpreter(_INTERPRETER_CHECK, expect="ok 10")
 
 
 def _autograd_grads(residual, a, bias, keep, scale, w, b, gy, g_res, eps):
@@ -148,18 +138,6 @@ def test_custom_op_opcheck_and_cpu_path():
             assert torch.equal(g, r)
         assert got[0].dtype == args[0].dtype and got[2].dtype == torch.float32
         assert got[1].numel() == (0 if args[5] is None else dy.numel())
-    # the bit-packed mask (uint8 [ceil(n / 8)]): the same as the bool mask it packs
-    from hpcmeg.model import triton_dropout as td
-    packed = (dy, x, w, 1e-5, d_res, td.pack_bits(keep), 1 / 0.7)
-    torch.library.opcheck(tln.layer_norm_backward_op, packed)
-    for g, r in zip(torch.ops.hpcmeg.layer_norm_backward(*packed), tln.reference_backward(dy, x, w, 1e-5, d_res, keep,
-                                                                                          1 / 0.7)):
-        assert torch.equal(g, r)
-    with pytest.raises(ValueError, match="bits"):
-        tln.reference_backward(dy, x, w, 1e-5, d_res, td.pack_bits(keep)[:-1], 1 / 0.7)  # one byte short
-    odd = torch.randn(3, 20)  # H % 8 != 0: a row's bits would not be whole bytes
-    with pytest.raises(ValueError, match="H % 8"):
-        tln.reference_backward(odd, odd, torch.randn(20), 1e-5, None, td.pack_bits(odd > 0), 2.0)
 
 
 def test_plan_and_argument_checks():

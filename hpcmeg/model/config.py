@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math")
 CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked")
-DROPOUT_IMPLS = ("triton", "fused", "native")
+DROPOUT_IMPLS = ("triton", "native")
 KERNEL_IMPLS = ("triton", "inductor")  # layernorm_impl, gelu_impl
 
 
@@ -73,12 +73,12 @@ class GPTConfig:
     dropout_impl: str = "triton"
     """Fused path on CUDA only. 'triton': the keep-mask from hpcmeg/model/triton_dropout.py (one
     Philox call per 8 elements, 16-bit thresholds: p in steps of 2**-16; a bool mask that Inductor
-    reads in its fused bias-dropout-add+LN kernel); 'fused': the same mask drawn inside one Triton
-    kernel of bias-dropout-add + LayerNorm (hpcmeg/model/triton_bdaln.py; saved bit-packed for the
-    backward), the embedding's dropout as 'triton' (not yet timed on the GPU); 'native': torch's
-    dropout (under torch.compile Inductor draws one Philox call per element inside that kernel: 61
-    us vs 18 us without dropout at 124M on the H200). All draw from torch's generator
-    (reproducible, resumable); 'native''s masks differ. CPU always uses 'native'."""
+    reads in its fused bias-dropout-add+LN kernel; a Triton bias-dropout-add+LN kernel drawing the
+    mask itself was slower on the H200, 1.60 vs 1.44 ms fwd+bwd at 124M's shape, and was removed:
+    bench/results/user_path_h200_s12.md); 'native': torch's dropout (under torch.compile Inductor
+    draws one Philox call per element inside that kernel: 61 us vs 18 us without dropout at 124M
+    on the H200). All draw from torch's generator (reproducible, resumable); 'native''s masks
+    differ. CPU always uses 'native'."""
 
     layernorm_impl: str = "triton"
     """Fused path only. 'triton': every LayerNorm's backward (with the residual-gradient add, the

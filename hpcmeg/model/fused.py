@@ -47,9 +47,9 @@ from hpcmeg.model import wgrad
 from hpcmeg.model.fused_ce import HAVE_TRITON_CE, autocast_cast, linear_cross_entropy  # noqa: F401  (the op set)
 
 # the custom ops these register (torch.ops.hpcmeg.flash_attention, .layer_norm_backward,
-# .gelu_tanh(_backward), .bias_dropout_add_layer_norm, .dropout_keep_mask) must exist before
+# .gelu_tanh(_backward), .dropout_keep_mask) must exist before
 # torch.compile traces the model; their CPU paths are the plain twins, so no triton needed
-from hpcmeg.model import triton_attention, triton_bdaln, triton_dropout
+from hpcmeg.model import triton_attention, triton_dropout
 from hpcmeg.model import triton_gelu, triton_layernorm  # noqa: F401
 
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
@@ -140,7 +140,7 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
 def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:
     """Whether dropout of x takes the Triton keep-mask (CUDA only: on CPU the op would run its
     PyTorch twin, slower than torch's dropout)."""
-    return impl in ("triton", "fused") and HAVE_TRITON_DROPOUT and x.is_cuda
+    return impl == "triton" and HAVE_TRITON_DROPOUT and x.is_cuda
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, dropout_impl: str = "triton") -> torch.Tensor:
@@ -180,17 +180,12 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         if keep is not None:
             branch = branch * keep * scale
         out = residual + branch
-        _BiasDropoutAddLayerNorm.keep_for_backward(ctx, out, weight, keep, scale, eps, out_grad)
-        return out, F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
-
-    @staticmethod
-    def keep_for_backward(ctx, out, weight, keep, scale, eps, out_grad) -> None:
-        """What backward reads (keep: the bool mask, its packed bits, or None), for both forwards."""
         ctx.save_for_backward(out, weight, keep)
         ctx.scale, ctx.eps, ctx.out_grad = scale, eps, out_grad
         ctx.set_materialize_grads(False)
         if not out_grad:
             ctx.mark_non_differentiable(out)
+        return out, F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
 
     @staticmethod
     def backward(ctx, d_out, dy):
@@ -207,34 +202,11 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
                 dw.to(weight.dtype), db.to(weight.dtype), None, None)
 
 
-class _BiasDropoutAddLayerNormKernel(_BiasDropoutAddLayerNorm):
-    """The same op with its forward as ONE kernel of triton_bdaln.py that draws the dropout mask
-    itself and saves it bit-packed (dropout_impl 'fused'); the backward is the parent's (the
-    LayerNorm pass reads the packed bits). Inputs: (x, bias, residual, seed, p, weight, ln_bias,
-    eps), so the gradients come back in the parent's positions."""
-
-    @staticmethod
-    def forward(ctx, x, bias, residual, seed, p, weight, ln_bias, eps, out_grad=True):
-        out, y, bits = torch.ops.hpcmeg.bias_dropout_add_layer_norm(x, bias, residual, seed, p, weight, ln_bias, eps)
-        _BiasDropoutAddLayerNorm.keep_for_backward(ctx, out, weight, bits, triton_dropout.keep_scale(p), eps, out_grad)
-        return out, y
-
-
-def _in_kernel_mask_for(x, residual, ln_weight, impl: str) -> bool:
-    """Whether dropout_impl 'fused' takes triton_bdaln's kernel for these tensors (CUDA, H % 8 == 0,
-    one dtype, no autocast); otherwise the separate keep-mask kernel ('triton')."""
-    return impl == "fused" and HAVE_TRITON_DROPOUT and triton_bdaln.supports(x, residual, ln_weight)
-
-
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton",
                                 layernorm_impl: str = "triton", out_grad: bool = True):
-    """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm
-    (dropout_impl 'fused' and the kernel takes the tensors: _BiasDropoutAddLayerNormKernel).
+    """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm.
     out_grad False: the caller uses the new residual only through its LayerNorm (it gets no gradient)."""
     if layernorm_impl == "triton" and torch.is_grad_enabled() and bias is not None:
-        if training and 0 < p < 1 and _in_kernel_mask_for(x, residual, ln_weight, dropout_impl):
-            return _BiasDropoutAddLayerNormKernel.apply(x, bias.to(x.dtype), residual, triton_dropout.draw_seed(x.device),
-                                                        p, ln_weight, ln_bias, eps, out_grad)
         keep, scale = None, 1.0
         if training and p > 0:
             if _mask_kernel_for(x, dropout_impl):

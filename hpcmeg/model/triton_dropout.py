@@ -34,10 +34,8 @@ Contract
     Philox constants and counter layout as triton/language/random.py). tests/test_triton_dropout.py
     checks it against the published Random123 known-answer vectors and against the kernel in
     Triton's CPU interpreter (and compiles the kernel for sm90).
-  keep8(seed, c, t): the @triton.jit building block, for kernels that draw the mask themselves
-    (triton_bdaln.py): int64 counters c of shape [..., 1] -> keep [..., 8] of elements 8c .. 8c + 7.
-  pack_bits(keep) -> uint8 [ceil(n / 8)], bit j of byte i = element 8i + j of the flattened keep;
-    unpack_bits(bits, shape) -> bool `shape`: the bit-packed form (1/8 of the bytes) and back.
+  keep8(seed, c, t): the kernel's @triton.jit building block: int64 counters c of shape [..., 1]
+    -> keep [..., 8] of elements 8c .. 8c + 7.
   philox4x32_10(c0, c1, c2, c3, k0, k1): the raw generator on int64 tensors holding uint32 values.
 
 Layout (one definition for every kernel that draws a mask from this file): element e of the
@@ -167,23 +165,6 @@ def reference_keep_mask(seed: torch.Tensor, shape: list[int], p: float) -> torch
     # [counters, 8]: element 8c + 2k + h is half h of word k of counter c
     h = torch.stack([x for w in words for x in (w & _M16, w >> 16)], dim=1).reshape(-1)[:n]
     return (h >= threshold(p)).reshape(shape)
-
-
-def pack_bits(keep: torch.Tensor) -> torch.Tensor:
-    """bool mask (any shape) -> uint8 [ceil(n / 8)]: bit j of byte i is flat element 8i + j."""
-    flat = keep.reshape(-1)
-    pad = -flat.numel() % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=keep.device)
-    return (flat.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
-
-
-def unpack_bits(bits: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """The inverse of pack_bits: bool `shape` from uint8 [ceil(prod(shape) / 8)]."""
-    n = math.prod(shape)
-    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
-    return ((bits.to(torch.int32)[:, None] >> shifts) & 1).reshape(-1)[:n].bool().reshape(shape)
 
 
 @torch.library.custom_op("hpcmeg::dropout_keep_mask", mutates_args=())

@@ -51,9 +51,7 @@ Contract
                       launch=DEFAULT_LAUNCH) -> (dx, d_branch, dw, db, dbias):
       the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1 in the tests).
       dy, x, d_res [..., H] with any leading dims (flattened; made contiguous if they are not),
-      weight [H] fp32 or the activation dtype, keep bool [..., H], its bit-packed form (uint8
-      [ceil(N * H / 8)], triton_dropout.pack_bits's layout: triton_bdaln.py's forward writes it) or
-      None, scale the kept values'
+      weight [H] fp32 or the activation dtype, keep bool [..., H] or None, scale the kept values'
       factor (triton_dropout.keep_scale(p) for its masks, 1 / (1 - p) for torch's). dx, d_branch [..., H] contiguous in dy's
       dtype; dw, db, dbias fp32 [H]. d_branch is empty (numel 0) when keep is None, and dbias too
       unless bias_grad: then dbias = sum_rows(dx) (no dropout: the branch's gradient is dx itself).
@@ -79,8 +77,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-from hpcmeg.model import triton_dropout
 
 try:
     import triton
@@ -151,13 +147,10 @@ def plan(n: int, h: int, device: torch.device, launch: Launch = DEFAULT_LAUNCH) 
 
 if triton is not None:
     @triton.jit
-    def _load_rows(DY, X, DRES, KEEP, r0, row_end, cols, H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr,
-                   HAS_RES: tl.constexpr, HAS_KEEP: tl.constexpr, KEEP_BITS: tl.constexpr):
+    def _load_rows(DY, X, DRES, KEEP, r0, row_end, cols, H: tl.constexpr, R: tl.constexpr,
+                   HAS_RES: tl.constexpr, HAS_KEEP: tl.constexpr):
         """Rows r0 .. r0 + R - 1 (those < row_end) of dy, x, d_res, keep as loaded (not upcast:
-        a prefetched tile waits in registers at 2 B or 1 B per element); masked lanes are 0.
-        KEEP_BITS: keep is bit-packed (bit e % 8 of byte e // 8 for flat element e; H % 8 == 0, so
-        a row's bits are its own H / 8 bytes): loaded as [R, BLOCK_H / 8] bytes, one per thread's 8
-        adjacent columns, and expanded to the tile where used (_kept)."""
+        a prefetched tile waits in registers at 2 B or 1 B per element); masked lanes are 0."""
         rows = r0 + tl.arange(0, R)
         m = (rows < row_end)[:, None] & (cols < H)[None, :]
         offs = rows.to(tl.int64)[:, None] * H + cols[None, :]  # int64: N * H may pass 2^31
@@ -168,31 +161,14 @@ if triton is not None:
             res = tl.load(DRES + offs, mask=m, other=0.0)
         keep = m  # a placeholder without HAS_KEEP (never read)
         if HAS_KEEP:
-            if KEEP_BITS:
-                g = tl.arange(0, BLOCK_H // 8)
-                keep = tl.load(KEEP + rows.to(tl.int64)[:, None] * (H // 8) + g[None, :],
-                               mask=(rows < row_end)[:, None] & (g < H // 8)[None, :], other=0)
-            else:
-                keep = tl.load(KEEP + offs, mask=m, other=0)  # the bool mask as bytes
+            keep = tl.load(KEEP + offs, mask=m, other=0)  # the bool mask as bytes
         return x, dy, res, keep
-
-    @triton.jit
-    def _kept(keep_raw, cols, R: tl.constexpr, BLOCK_H: tl.constexpr, KEEP_BITS: tl.constexpr):
-        """Whether each element of the [R, BLOCK_H] tile was kept: its own byte, or (KEEP_BITS) its
-        bit of its group's byte, broadcast to the group's 8 columns in registers (the reshape keeps
-        each thread's 8 adjacent columns together: no shared memory on sm90)."""
-        if KEEP_BITS:
-            b8 = tl.reshape(tl.broadcast_to(keep_raw.to(tl.int32)[:, :, None], (R, BLOCK_H // 8, 8)), (R, BLOCK_H))
-            kept = ((b8 >> (cols[None, :] & 7)) & 1) != 0
-        else:
-            kept = keep_raw != 0
-        return kept
 
     @triton.jit
     def _ln_bwd_kernel(DY, X, W, DRES, KEEP, DX, DBR, PART, N, rows_per_prog, eps, scale,
                        H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
                        HAS_RES: tl.constexpr, HAS_KEEP: tl.constexpr, BIAS_SUM: tl.constexpr,
-                       PREFETCH: tl.constexpr, KEEP_BITS: tl.constexpr = False):
+                       PREFETCH: tl.constexpr):
         """Rows [pid * rows_per_prog, ...) R at a time; dx (+ d_branch) out, dw/db(/dbias) partials
         [BLOCK_H] in registers, stored as row pid of PART [P, K * H]. PREFETCH: the next R rows'
         loads are issued before this iteration's arithmetic, so they are in flight during its
@@ -207,13 +183,12 @@ if triton is not None:
         acc_dw = tl.zeros([BLOCK_H], tl.float32)
         acc_db = tl.zeros([BLOCK_H], tl.float32)
         acc_dbias = tl.zeros([BLOCK_H], tl.float32)
-        x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, row_start, row_end, cols, H, BLOCK_H, R, HAS_RES,
-                                              HAS_KEEP, KEEP_BITS)
+        x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, row_start, row_end, cols, H, R, HAS_RES, HAS_KEEP)
         for r0 in range(row_start, row_end, R):
             x_raw, dy_raw, res_raw, keep_raw = x_n, dy_n, res_n, keep_n
             if PREFETCH:
-                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, BLOCK_H, R,
-                                                      HAS_RES, HAS_KEEP, KEEP_BITS)
+                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, R,
+                                                      HAS_RES, HAS_KEEP)
             rows = r0 + tl.arange(0, R)
             m = (rows < row_end)[:, None] & cmask[None, :]
             offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
@@ -239,14 +214,14 @@ if triton is not None:
                 dx += res_raw.to(tl.float32)
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=m)
             if HAS_KEEP:
-                dbr = tl.where(_kept(keep_raw, cols, R, BLOCK_H, KEEP_BITS), dx * scale, 0.0)
+                dbr = tl.where(keep_raw != 0, dx * scale, 0.0)
                 tl.store(DBR + offs, dbr.to(DBR.dtype.element_ty), mask=m)
                 acc_dbias += tl.sum(dbr, axis=0)
             elif BIAS_SUM:  # no dropout: the branch's gradient is dx itself (not stored twice)
                 acc_dbias += tl.sum(dx, axis=0)
             if not PREFETCH:
-                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, BLOCK_H, R,
-                                                      HAS_RES, HAS_KEEP, KEEP_BITS)
+                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, R,
+                                                      HAS_RES, HAS_KEEP)
         part = PART + pid.to(tl.int64) * (K * H) + cols
         tl.store(part, acc_dw, mask=cmask)
         tl.store(part + H, acc_db, mask=cmask)
@@ -290,18 +265,10 @@ def _check(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, d_res: Optio
         problems.append(f"weight {tuple(weight.shape)} must be [H] = [{h}]")
     if d_res is not None and d_res.shape != dy.shape:
         problems.append(f"d_res {tuple(d_res.shape)} must be dy's shape {tuple(dy.shape)}")
-    if keep is not None and not (keep.shape == dy.shape and keep.dtype == torch.bool or _packed(keep, dy)):
-        problems.append(f"keep {tuple(keep.shape)} {keep.dtype} must be bool of dy's shape {tuple(dy.shape)}, or "
-                        f"uint8 [{-(-dy.numel() // 8)}] bits (triton_dropout.pack_bits) with H % 8 == 0")
+    if keep is not None and (keep.shape != dy.shape or keep.dtype != torch.bool):
+        problems.append(f"keep {tuple(keep.shape)} {keep.dtype} must be bool of dy's shape {tuple(dy.shape)}")
     if problems:
         raise ValueError("layer_norm_backward: " + "; ".join(problems))
-
-
-def _packed(keep: torch.Tensor, dy: torch.Tensor) -> bool:
-    """keep is the bit-packed mask of dy's elements (triton_dropout.pack_bits / triton_bdaln's
-    bits), rows of whole bytes (H % 8 == 0)."""
-    return (keep.dtype == torch.uint8 and keep.shape == (-(-dy.numel() // 8),) and dy.dim() >= 1
-            and dy.shape[-1] % 8 == 0)
 
 
 def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
@@ -331,14 +298,13 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     partials = torch.empty(p.programs, k * h, dtype=torch.float32, device=dev)
     # absent optional tensors: any pointer will do, the constexpr flags compile their loads away
     res2 = _rows(d_res, h) if d_res is not None else dy2
-    bits = has_keep and _packed(keep, dy)
-    keep2 = (keep.contiguous() if bits else _rows(keep, h).view(torch.uint8)) if has_keep else dy2
+    keep2 = _rows(keep, h).view(torch.uint8) if has_keep else dy2
     with _on(dev):
         _ln_bwd_kernel[(p.programs,)](
             dy2, x2, weight.contiguous(), res2, keep2, dx, d_branch if has_keep else dx, partials,
             n, p.rows_per_prog, float(eps), float(scale),
             H=h, BLOCK_H=p.block_h, R=p.rows, K=k, HAS_RES=d_res is not None, HAS_KEEP=has_keep,
-            BIAS_SUM=has_bias, PREFETCH=p.prefetch, KEEP_BITS=bits, num_warps=p.warps)
+            BIAS_SUM=has_bias, PREFETCH=p.prefetch, num_warps=p.warps)
         _sum_partials_kernel[(triton.cdiv(h, SUM_BLOCK_C), k)](
             partials, dw, db, dbias if has_bias else dw, p.programs,
             H=h, K=k, BLOCK_P=SUM_BLOCK_P, BLOCK_C=SUM_BLOCK_C, num_warps=4)
@@ -354,8 +320,6 @@ def reference_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     residual add, the mask and the sums in fp32; outputs as layer_norm_backward's."""
     _check(dy, x, weight, d_res, keep)
     h = dy.shape[-1]
-    if keep is not None and _packed(keep, dy):
-        keep = triton_dropout.unpack_bits(keep, list(dy.shape))
     xf, dyf = x.reshape(-1, h).float(), dy.reshape(-1, h).float()
     wf = weight.float()
     _, mean, rstd = torch.ops.aten.native_layer_norm(xf, [h], wf, torch.zeros_like(wf), eps)
