@@ -97,9 +97,6 @@ for dt in (torch.float32, torch.bfloat16):
     torch.testing.assert_close(a, b, **tol)
     assert torch.equal(a[:, 9000:], full[:, 9000:])
     torch.testing.assert_close(a[:, :9000].float().sum(-1), torch.zeros(5), atol=5e-3, rtol=0)  # rows sum to 0
-    c = full.clone()  # two programs looping over the 5 rows (the persistent grid): the same result
-    torch.testing.assert_close(triton_ce.ce_forward_grad_(c[:, :9000], labels, programs=2), gl, rtol=0, atol=0)
-    assert torch.equal(c, a)
 torch.library.opcheck(triton_ce.cross_entropy_lse, (torch.randn(6, 300), torch.randint(0, 300, (6,))))
 torch.library.opcheck(triton_ce.cross_entropy_grad_, (torch.randn(6, 300), torch.randint(0, 300, (6,))))
 print("ok")
@@ -114,14 +111,14 @@ def test_triton_ce_forward_in_the_interpreter():
 
 
 def test_triton_ce_grad_kernel_compiles_for_hopper():
-    """The grad-in-forward CE kernel (a loop over rows with a runtime step) compiles for sm90."""
+    """The grad-in-forward CE kernel compiles for sm90."""
     pytest.importorskip("triton")
     from helpers import compile_for_hopper
 
     from hpcmeg.model import triton_ce
     k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel,
-                           dict(logits_ptr="*bf16", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32",
-                                n_rows="i32"), dict(V=50304, BLOCK=triton_ce.BLOCK), num_warps=8)
+                           dict(logits_ptr="*bf16", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32"),
+                           dict(V=50304, BLOCK=triton_ce.BLOCK), num_warps=8)
     assert k.metadata.shared <= 227 * 1024
 
 

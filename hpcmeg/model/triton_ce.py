@@ -23,8 +23,6 @@ Needs the `triton` package (present wherever CUDA torch is); imported when this 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -64,29 +62,26 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, stride_row, V: tl.
 
 
 @triton.jit
-def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, n_rows, V: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, V: tl.constexpr, BLOCK: tl.constexpr):
     """The forward above, then a second sweep of the row that overwrites each logit x with
     softmax(x) - onehot(label) = exp(x - lse) - [col == label] in the logits' dtype: the loss
-    gradient (before the per-token upstream scale), written where the logits were.
-    Rows pid, pid + G, ... (G programs): with G = n_rows (the default) one row per program. The
-    second sweep re-reads a row the first one just read (100 KB at V = 50,304): it comes from L2
-    only while the rows in flight fit the H200's 50 MB L2. One row per program puts up to ~8 per SM
-    in flight (~100 MB), so the profile's 0.95 ms per 124M micro batch is ~3 passes over the 1.24 GB
-    of logits at ~3.9 TB/s; G = a few programs per SM (`programs_per_sm`) bounds them: not yet timed."""
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)  # (tl.cast: in the interpreter r is a Python int)
-        base = logits_ptr + row * stride_row
-        lse = _row_lse(base, V, BLOCK)
-        label = tl.load(labels_ptr + row)
-        target = tl.load(base + label).to(tl.float32)
-        tl.store(loss_ptr + row, lse - target)
-        cols = tl.arange(0, BLOCK)
-        for start in range(0, V, BLOCK):
-            c = start + cols
-            x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse) - tl.where(c == label, 1.0, 0.0)
-            tl.store(base + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
+    gradient (before the per-token upstream scale), written where the logits were. The second
+    sweep re-reads a row the first one just read (100 KB at V = 50,304; ~130 rows in flight fit
+    the H200's 50 MB L2), so the logits cross HBM once in and once out. (0.95 ms at [12288, 50304]
+    on the H200, 2.6 TB/s of reads + writes; a persistent grid of 1-8 programs per SM looping over
+    rows was no faster, 0.97-2.1 ms: bench/results/user_path_h200_s12.md.)"""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    lse = _row_lse(base, V, BLOCK)
+    label = tl.load(labels_ptr + row)
+    target = tl.load(base + label).to(tl.float32)
+    tl.store(loss_ptr + row, lse - target)
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        c = start + cols
+        x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+        g = tl.exp(x - lse) - tl.where(c == label, 1.0, 0.0)
+        tl.store(base + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
 
 
 def ce_forward(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,30 +114,15 @@ def _(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return out, torch.empty_like(out)
 
 
-PROGRAMS_ENV = "HPCMEG_CE_PROGRAMS_PER_SM"  # the grad-in-forward kernel's grid, for bench/ce_probe.py
-
-
-def _grid_rows(n: int, device: torch.device, programs_per_sm: int | None) -> int:
-    """Programs of the grad-in-forward kernel: n (one row each) unless programs_per_sm (argument,
-    else $HPCMEG_CE_PROGRAMS_PER_SM) > 0 asks for that many per SM, each looping over rows."""
-    k = programs_per_sm if programs_per_sm is not None else int(os.environ.get(PROGRAMS_ENV) or 0)
-    if k <= 0 or device.type != "cuda":
-        return n
-    return max(1, min(n, k * torch.cuda.get_device_properties(device).multi_processor_count))
-
-
-def ce_forward_grad_(logits: torch.Tensor, labels: torch.Tensor, programs: int | None = None) -> torch.Tensor:
-    """loss [N] fp32; logits [N, V] (contiguous rows) overwritten by softmax - onehot(label).
-    programs: grid size (default: _grid_rows), each program taking rows pid, pid + programs, ..."""
+def ce_forward_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """loss [N] fp32; logits [N, V] (contiguous rows) overwritten by softmax - onehot(label)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"ce_forward_grad_: logits must be [N, V] with unit column stride, got "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
     n, v = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
-        g = programs or _grid_rows(n, logits.device, None)
-        _ce_fwd_grad_kernel[(g,)](logits, labels.contiguous(), loss, logits.stride(0), n, v, BLOCK=BLOCK,
-                                  num_warps=8)
+        _ce_fwd_grad_kernel[(n,)](logits, labels.contiguous(), loss, logits.stride(0), v, BLOCK=BLOCK, num_warps=8)
     return loss
 
 
