@@ -3,12 +3,22 @@ against cuDNN SDPA at the model sizes' attention shapes, over a few tile configu
 
 Agreement (bf16 kernels vs the fp32 twin on the same bf16 inputs; ||a - b|| / ||b||): output and
 dqkv at dropout 0 and 0.1 (the twin has the kernels' exact keep-mask), and at dropout 0 against
-SDPA. Time: SDPA by CUDA events (mean of --iters after warm-up); the Triton kernels by median CUDA-graph
-replays (triton.testing.do_bench_cudagraph, as the compiled model launches them: event timing of
-0.1 ms kernels carries the launchers' Python). Forward alone, backward alone and
-forward + backward of attention as the model runs it, from qkv [b, s, heads, 3 * head_dim] to
-out and back to the gradient of qkv: for SDPA that includes the split into q, k, v (views) and
-autograd's concatenation of dq, dk, dv; for Triton it is the kernels themselves.
+SDPA. Time: both by median CUDA-graph replays (triton.testing.do_bench_cudagraph), as the compiled
+model launches them (Inductor's CUDA graphs). Forward alone, backward alone and forward + backward
+of attention as the model runs it, from qkv [b, s, heads, 3 * head_dim] to out and back to the
+gradient of qkv. SDPA: the model's call (fused.causal_attention: q, k, v strided views of qkv, no
+copy; cuDNN allocates out in q's token-major layout, so dO, the dense layer's gradient viewed back,
+has out's strides as it does here) and torch.autograd.grad of qkv, which includes the
+concatenation of dq, dk, dv (the compiled backward's cat kernel); its backward alone is fwd+bwd -
+fwd. Triton: the kernels themselves.
+SDPA was timed before by CUDA events around an eager loop calling `.backward(do)` on a leaf qkv:
+cuDNN fwd+bwd read 0.651 / 0.623 / 0.660 ms at 124M / 355M / 1.3B, p = 0.1
+(attention_probe_h200_s12.json), flat where the work grows 1.8x, and at 124M against 0.445 ms of
+cuDNN kernels per layer call (+ 0.026 for the dq, dk, dv cat) in the training step's profile
+(profile_h200_s12_124M_gbs192.md). The loop was launch-bound (Python, dispatch and the autograd
+engine took longer per iteration than the GPU did), and each `.backward` added AccumulateGrad's
+read-modify-write of the leaf's gradient (bf16 [b, s, heads, 3 * head_dim], ~170 MB at 124M), which
+the model, whose qkv is the QKV GEMM's output, never runs.
 Configurations: --fwd and --bwd list tile overrides (Blocks field=value, '+'-joined; 'default').
 Usage: python bench/attention_probe.py --sizes 124M,1.3B [--fwd "default fwd_warps=8 ..."] [--bwd "..."]
        [--p 0.1] [--no-sdpa] [--no-agreement]
@@ -19,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 
@@ -51,14 +60,17 @@ def timed(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def graphed(fn) -> float:
-    """Median ms of fn replayed in a CUDA graph; events if capture fails."""
+def graphed(fn, res: dict | None = None, key: str = "", iters: int = 20) -> float:
+    """Median ms of fn replayed in a CUDA graph; events (an eager loop: host overhead included) if
+    capture fails, noted in res[key + ' timing']."""
     from triton.testing import do_bench_cudagraph
     try:
         return do_bench_cudagraph(fn, rep=50, return_mode="median")
     except Exception as e:  # noqa: BLE001
         print(f"  cuda-graph timing failed ({type(e).__name__}: {str(e)[:80]}); events", flush=True)
-        return timed(fn, 20)
+        if res is not None:
+            res[f"{key} timing"] = f"events, capture failed: {type(e).__name__} {str(e)[:80]}"
+        return timed(fn, iters)
 
 
 def blocks(spec: str) -> ta.Blocks:
@@ -67,7 +79,7 @@ def blocks(spec: str) -> ta.Blocks:
     return dataclasses.replace(ta.DEFAULT_BLOCKS, **{k: int(v) for k, v in (kv.split("=") for kv in spec.split("+"))})
 
 
-SHARED = ("row_words", "heavy_first")  # Blocks fields both directions' launches read
+SHARED = ("heavy_first",)  # Blocks fields both directions' launches read
 
 
 def best_spec(res: dict, p: float) -> str:
@@ -91,10 +103,18 @@ def best_spec(res: dict, p: float) -> str:
 
 
 def sdpa_step(qkv, p, backend):
+    """The model's SDPA call (fused.causal_attention_qkv -> causal_attention): qkv [b, s, h, 3d] ->
+    out [b, s, h, d], a view of SDPA's [b, h, s, d] output."""
     d = qkv.shape[-1] // 3
     q, k, v = (t.transpose(1, 2) for t in qkv.split(d, dim=-1))
     with sdpa_kernel([backend]):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
+
+
+def sdpa_fwd_bwd(x, do, p, backend):
+    """Forward, then dqkv as autograd.grad returns it (dq, dk, dv concatenated into qkv's layout), not
+    accumulated into x.grad: the model's qkv is an intermediate, its gradient feeds the QKV GEMMs."""
+    return torch.autograd.grad(sdpa_step(x, p, backend), x, do)[0]
 
 
 def agreement(b, s, h, d, rows, spec="default"):
@@ -132,13 +152,13 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), s
     res = dict(size=size, shape=[b, s, h, d])
     for p in ps:
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))[:2 * sdpa]:
-            x = qkv.clone().requires_grad_(True)
+            x = qkv.clone().requires_grad_(True)  # so the forward saves what the backward reads, as in training
             try:
-                res[f"{name} p={p} fwd"] = timed(lambda: sdpa_step(x, p, be), iters)
-
-                def fb():
-                    sdpa_step(x, p, be).backward(do)
-                res[f"{name} p={p} fwd+bwd"] = timed(fb, iters)
+                sdpa_fwd_bwd(x, do, p, be)  # a backend that refuses the inputs raises here, outside capture
+                res[f"{name} p={p} fwd"] = graphed(lambda: sdpa_step(x, p, be), res, f"{name} p={p} fwd", iters)
+                res[f"{name} p={p} fwd+bwd"] = graphed(lambda: sdpa_fwd_bwd(x, do, p, be), res,
+                                                       f"{name} p={p} fwd+bwd", iters)
+                res[f"{name} p={p} bwd (fwd+bwd - fwd)"] = res[f"{name} p={p} fwd+bwd"] - res[f"{name} p={p} fwd"]
             except RuntimeError as e:
                 res[f"{name} p={p}"] = f"refused: {str(e)[:80]}"
         for spec in fwd_specs:
@@ -174,7 +194,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="124M")
     ap.add_argument("--fwd", default="default")
     ap.add_argument("--bwd", default="default")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20, help="event-timed iterations where CUDA-graph capture fails")
     ap.add_argument("--p", default="0.0,0.1", help="dropout rates to time")
     ap.add_argument("--no-sdpa", action="store_true", help="time only the Triton kernels")
     ap.add_argument("--no-agreement", action="store_true")

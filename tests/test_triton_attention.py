@@ -27,10 +27,10 @@ assert torch.equal(bits[:, need], ta.reference_bits(seed, BH, S, 0.3)[:, need]),
 
 torch.manual_seed(0)
 B, S, H, D = 2, 128, 2, 16
-# several blocks per row, each row's bits as one int16 / int32 word, heaviest blocks first
-small = ta.Blocks(fwd_m=32, fwd_n=16, dkv_n=32, dkv_m=16, dq_m=32, dq_n=16, row_words=1, heavy_first=1)
-# one diagonal block; row words of 64 (forward) and 32 bits (dQ), word blocks where a tile is 128 wide (dK/dV)
-wide = ta.Blocks(fwd_m=128, fwd_n=64, dkv_n=128, dkv_m=32, dq_m=128, dq_n=32, row_words=1)
+# several blocks per row, tiles of one or two keep words per row (16 or 32 columns), heaviest blocks first
+small = ta.Blocks(fwd_m=32, fwd_n=16, dkv_n=32, dkv_m=16, dq_m=32, dq_n=16, heavy_first=1)
+# one diagonal block per program (its rows span S); 4 keep words per tile row forward, 8 in dK/dV, 2 in dQ
+wide = ta.Blocks(fwd_m=128, fwd_n=64, dkv_n=128, dkv_m=32, dq_m=128, dq_n=32)
 for p in (0.0, 0.2):
     for blocks in (small, ta.DEFAULT_BLOCKS, wide):
         qkv = torch.randn(B, S, H, 3 * D)
@@ -49,13 +49,15 @@ def test_kernels_match_the_twins_in_the_interpreter():
 
 
 def test_kernels_compile_for_hopper():
-    """What the GPU runs: the default tiles and the per-row keep words, at head dims 64 and 128."""
+    """What the GPU runs: the default tiles at head dim 64; the heavy-first grids with the probe's
+    wider backward iterations (dkv_m = dq_n = 64) at head dim 128."""
     pytest.importorskip("triton")
     ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16")
     ints = {n: "i32" for n in ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "H", "S", "thresh")}
     types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
-    for d, blocks in ((64, ta.DEFAULT_BLOCKS), (128, ta.Blocks(row_words=1 - ta.DEFAULT_BLOCKS.row_words))):
-        flags = dict(D=d, DROPOUT=True, RW=blocks.row_words, HEAVY=blocks.heavy_first)
+    other = ta.Blocks(heavy_first=1 - ta.DEFAULT_BLOCKS.heavy_first, dkv_m=64, dq_n=64)
+    for d, blocks in ((64, ta.DEFAULT_BLOCKS), (128, other)):
+        flags = dict(D=d, DROPOUT=True, HEAVY=blocks.heavy_first)
         fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n),
                                  blocks.fwd_warps, blocks.fwd_stages)
         assert fwd.metadata.shared <= 227 * 1024  # fits an H100/H200 SM

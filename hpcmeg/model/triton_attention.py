@@ -87,10 +87,11 @@ class Blocks:
     dq_n: int = 32    # key columns per dQ iteration
     bwd_warps: int = 4
     bwd_stages: int = 3
-    # Two options built in session 10 and checked on the CPU (interpreter, sm90 compile) but not yet
-    # timed on the GPU (bench/results/user_path_h200_s10.md has the probe command that decides them):
-    row_words: int = 0  # 1: a tile reads each row's keep bits as one integer (see _kept); 0: word blocks
-    heavy_first: int = 0  # 1: grid (heads, blocks) with the longest causal rows launched first
+    # 1: grids (heads, blocks) with the longest causal rows launched first, so the short blocks fill
+    # the tail. Opt-in: on the H200 at p = 0.1 it gave forward -9 % / -5 % / +5 % and backward
+    # -9 % / -5 % / -4 % at 124M / 355M / 1.3B, but measured on top of a keep-bit load since removed
+    # (one integer per tile row, slower in the backward than _kept's word blocks), not on this one
+    heavy_first: int = 0
 
     def __post_init__(self):
         # a loop's step must divide the block it walks (the first loop stops at the diagonal block,
@@ -161,44 +162,24 @@ if triton is not None:
         tl.store(BITS + bh.to(tl.int64) * S * S16 + c, bits.to(tl.int16))
 
     @triton.jit
-    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr,
-              ROW_WORDS: tl.constexpr):
+    def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
         """bool keep tile of query rows `rows` [R] x key columns col0 .. col0 + C from one head's bits;
-        TRANS: transposed, [C, R].
-        ROW_WORDS (C <= 64, col0 % C == 0): the C bits of a row are C / 16 adjacent little-endian
-        int16 words, so one int16/int32/int64 load per row gives them with bit j - col0 = column j;
-        the row vector is loaded in the scores' own row (or, transposed, column) layout and each
-        element shifts out its bit: no layout conversion.
-        Otherwise the tile's [R, C / 16] words are loaded once (coalesced) and expanded in registers
-        (Triton moves them into the scores' layout through shared memory); one int16 load per element
-        instead took 0.218 + 0.385 ms forward + backward against 0.144 + 0.270 at 124M, p = 0.1
-        (attention_probe_h200_s9a.json)."""
-        if ROW_WORDS and C <= 64:
-            ptr = bits + rows * S16 + col0 // 16  # [R] int16 pointers, 8-byte aligned for C = 64
-            if C == 64:
-                w = tl.load(ptr.to(tl.pointer_type(tl.int64)))
-            elif C == 32:
-                w = tl.load(ptr.to(tl.pointer_type(tl.int32)))
-            else:
-                w = tl.load(ptr)
-            sh = tl.arange(0, C).to(w.dtype)
-            if TRANS:
-                keep = ((w[None, :] >> sh[:, None]) & 1) != 0
-            else:
-                keep = ((w[:, None] >> sh[None, :]) & 1) != 0
-        else:
-            words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
-            shift = tl.arange(0, 16)
-            k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
-            keep = tl.reshape(k3, (R, C)) != 0
-            if TRANS:
-                keep = tl.trans(keep)
-        return keep  # one return: Triton's compiler rejects returns of different shapes (the interpreter does not)
+        TRANS: transposed, [C, R]. The tile's [R, C / 16] words are loaded once (coalesced) and
+        expanded in registers (Triton moves them into the scores' layout through shared memory);
+        one int16 load per element instead took 0.218 + 0.385 ms forward + backward against
+        0.144 + 0.270 at 124M, p = 0.1 (attention_probe_h200_s9a.json)."""
+        words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
+        shift = tl.arange(0, 16)
+        k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
+        keep = tl.reshape(k3, (R, C)) != 0
+        if TRANS:
+            keep = tl.trans(keep)
+        return keep
 
     @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, qk_scale,
                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                   DROPOUT: tl.constexpr, RW: tl.constexpr):
+                   DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -213,7 +194,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
             acc = acc * alpha[:, None]
             if DROPOUT:
-                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False, RW), p, 0.0)
+                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), p, 0.0)
             v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
@@ -222,7 +203,7 @@ if triton is not None:
     @triton.jit
     def _attn_fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
                          D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
-                         RW: tl.constexpr, HEAVY: tl.constexpr):
+                         HEAVY: tl.constexpr):
         if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
             start_m = tl.num_programs(1) - 1 - tl.program_id(1)
             bh = tl.program_id(0)
@@ -241,9 +222,9 @@ if triton is not None:
         acc = tl.zeros([BM, D], tl.float32)
         # keys strictly left of the diagonal block: no mask; then the diagonal block, masked
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, 0, start_m * BM,
-                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT, RW)
+                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, start_m * BM,
-                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT, RW)
+                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
         out = acc / l_i[:, None]
         if DROPOUT:
             out = out * keep_scale
@@ -266,7 +247,7 @@ if triton is not None:
     @triton.jit
     def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, col0, cols, lo, hi, S16,
                    thresh, keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                   DIAG: tl.constexpr, DROPOUT: tl.constexpr, RW: tl.constexpr):
+                   DIAG: tl.constexpr, DROPOUT: tl.constexpr):
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         for start_m in range(lo, hi, BM):
@@ -279,7 +260,7 @@ if triton is not None:
             do = tl.load(do_ptr + rows[:, None] * o_s + offs_d[None, :])  # [BM, D]
             dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
             if DROPOUT:
-                keep = _kept(bits, rows, col0, S16, BM, BN, True, RW)  # [BN, BM]
+                keep = _kept(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
                 pdt = tl.where(keep, pt * keep_scale, 0.0)
                 dpt = tl.where(keep, dpt * keep_scale, 0.0)
             else:
@@ -293,7 +274,7 @@ if triton is not None:
     @triton.jit
     def _attn_dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
                          keep_scale, qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                         DROPOUT: tl.constexpr, RW: tl.constexpr, HEAVY: tl.constexpr):
+                         DROPOUT: tl.constexpr, HEAVY: tl.constexpr):
         if HEAVY:  # grid (heads, key blocks): key block 0 meets every query, so it goes first
             start_n = tl.program_id(1) * BN
             bh = tl.program_id(0)
@@ -317,10 +298,10 @@ if triton is not None:
         # queries on the diagonal block (masked), then every later query block (unmasked)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True,
-                            DROPOUT, RW)
+                            DROPOUT)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False,
-                            DROPOUT, RW)
+                            DROPOUT)
         # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
@@ -328,7 +309,7 @@ if triton is not None:
     @triton.jit
     def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, keep_scale,
                   qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                  DROPOUT: tl.constexpr, RW: tl.constexpr):
+                  DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -340,7 +321,7 @@ if triton is not None:
                 p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
             dp = tl.dot(do, vt)
             if DROPOUT:
-                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False, RW), dp * keep_scale, 0.0)
+                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), dp * keep_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(q.dtype), tl.trans(kt), dq)
         return dq
@@ -348,7 +329,7 @@ if triton is not None:
     @triton.jit
     def _attn_dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
                         keep_scale, qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        DROPOUT: tl.constexpr, RW: tl.constexpr, HEAVY: tl.constexpr):
+                        DROPOUT: tl.constexpr, HEAVY: tl.constexpr):
         if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
             start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BM
             bh = tl.program_id(0)
@@ -367,9 +348,9 @@ if triton is not None:
         bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         dq = tl.zeros([BM, D], tl.float32)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, 0, start_m,
-                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT, RW)
+                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, start_m,
-                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT, RW)
+                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT)
         tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
 
 
@@ -419,7 +400,7 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
     with _on(qkv.device):
         _attn_fwd_kernel[_grid(s // blocks.fwd_m, b * h, blocks)](
             qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale, sm_scale * LOG2E, D=d,
-            BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, RW=blocks.row_words, HEAVY=blocks.heavy_first,
+            BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, HEAVY=blocks.heavy_first,
             num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse, bits
 
@@ -439,7 +420,7 @@ def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torc
     with _on(qkv.device):
         _attn_delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
         common = (lse, delta, dqkv, bits, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
-        flags = dict(DROPOUT=t > 0, RW=blocks.row_words, HEAVY=blocks.heavy_first, num_warps=blocks.bwd_warps,
+        flags = dict(DROPOUT=t > 0, HEAVY=blocks.heavy_first, num_warps=blocks.bwd_warps,
                      num_stages=blocks.bwd_stages)
         _attn_dkv_kernel[_grid(s // blocks.dkv_n, b * h, blocks)](qkv, dout, *common, D=d, BN=blocks.dkv_n,
                                                                   BM=blocks.dkv_m, **flags)
