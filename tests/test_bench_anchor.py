@@ -87,10 +87,12 @@ def test_user_path_items():
 
 def test_lease_script_items(tmp_path, monkeypatch):
     """bench/lease.sh: an unknown stage fails with one line and exit 2 before any stage runs; a
-    user-path stage builds its rows from an earlier call's probe files (LEASE_BEST), and those rows
-    parse into the settings and the attention spec / CE grid the kernels read from the environment
-    (the run itself fails here, without a GPU, after logging its command)."""
+    user-path stage builds its rows from an earlier call's probe file (LEASE_BEST), and those rows
+    parse into the settings and the attention spec the kernels read from the environment (the run
+    itself fails here, without a GPU, after logging its command); everything ends up in one
+    lease.tgz (the device tool returns at most 8 files)."""
     import subprocess
+    import tarfile
 
     import user_path
 
@@ -103,20 +105,24 @@ def test_lease_script_items(tmp_path, monkeypatch):
                        env={**os.environ, "OUT": str(out)}, timeout=60)
     assert r.returncode == 2 and "unknown stage 'u125'" in r.stderr
     assert not (out / "loss_parity.log").exists()  # the valid stage before it did not start
-    spec = "row_words=1+heavy_first=1+dkv_m=64"
+    spec = "heavy_first=1+dkv_m=64"
     (best / "attention_best_124M.txt").write_text(spec)
-    (best / "ce_best.txt").write_text("2")
     r = subprocess.run(["bash", lease, "u124"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
     assert r.returncode == 0, r.stderr
-    logged = (out / "lease.log").read_text()
+    assert [p.name for p in out.iterdir()] == ["lease.tgz"]
+    with tarfile.open(out / "lease.tgz") as t:
+        assert "user_path_124M.log" in t.getnames()
+        logged = t.extractfile("lease.log").read().decode()
     items = logged.split("--items ", 1)[1].split("\n", 1)[0].split()
-    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 6, items
-    kind, o = user_path.parse_item(items[2], "124M")  # every option together
-    assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton", "model.dropout_impl=fused"]
-    assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec, "HPCMEG_CE_PROGRAMS_PER_SM": "2"}
-    assert user_path.parse_item(items[-1], "124M")[1]["env"] == {"HPCMEG_CE_PROGRAMS_PER_SM": "2"}
+    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items
+    kind, o = user_path.parse_item(items[2], "124M")  # Triton attention at the probe's tiles
+    assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton"] and o["mb"] == 12
+    assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
+    kind, o16 = user_path.parse_item(items[4], "124M")  # the same at micro batch 16
+    assert (o16["mb"], o16["gbs"], o16["set"], o16["env"]) == (16, 192, o["set"], o["env"])
+    assert user_path.parse_item(items[3], "124M")[1]["mb"] == 16
     monkeypatch.setenv(triton_attention.BLOCKS_ENV, o["env"][triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()
-    assert (b.row_words, b.heavy_first, b.dkv_m, b.fwd_m) == (1, 1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)
+    assert (b.heavy_first, b.dkv_m, b.fwd_m) == (1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)
