@@ -75,7 +75,7 @@ def agreement(n: int, f: int, fwd_c, bwd_c) -> dict:
     ref_g = tg.reference_forward(h.float())
     ref_dh, ref_dbias = tg.reference_backward(dg.float(), h.float())
     r = dict(g=rel(g, ref_g), dh=rel(dh, ref_dh), dbias=rel(dbias, ref_dbias))
-    r["ok"] = r["g"] < 1e-2 and r["dh"] < 1e-2 and r["dbias"] < 1e-4
+    r["ok"] = r["g"] < 1e-2 and r["dh"] < 1e-2 and r["dbias"] < 8e-3  # dbias: fp32 sums rounded to bf16
     r["dbias_deterministic"] = torch.equal(tg.gelu_backward(dg, h)[1], dbias)
     op_dh, op_dbias = torch.ops.hpcmeg.gelu_tanh_backward(dg, h)
     r["ops_are_kernels"] = (torch.equal(torch.ops.hpcmeg.gelu_tanh(h), g) and torch.equal(op_dh, dh)

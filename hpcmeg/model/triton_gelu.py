@@ -15,11 +15,12 @@ the GEMM's epilogue), so no second pass re-reads [tokens, ffn] for it.
 Contract
   gelu_forward(h [..., F] bf16|fp16|fp32) -> g, h's shape and dtype, contiguous; math in fp32.
   gelu_backward(dg, h: same shape [..., F]) -> (dh, dbias): dh = dg * g'(h) in fp32, stored in
-    h's dtype; dbias fp32 [F] = the sum over all leading dims of the fp32 dh values (before their
-    rounding to h's dtype). Deterministic, no atomics: each program of the main kernel owns a
+    h's dtype; dbias [F] = the fp32 sum over all leading dims of the fp32 dh values (before their
+    rounding), rounded once to h's dtype (the bias's dtype in the fused MLP: bf16 parameters take
+    no cast kernel). Deterministic, no atomics: each program of the main kernel owns a
     column block and a fixed set of row tiles and writes its fp32 partial sum to one row of a
-    partials buffer [P, F]; a second small kernel adds the P rows in a fixed order (P = 1: the main
-    kernel writes dbias itself). The grid depends on the GPU's SM count, so dbias is bit-for-bit
+    partials buffer [P, F]; a second small kernel adds the P rows in a fixed order (P = 1 with fp32
+    h: the main kernel writes dbias itself). The grid depends on the GPU's SM count, so dbias is bit-for-bit
     reproducible on one GPU model, not across models.
   Inputs that are not contiguous are copied first (the kernels address [N, F] row-major).
   Custom ops (one opaque kernel each for torch.compile / CUDA graphs; fakes give shapes):
@@ -162,7 +163,7 @@ if triton is not None:
             rows = r0 + tl.arange(0, ROWS)
             acc += tl.load(PART + rows[:, None] * F + cols[None, :], mask=(rows < P)[:, None] & col_ok[None, :],
                            other=0.0)
-        tl.store(OUT + cols, tl.sum(acc, axis=0), mask=col_ok)
+        tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)  # rounded once
 
 
 # ---- launchers ------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ def row_programs(n: int, f: int, device: torch.device, blocks: Blocks = DEFAULT_
 
 def gelu_backward(dg: torch.Tensor, h: torch.Tensor, blocks: Blocks = DEFAULT_BLOCKS,
                   n_row_programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton backward: (dh in h's dtype and shape, dbias fp32 [F]); see the module docstring.
+    """The Triton backward: (dh in h's dtype and shape, dbias [F] in h's dtype); see the module docstring.
     n_row_programs overrides R (the tests use it to sum several partial rows on a small input)."""
     f = _check_pair(dg, h, "gelu_backward")
     _check_kernel_dtype(h, "gelu_backward")
@@ -234,13 +235,15 @@ def gelu_backward(dg: torch.Tensor, h: torch.Tensor, blocks: Blocks = DEFAULT_BL
     n = h2.shape[0]
     dh = torch.empty_like(h2)
     if n == 0 or f == 0:
-        return dh.view(h.shape), torch.zeros(f, dtype=torch.float32, device=h.device)
-    dbias = torch.empty(f, dtype=torch.float32, device=h.device)  # every column written below: no memset
+        return dh.view(h.shape), torch.zeros(f, dtype=h.dtype, device=h.device)
+    dbias = torch.empty(f, dtype=h.dtype, device=h.device)  # every column written below: no memset
     r = n_row_programs or row_programs(n, f, h.device, blocks)
-    part = dbias.view(1, f) if r == 1 else torch.empty(r, f, dtype=torch.float32, device=h.device)
+    # the main kernel stores fp32 partial sums: straight into dbias only if it is one fp32 row
+    direct = r == 1 and dbias.dtype == torch.float32
+    part = dbias.view(1, f) if direct else torch.empty(r, f, dtype=torch.float32, device=h.device)
     launch(_gelu_bwd_kernel, (triton.cdiv(f, blocks.bwd_f), r), h.device, dg2, h2, dh, part, n,
            F=f, BLOCK_F=blocks.bwd_f, ROWS=blocks.bwd_rows, num_warps=blocks.bwd_warps, **_register_cap(blocks))
-    if r > 1:
+    if not direct:
         launch(_sum_rows_kernel, (triton.cdiv(f, blocks.sum_f),), h.device, part, dbias, r,
                F=f, BLOCK_F=blocks.sum_f, ROWS=blocks.sum_rows, num_warps=4)
     return dh.view(h.shape), dbias
@@ -261,10 +264,11 @@ def gelu_grad(h: torch.Tensor) -> torch.Tensor:
 
 
 def reference_backward(dg: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dh = dg * g'(h) computed in fp32, cast to h's dtype; dbias = fp32 column sums of that fp32 dh)."""
+    """(dh = dg * g'(h) computed in fp32, cast to h's dtype; dbias = fp32 column sums of that fp32 dh,
+    cast to h's dtype)."""
     f = _check_pair(dg, h, "reference_backward")
     dh = dg.float() * gelu_grad(h.float())
-    return dh.to(h.dtype), dh.reshape(-1, f).sum(0)
+    return dh.to(h.dtype), dh.reshape(-1, f).sum(0).to(h.dtype)
 
 
 # ---- custom ops ---------------------------------------------------------------------------
@@ -288,7 +292,7 @@ def _(h: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("hpcmeg::gelu_tanh_backward", mutates_args=())
 def gelu_tanh_backward(dg: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dh in h's dtype, dbias fp32 [F]) of gelu_tanh; Triton on CUDA, reference_backward elsewhere."""
+    """(dh in h's dtype, dbias [F] in h's dtype) of gelu_tanh; Triton on CUDA, reference_backward elsewhere."""
     if _use_kernel(dg, h):
         return gelu_backward(dg, h)
     return tuple(t.contiguous() for t in reference_backward(dg, h))
@@ -297,5 +301,5 @@ def gelu_tanh_backward(dg: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor,
 @gelu_tanh_backward.register_fake
 def _(dg: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     f = _check_pair(dg, h, "gelu_tanh_backward")
-    return h.new_empty(h.shape), h.new_empty(f, dtype=torch.float32)
+    return h.new_empty(h.shape), h.new_empty(f)
 

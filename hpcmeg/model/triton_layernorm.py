@@ -53,7 +53,8 @@ Contract
       dy, x, d_res [..., H] with any leading dims (flattened; made contiguous if they are not),
       weight [H] fp32 or the activation dtype, keep bool [..., H] or None, scale the kept values'
       factor (triton_dropout.keep_scale(p) for its masks, 1 / (1 - p) for torch's). dx, d_branch [..., H] contiguous in dy's
-      dtype; dw, db, dbias fp32 [H]. d_branch is empty (numel 0) when keep is None, and dbias too
+      dtype; dw, db, dbias [H] in weight's dtype (fp32 sums, rounded once: in the sum kernel, so
+      bf16 parameters take no cast kernels, 74 per 124M micro batch before). d_branch is empty (numel 0) when keep is None, and dbias too
       unless bias_grad: then dbias = sum_rows(dx) (no dropout: the branch's gradient is dx itself).
   reference_backward(dy, x, weight, eps, d_res=None, keep=None, scale=1.0, bias_grad=False): the twin,
       same outputs: aten's own LayerNorm backward in fp32 (native_layer_norm_backward, what autograd
@@ -243,9 +244,10 @@ if triton is not None:
             t = tl.load(base[None, :] + ps.to(tl.int64)[:, None] * (K * H),
                         mask=(ps < P)[:, None] & cmask[None, :], other=0.0)
             acc += tl.sum(t, axis=0)
-        tl.store(DW + cols, acc, mask=cmask & (k == 0))
-        tl.store(DB + cols, acc, mask=cmask & (k == 1))
-        tl.store(DBIAS + cols, acc, mask=cmask & (k == 2))
+        # rounded once to the parameters' dtype here: a separate cast would be a kernel per sum
+        tl.store(DW + cols, acc.to(DW.dtype.element_ty), mask=cmask & (k == 0))
+        tl.store(DB + cols, acc.to(DB.dtype.element_ty), mask=cmask & (k == 1))
+        tl.store(DBIAS + cols, acc.to(DBIAS.dtype.element_ty), mask=cmask & (k == 2))
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -288,11 +290,11 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dev = dy.device
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dev)
     d_branch = torch.empty(dy.shape if has_keep else (0,), dtype=dy.dtype, device=dev)
-    f32 = dict(dtype=torch.float32, device=dev)
+    wdt = dict(dtype=weight.dtype, device=dev)  # the sums come back in the parameters' dtype
     if n == 0 or h == 0:  # sums over no rows
-        return dx, d_branch, torch.zeros(h, **f32), torch.zeros(h, **f32), torch.zeros(h if has_bias else 0, **f32)
+        return dx, d_branch, torch.zeros(h, **wdt), torch.zeros(h, **wdt), torch.zeros(h if has_bias else 0, **wdt)
     # every column of these is written by _sum_partials_kernel: no memset kernels
-    dw, db, dbias = torch.empty(h, **f32), torch.empty(h, **f32), torch.empty(h if has_bias else 0, **f32)
+    dw, db, dbias = torch.empty(h, **wdt), torch.empty(h, **wdt), torch.empty(h if has_bias else 0, **wdt)
     p = plan(n, h, dev, launch)
     k = 3 if has_bias else 2
     partials = torch.empty(p.programs, k * h, dtype=torch.float32, device=dev)
@@ -334,7 +336,7 @@ def reference_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
         d_branch, dbias = dy.new_empty(0), dxf.sum(0)
     else:
         d_branch, dbias = dy.new_empty(0), torch.zeros(0, dtype=torch.float32, device=dy.device)
-    return dxf.to(dy.dtype).view(dy.shape), d_branch, dw, db, dbias
+    return dxf.to(dy.dtype).view(dy.shape), d_branch, dw.to(weight.dtype), db.to(weight.dtype), dbias.to(weight.dtype)
 
 
 # ---- custom op ------------------------------------------------------------------------------
@@ -354,8 +356,8 @@ def layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tens
 @layer_norm_backward_op.register_fake
 def _(dy, x, weight, eps, d_res, keep, scale, bias_grad=False):
     h = dy.shape[-1]
-    f32 = torch.float32
+    wdt = weight.dtype
     has_keep = keep is not None
     return (dy.new_empty(dy.shape), dy.new_empty(dy.shape if has_keep else (0,)),
-            dy.new_empty(h, dtype=f32), dy.new_empty(h, dtype=f32),
-            dy.new_empty(h if has_keep or bias_grad else 0, dtype=f32))
+            dy.new_empty(h, dtype=wdt), dy.new_empty(h, dtype=wdt),
+            dy.new_empty(h if has_keep or bias_grad else 0, dtype=wdt))
