@@ -261,7 +261,7 @@ if triton is not None:
             dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
             if DROPOUT:
                 keep = _kept(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
-                pdt = tl.where(keep, pt * keep_scale, 0.0)
+                pdt = tl.where(keep, pt, 0.0)  # dV's keep_scale: once on the sum, after the loops
                 dpt = tl.where(keep, dpt * keep_scale, 0.0)
             else:
                 pdt = pt
@@ -302,7 +302,9 @@ if triton is not None:
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False,
                             DROPOUT)
-        # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
+        # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q; dV = keep_scale * (P * keep)^T dO
+        if DROPOUT:
+            dv = dv * keep_scale
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
 
