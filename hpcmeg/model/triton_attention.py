@@ -185,11 +185,13 @@ if triton is not None:
         for start_n in range(lo, hi, BN):
             cols = start_n + offs_n
             kt = tl.load(k_ptr + cols[None, :] * s_s + offs_d[:, None])  # [D, BN]
-            qk = tl.dot(q, kt) * qk_scale  # scores in log2 units, fp32 [BM, BN]
+            qk = tl.dot(q, kt)  # raw scores, fp32 [BM, BN]; times qk_scale: log2 units
             if DIAG:
                 qk = tl.where(rows[:, None] >= cols[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
+            # qk_scale > 0, so the row max scales with it (bit for bit: rounding is monotonic): one
+            # multiply per row, and the scale rides in exp2's FFMA instead of a multiply per element
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
             acc = acc * alpha[:, None]
