@@ -252,23 +252,28 @@ if triton is not None:
                    DIAG: tl.constexpr, DROPOUT: tl.constexpr):
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, D)
+        # with dropout, pt below is P^T * keep_scale (the scale enters through the log-sum-exp), so
+        # dV = (P * Z)^T dO takes the bare mask and dS = P * (dP * Z - delta) becomes
+        # (P * s) * (dP * keep - delta / s): no multiply per element for the scale
+        lse_shift = tl.math.log2(keep_scale) if DROPOUT else 0.0
+        delta_scale = 1.0 / keep_scale if DROPOUT else 1.0
         for start_m in range(lo, hi, BM):
             rows = start_m + offs_m
             qt = tl.load(q_ptr + rows[None, :] * s_s + offs_d[:, None])  # [D, BM]
-            lse = tl.load(lse_ptr + rows)
-            pt = tl.math.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])  # P^T [BN, BM], fp32
+            lse = tl.load(lse_ptr + rows) - lse_shift
+            pt = tl.math.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])  # P^T (* s) [BN, BM], fp32
             if DIAG:
                 pt = tl.where(rows[None, :] >= cols[:, None], pt, 0.0)
             do = tl.load(do_ptr + rows[:, None] * o_s + offs_d[None, :])  # [BM, D]
             dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
             if DROPOUT:
                 keep = _kept(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
-                pdt = tl.where(keep, pt, 0.0)  # dV's keep_scale: once on the sum, after the loops
-                dpt = tl.where(keep, dpt * keep_scale, 0.0)
+                pdt = tl.where(keep, pt, 0.0)
+                dpt = tl.where(keep, dpt, 0.0)
             else:
                 pdt = pt
             dv = tl.dot(pdt.to(do.dtype), do, dv)
-            delta = tl.load(delta_ptr + rows)
+            delta = tl.load(delta_ptr + rows) * delta_scale
             dst = pt * (dpt - delta[None, :])  # dS^T [BN, BM]
             dk = tl.dot(dst.to(do.dtype), tl.trans(qt), dk)
         return dk, dv
@@ -304,14 +309,12 @@ if triton is not None:
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
                             cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False,
                             DROPOUT)
-        # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q; dV = keep_scale * (P * keep)^T dO
-        if DROPOUT:
-            dv = dv * keep_scale
+        # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
 
     @triton.jit
-    def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, keep_scale,
+    def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh,
                   qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
                   DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
@@ -324,8 +327,8 @@ if triton is not None:
             if DIAG:
                 p = tl.where(rows[:, None] >= cols[None, :], p, 0.0)
             dp = tl.dot(do, vt)
-            if DROPOUT:
-                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), dp * keep_scale, 0.0)
+            if DROPOUT:  # p is P * keep_scale and delta is delta / keep_scale (_attn_dq_kernel)
+                dp = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), dp, 0.0)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(q.dtype), tl.trans(kt), dq)
         return dq
@@ -348,13 +351,16 @@ if triton is not None:
         do = tl.load(DO + b.to(tl.int64) * o_b + h * o_h + rows[:, None] * o_s + offs_d[None, :])
         lse = tl.load(LSE + bh.to(tl.int64) * S + rows)
         delta = tl.load(DELTA + bh.to(tl.int64) * S + rows)
+        if DROPOUT:  # dS = P * (dP * Z - delta) = (P * s) * (dP * keep - delta / s), Z = keep * s:
+            lse -= tl.math.log2(keep_scale)  # P * s through the log-sum-exp, no multiply per element
+            delta = delta / keep_scale
         S16 = S // 16
         bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         dq = tl.zeros([BM, D], tl.float32)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, 0, start_m,
-                       S16, thresh, keep_scale, qk_scale, BM, BN, D, False, DROPOUT)
+                       S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, start_m,
-                       start_m + BM, S16, thresh, keep_scale, qk_scale, BM, BN, D, True, DROPOUT)
+                       start_m + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
         tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
 
 
