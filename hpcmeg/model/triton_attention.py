@@ -18,7 +18,7 @@ of the bf16 scores' size: 18.9 MB per layer at 124M, micro batch 12) that the fo
 backward kernels read. (Regenerating the mask inside each kernel, one Philox call per 16 elements
 plus the unpacking, cost 0.11 ms in the forward and 0.30 ms in the backward per layer at 124M on the
 H200, more than the whole attention without dropout: bench/results/attention_probe_h200_s8a.json.)
-A tile reads its bits as one [rows, cols / 16] block of words, expanded in registers (_kept): at
+A tile reads its bits as one [rows, cols / 16] block of words, expanded in registers (_keep_words): at
 124M, p = 0.1, forward 0.144 ms and backward 0.270 ms against 0.218 and 0.385 when every element
 loaded its own word (bench/results/attention_probe_h200_s9a.json). Drawing the bits costs
 0.044 ms per layer (Philox's 32-bit multiplies: 4.7 M calls). In the user path (profile_h200_s9_124M_
@@ -90,7 +90,7 @@ class Blocks:
     # 1: grids (heads, blocks) with the longest causal rows launched first, so the short blocks fill
     # the tail. Opt-in: on the H200 at p = 0.1 it gave forward -9 % / -5 % / +5 % and backward
     # -9 % / -5 % / -4 % at 124M / 355M / 1.3B, but measured on top of a keep-bit load since removed
-    # (one integer per tile row, slower in the backward than _kept's word blocks), not on this one
+    # (one integer per tile row, slower in the backward than _keep_words's blocks), not on this one
     heavy_first: int = 0
 
     def __post_init__(self):
@@ -162,19 +162,40 @@ if triton is not None:
         tl.store(BITS + bh.to(tl.int64) * S * S16 + c, bits.to(tl.int16))
 
     @triton.jit
+    def _keep_words(bits, rows, col0, S16, C: tl.constexpr):
+        """The [R, C / 16] keep words of query rows `rows` x key columns col0 .. col0 + C of one head,
+        loaded once (coalesced) and expanded in registers by _kept / _keep_mask (Triton moves the
+        words into the scores' layout through shared memory); one int16 load per element instead
+        took 0.218 + 0.385 ms forward + backward against 0.144 + 0.270 at 124M, p = 0.1
+        (attention_probe_h200_s9a.json)."""
+        return tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :]).to(tl.int32)
+
+    @triton.jit
     def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
-        """bool keep tile of query rows `rows` [R] x key columns col0 .. col0 + C from one head's bits;
-        TRANS: transposed, [C, R]. The tile's [R, C / 16] words are loaded once (coalesced) and
-        expanded in registers (Triton moves them into the scores' layout through shared memory);
-        one int16 load per element instead took 0.218 + 0.385 ms forward + backward against
-        0.144 + 0.270 at 124M, p = 0.1 (attention_probe_h200_s9a.json)."""
-        words = tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :])
-        shift = tl.arange(0, 16)
-        k3 = ((words.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 1).to(tl.int8)  # [R, C/16, 16]
-        keep = tl.reshape(k3, (R, C)) != 0
+        """bool keep tile [R, C] (TRANS: [C, R]), for tl.where: the dQ kernel's form. Its 32-column
+        tiles compile shorter this way than with _keep_mask (sm90 SASS: 185 / 248 against 203 / 312
+        instructions in its two loops)."""
+        k3 = ((_keep_words(bits, rows, col0, S16, C)[:, :, None] >> tl.arange(0, 16)[None, None, :]) & 1)
+        keep = tl.reshape(k3.to(tl.int8), (R, C)) != 0
         if TRANS:
             keep = tl.trans(keep)
         return keep
+
+    @triton.jit
+    def _keep_mask(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
+        """int32 keep tile [R, C] (TRANS: [C, R]) of 0 (dropped) or -1 (kept), for _drop: bit j moved
+        to the sign, then an arithmetic shift. The forward and dK/dV kernels' form (sm90 SASS: their
+        loops 466 -> 432 and 385 / 327 -> 356 / 310 instructions against _kept + tl.where)."""
+        k3 = (_keep_words(bits, rows, col0, S16, C)[:, :, None] << (31 - tl.arange(0, 16))[None, None, :]) >> 31
+        keep = tl.reshape(k3, (R, C))
+        if TRANS:
+            keep = tl.trans(keep)
+        return keep
+
+    @triton.jit
+    def _drop(x, keep):
+        # fp32 x where keep is -1, +0.0 where it is 0: one AND per element
+        return (x.to(tl.int32, bitcast=True) & keep).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, qk_scale,
@@ -196,7 +217,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
             acc = acc * alpha[:, None]
             if DROPOUT:
-                p = tl.where(_kept(bits, rows, start_n, S16, BM, BN, False), p, 0.0)
+                p = _drop(p, _keep_mask(bits, rows, start_n, S16, BM, BN, False))
             v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
@@ -267,9 +288,9 @@ if triton is not None:
             do = tl.load(do_ptr + rows[:, None] * o_s + offs_d[None, :])  # [BM, D]
             dpt = tl.dot(v, tl.trans(do))  # (dO V^T)^T [BN, BM]
             if DROPOUT:
-                keep = _kept(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
-                pdt = tl.where(keep, pt, 0.0)
-                dpt = tl.where(keep, dpt, 0.0)
+                keep = _keep_mask(bits, rows, col0, S16, BM, BN, True)  # [BN, BM]
+                pdt = _drop(pt, keep)
+                dpt = _drop(dpt, keep)
             else:
                 pdt = pt
             dv = tl.dot(pdt.to(do.dtype), do, dv)
