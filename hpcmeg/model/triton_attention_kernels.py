@@ -99,7 +99,7 @@ if triton is not None:
         return (x.to(tl.int32, bitcast=True) & keep).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh, qk_scale,
+    def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, qk_scale,
                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
                    DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
@@ -146,9 +146,9 @@ if triton is not None:
         acc = tl.zeros([BM, D], tl.float32)
         # keys strictly left of the diagonal block: no mask; then the diagonal block, masked
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, 0, start_m * BM,
-                                   S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
+                                   S16, qk_scale, BM, BN, D, False, DROPOUT)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, start_m * BM,
-                                   start_m * BM + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
+                                   start_m * BM + BM, S16, qk_scale, BM, BN, D, True, DROPOUT)
         out = acc / l_i[:, None]
         if DROPOUT:
             out = out * keep_scale
@@ -170,7 +170,7 @@ if triton is not None:
 
     @triton.jit
     def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, col0, cols, lo, hi, S16,
-                   thresh, keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+                   keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    DIAG: tl.constexpr, DROPOUT: tl.constexpr):
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, D)
@@ -226,17 +226,17 @@ if triton is not None:
         dv = tl.zeros([BN, D], tl.float32)
         # queries on the diagonal block (masked), then every later query block (unmasked)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
-                            cols, start_n, start_n + BN, S16, thresh, keep_scale, qk_scale, BN, BM, D, True,
+                            cols, start_n, start_n + BN, S16, keep_scale, qk_scale, BN, BM, D, True,
                             DROPOUT)
         dk, dv = _dkv_tiles(dk, dv, k, v, QKV + base, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, start_n,
-                            cols, start_n + BN, S, S16, thresh, keep_scale, qk_scale, BN, BM, D, False,
+                            cols, start_n + BN, S, S16, keep_scale, qk_scale, BN, BM, D, False,
                             DROPOUT)
         # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
         tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
 
     @triton.jit
-    def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, thresh,
+    def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16,
                   qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
                   DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
@@ -280,7 +280,7 @@ if triton is not None:
         bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         dq = tl.zeros([BM, D], tl.float32)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, 0, start_m,
-                       S16, thresh, qk_scale, BM, BN, D, False, DROPOUT)
+                       S16, qk_scale, BM, BN, D, False, DROPOUT)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, start_m,
-                       start_m + BM, S16, thresh, qk_scale, BM, BN, D, True, DROPOUT)
+                       start_m + BM, S16, qk_scale, BM, BN, D, True, DROPOUT)
         tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
