@@ -8,6 +8,8 @@
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
 #             keep-mask on the GPU against its twin bit for bit and its time (bench/gpu_agreement.py
 #             --parts dropout)
+#     quick   the probes' short form: default tiles and heavy_first at 124M and 355M only, agreement
+#             with the twin at the default tiles (~60 s; for a lease that has one call)
 #     u124 | u355 | u1.3B
 #             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped, hpcmeg with
 #             Triton attention at attention_best_<size>.txt, then (124M, where memory allows it:
@@ -63,7 +65,7 @@ user_path() {  # user_path SIZE MAX_S
     # shipped defaults, Triton attention at the probe's best tiles, then (124M) micro batch 16
     triton="hpcmeg:set=model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$attn"
     items="nano hpcmeg $triton"
-    [[ $size == 124M ]] && items+=" hpcmeg:mb=16 ${triton/hpcmeg:/hpcmeg:mb=16,}"
+    [[ $size == 124M ]] && items+=" ${triton/hpcmeg:/hpcmeg:mb=16,} hpcmeg:mb=16"
     step "user_path_$size" "$max" python bench/user_path.py --sizes "$size" --tok "$TOK" --tag "lease_$size" \
         --budget-s $(($(left) - 60)) --items "$items"
 }
@@ -71,8 +73,8 @@ user_path() {  # user_path SIZE MAX_S
 [[ $# -eq 0 ]] && set -- probes u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | u124 | u355 | u1.3B | checks | p124 | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, u124, u355, u1.3B, checks, p124 or loss)" >&2
+        probes | quick | u124 | u355 | u1.3B | checks | p124 | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, checks, p124 or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -87,7 +89,11 @@ for stage in "$@"; do
                 --bwd "default heavy_first=1 heavy_first=1+dkv_m=64 heavy_first=1+dq_n=64"
             step dropout_check 90 python bench/gpu_agreement.py --parts dropout --out "$OUT"
             ;;
-        u124) user_path 124M 420 ;;
+        quick)
+            step attention_probe 120 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
+                --fwd "default heavy_first=1" --bwd "default heavy_first=1"
+            ;;
+        u124) user_path 124M 480 ;;
         u355) user_path 355M 520 ;;
         u1.3B) user_path 1.3B 520 ;;
         checks) step gpu_agreement 240 python bench/gpu_agreement.py --parts model,wgrad --out "$OUT" ;;
