@@ -20,6 +20,12 @@ t = round(p * 256) (so p is applied in steps of 1/256: p_eff = t / 256, and the 
 scaled by 256 / (256 - t), which keeps the expectation exact). One Philox call per 16 elements:
 per element Philox (Inductor's and tl.rand's way) would cost more than the two matmuls at head
 dim 64.
+Stored as bits (keep_bits, [2, b * h, s, s / 16] int16, words right of the diagonal unwritten):
+[0], the backward kernels', has keep(i, j) at bit j % 16 of word (i, j // 16); [1], the
+forward's, has it at bit jj + 8 * e of word (i, 4 * (j // 64) + t) where j % 64 = 8 * jj + 2 * t + e,
+the column order of the wgmma accumulator (a thread owns columns 8 * jj + 2 * t + {0, 1} of its
+rows for one t), so a thread reads one word per row and finds each pair of its probabilities'
+bits at 8 apart (reference_bits / unpack_reference write and read both).
 
 Contract
   flash_attention(qkv [b, s, h, 3d] bf16|fp16|fp32 with unit last stride, seed [1] int64, p)

@@ -8,9 +8,11 @@ three kernels: delta = rowsum(dO * O), dK/dV per key block, dQ per query block),
 Dropout is applied to the normalised probabilities inside the kernels, as in FlashAttention:
   O = (P * Z) V with Z = keep / (1 - p_eff), P = softmax(q k^T / sqrt(d) + causal mask) in fp32;
   backward: dV = (P * Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - delta), delta_i = dO_i . O_i.
-The keep-mask is drawn once per call by a small kernel into bits ([b * h, s, s / 16] int16, 1/16
-of the bf16 scores' size: 18.9 MB per layer at 124M, micro batch 12) that the forward and both
-backward kernels read. (Regenerating the mask inside each kernel, one Philox call per 16 elements
+The keep-mask is drawn once per call by a small kernel into bits (two [b * h, s, s / 16] int16
+layouts, each 1/16 of the bf16 scores' size: 18.9 MB per layer at 124M, micro batch 12): the
+backward kernels read bit j % 16 of word (i, j / 16); the forward reads the same bits ordered by
+the MMA accumulator's columns (triton_attention.py's docstring), which lets it zero a pair of bf16
+probabilities with one byte permute and one AND in inline PTX (_drop_pairs). (Regenerating the mask inside each kernel, one Philox call per 16 elements
 plus the unpacking, cost 0.11 ms in the forward and 0.30 ms in the backward per layer at 124M on the
 H200, more than the whole attention without dropout: bench/results/attention_probe_h200_s8a.json.)
 A tile reads its bits as one [rows, cols / 16] block of words, expanded in registers (_keep_words): at
@@ -25,7 +27,10 @@ computes P s, so dV = (P s keep)^T dO and dS = (P s)(dP keep - delta / s) need n
 per element.
 
 Cost notes (static sm90 SASS, Triton 3.6's ptxas, head dim 64, p = 0.1; instructions per iteration
-of the main loops): forward 432 (277 without dropout), dK/dV 356 / 310, dQ 185 / 248.
+of the main loops): forward 344 (278 without dropout; 433 with the backward's layout and
+_keep_mask), dK/dV 357 / 311, dQ 186 / 249 (the pair layout did not help these: 315 and 205 in
+their main loops, its shifted words cross shared memory into the transposed or 32-column tiles);
+the bits kernel 768 instructions (568 writing one layout).
 Without Triton (a CPU-only install) this module defines nothing; the ops run the twin.
 """
 from __future__ import annotations
