@@ -91,7 +91,7 @@ for stage in "$@"; do
             ;;
         quick)
             step attention_probe 120 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
-                --fwd "default heavy_first=1" --bwd "default heavy_first=1"
+                --fwd "default heavy_first=1 fwd_m=128+fwd_n=128+fwd_warps=8" --bwd "default heavy_first=1"
             ;;
         u124) user_path 124M 480 ;;
         u355) user_path 355M 520 ;;
