@@ -117,12 +117,12 @@ def test_lease_script_items(tmp_path, monkeypatch):
         logged = t.extractfile("lease.log").read().decode()
     items = logged.split("--items ", 1)[1].split("\n", 1)[0].split()
     assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items
-    kind, o = user_path.parse_item(items[2], "124M")  # Triton attention at the probe's tiles
+    assert user_path.parse_item(items[2], "124M")[1]["mb"] == 16
+    kind, o = user_path.parse_item(items[3], "124M")  # Triton attention at the probe's tiles
     assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton"] and o["mb"] == 12
     assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
     kind, o16 = user_path.parse_item(items[4], "124M")  # the same at micro batch 16
     assert (o16["mb"], o16["gbs"], o16["set"], o16["env"]) == (16, 192, o["set"], o["env"])
-    assert user_path.parse_item(items[3], "124M")[1]["mb"] == 16
     monkeypatch.setenv(triton_attention.BLOCKS_ENV, o["env"][triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()
     assert (b.heavy_first, b.dkv_m, b.fwd_m) == (1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)

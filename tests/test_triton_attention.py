@@ -22,17 +22,12 @@ from hpcmeg.model import triton_attention as ta
 seed = torch.tensor([123456789012345], dtype=torch.int64)
 S, BH = 256, 3
 bits = ta.keep_bits(seed, BH, S, 0.3)
-ref = ta.reference_bits(seed, BH, S, 0.3)
-word, row = torch.arange(S // 16).view(1, -1), torch.arange(S).view(-1, 1)
-need = word <= row // 16  # words the backward kernels read: their 16 columns start at or left of the row
-assert torch.equal(bits[0][:, need], ref[0][:, need]), "keep bits, backward layout"
-need = 64 * (word // 4) <= row  # the forward's: their 64-column group starts at or left of the row
-assert torch.equal(bits[1][:, need], ref[1][:, need]), "keep bits, forward layout"
+need = torch.arange(S // 16).view(1, -1) <= (torch.arange(S) // 16).view(-1, 1)  # words the kernels read
+assert torch.equal(bits[:, need], ta.reference_bits(seed, BH, S, 0.3)[:, need]), "keep bits"
 
 torch.manual_seed(0)
 B, S, H, D = 2, 128, 2, 16
-# several blocks per row, tiles of one or two keep words per row (16 or 32 columns; the forward's
-# tiles inside a 64-column group of its layout), heaviest blocks first
+# several blocks per row, tiles of one or two keep words per row (16 or 32 columns), heaviest blocks first
 small = ta.Blocks(fwd_m=32, fwd_n=16, dkv_n=32, dkv_m=16, dq_m=32, dq_n=16, heavy_first=1)
 # one diagonal block per program (its rows span S); 4 keep words per tile row forward, 8 in dK/dV, 2 in dQ
 wide = ta.Blocks(fwd_m=128, fwd_n=64, dkv_n=128, dkv_m=32, dq_m=128, dq_n=32)
@@ -63,16 +58,13 @@ def test_kernels_compile_for_hopper():
     other = ta.Blocks(heavy_first=1 - ta.DEFAULT_BLOCKS.heavy_first, dkv_m=64, dq_n=64)
     for d, blocks in ((64, ta.DEFAULT_BLOCKS), (128, other)):
         flags = dict(D=d, DROPOUT=True, HEAVY=blocks.heavy_first)
-        # ASM: the forward's inline PTX (the interpreter runs its tl.where twin), through ptxas here
-        fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n, ASM=True),
+        fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n),
                                  blocks.fwd_warps, blocks.fwd_stages)
         assert fwd.metadata.shared <= 227 * 1024  # fits an H100/H200 SM
         for kernel, tiles in ((ta._attn_dkv_kernel, dict(BN=blocks.dkv_n, BM=blocks.dkv_m)),
                               (ta._attn_dq_kernel, dict(BM=blocks.dq_m, BN=blocks.dq_n))):
             k = compile_for_hopper(kernel, types, dict(flags, **tiles), blocks.bwd_warps, blocks.bwd_stages)
             assert k.metadata.shared <= 227 * 1024
-    compile_for_hopper(ta._attn_bits_kernel, dict(seed_ptr="*i64", BITS="*i16", FWD_BITS="*i16", S="i32", thresh="i32"),
-                       dict(R=ta.BITS_ROWS, G=ta.BITS_GROUPS))
 
 
 def test_keep_mask_statistics_and_seed_dependence():
@@ -84,13 +76,8 @@ def test_keep_mask_statistics_and_seed_dependence():
     assert not torch.equal(keep, ta.reference_keep(torch.tensor([43]), 4, 256, 0.1))
     assert not torch.equal(keep[0], keep[1])  # heads draw different masks
     assert ta.reference_keep(seed, 1, 64, 0.0).all()
-    backward_words, forward_words = ta.reference_bits(seed, 4, 256, 0.1)
-    assert torch.equal(ta.unpack_reference(backward_words, pairs=False), keep)
-    assert torch.equal(ta.unpack_reference(forward_words, pairs=True), keep)
-    assert not torch.equal(backward_words, forward_words)
-    # the forward's layout: column 64 g + 8 j + 2 t + e at bit j + 8 e of word 4 g + t
-    g, j, t, e = 1, 5, 2, 1
-    assert bool((forward_words[0, 77, 4 * g + t].int() >> (j + 8 * e)) & 1) == bool(keep[0, 77, 64 * g + 8 * j + 2 * t + e])
+    unpacked = ((ta.reference_bits(seed, 4, 256, 0.1).to(torch.int32).unsqueeze(-1) >> torch.arange(16)) & 1)
+    assert torch.equal(unpacked.bool().view(4, 256, 256), keep)
     with pytest.raises(ValueError, match="dropout p"):
         ta.dropout_threshold(1.0)
 

@@ -20,12 +20,6 @@ t = round(p * 256) (so p is applied in steps of 1/256: p_eff = t / 256, and the 
 scaled by 256 / (256 - t), which keeps the expectation exact). One Philox call per 16 elements:
 per element Philox (Inductor's and tl.rand's way) would cost more than the two matmuls at head
 dim 64.
-Stored as bits (keep_bits, [2, b * h, s, s / 16] int16, words right of the diagonal unwritten):
-[0], the backward kernels', has keep(i, j) at bit j % 16 of word (i, j // 16); [1], the
-forward's, has it at bit jj + 8 * e of word (i, 4 * (j // 64) + t) where j % 64 = 8 * jj + 2 * t + e,
-the column order of the wgmma accumulator (a thread owns columns 8 * jj + 2 * t + {0, 1} of its
-rows for one t), so a thread reads one word per row and finds each pair of its probabilities'
-bits at 8 apart (reference_bits / unpack_reference write and read both).
 
 Contract
   flash_attention(qkv [b, s, h, 3d] bf16|fp16|fp32 with unit last stride, seed [1] int64, p)
@@ -156,19 +150,18 @@ BITS_ROWS, BITS_GROUPS = 64, 8  # the bits kernel's tile: 64 rows x 128 columns
 
 
 def keep_bits(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tensor:
-    """The Triton keep-mask as bits, [2, bh, s, s / 16] int16: [0] the backward kernels' layout,
-    [1] the forward's (module docstring); words wholly right of the diagonal are left unwritten (no
-    kernel reads them)."""
+    """The Triton keep-mask as bits, [bh, s, s / 16] int16 (bit j % 16 of word (i, j // 16));
+    words wholly right of the diagonal are left unwritten (no kernel reads them)."""
     t, _ = dropout_threshold(p)
-    bits = torch.empty(2, bh, s, s // 16, dtype=torch.int16, device=seed.device)
+    bits = torch.empty(bh, s, s // 16, dtype=torch.int16, device=seed.device)
     with _on(seed.device):
-        _attn_bits_kernel[(s // BITS_ROWS, s // (16 * BITS_GROUPS), bh)](seed, bits[0], bits[1], s, t, R=BITS_ROWS,
+        _attn_bits_kernel[(s // BITS_ROWS, s // (16 * BITS_GROUPS), bh)](seed, bits, s, t, R=BITS_ROWS,
                                                                           G=BITS_GROUPS, num_warps=4)
     return bits
 
 
 def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DEFAULT_BLOCKS):
-    """The Triton forward: (out [b, s, h, d], lse2 [b * h, s] fp32, keep bits [2, b * h, s, s / 16]
+    """The Triton forward: (out [b, s, h, d], lse2 [b * h, s] fp32, keep bits [b * h, s, s / 16]
     int16, or an empty tensor without dropout)."""
     b, s, h, d = _shape(qkv)
     t, keep_scale = dropout_threshold(p)
@@ -178,9 +171,9 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
     sm_scale = 1.0 / math.sqrt(d)
     with _on(qkv.device):
         _attn_fwd_kernel[_grid(s // blocks.fwd_m, b * h, blocks)](
-            qkv, out, lse, bits[1] if t else bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale,
-            sm_scale * LOG2E, D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, HEAVY=blocks.heavy_first,
-            ASM=qkv.is_cuda, num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
+            qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale, sm_scale * LOG2E, D=d,
+            BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, HEAVY=blocks.heavy_first,
+            num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse, bits
 
 
@@ -198,8 +191,7 @@ def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torc
     ostr, qstr = out.stride()[:3], qkv.stride()[:3]
     with _on(qkv.device):
         _attn_delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
-        common = (lse, delta, dqkv, bits[0] if t else bits, *qstr, *ostr, h, s, t, keep_scale,
-                  sm_scale * LOG2E, sm_scale)
+        common = (lse, delta, dqkv, bits, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
         flags = dict(DROPOUT=t > 0, HEAVY=blocks.heavy_first, num_warps=blocks.bwd_warps,
                      num_stages=blocks.bwd_stages)
         _attn_dkv_kernel[_grid(s // blocks.dkv_n, b * h, blocks)](qkv, dout, *common, D=d, BN=blocks.dkv_n,
@@ -227,29 +219,11 @@ def reference_keep(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tenso
     return ((word >> (8 * (r // 4))) & 0xFF) >= t
 
 
-def _pack_reference(keep: torch.Tensor, pairs: bool) -> torch.Tensor:
-    # bool [..., x, c] -> int16 [..., x, c / 16]: bit = column % 16 of its 16, or the forward's order
-    *lead, x, c = keep.shape
-    k = keep.to(torch.int32)
-    if pairs:  # [..., group, j, t, e] -> [..., group, t, e, j]
-        k = k.reshape(*lead, x, c // 64, 8, 4, 2).movedim(-3, -1)
-    words = (k.reshape(*lead, x, c // 16, 16) << torch.arange(16, dtype=torch.int32, device=keep.device)).sum(-1)
-    return torch.where(words >= 2**15, words - 2**16, words).to(torch.int16)
-
-
-def unpack_reference(words: torch.Tensor, pairs: bool) -> torch.Tensor:
-    """_pack_reference's inverse: int16 [..., x, c / 16] -> bool [..., x, c]."""
-    *lead, x, w = words.shape
-    bits = (words.to(torch.int32).unsqueeze(-1) >> torch.arange(16, device=words.device)) & 1
-    if pairs:  # [..., group, t, e, j] -> [..., group, j, t, e]
-        bits = bits.reshape(*lead, x, w // 4, 4, 2, 8).movedim(-1, -3)
-    return bits.reshape(*lead, x, w * 16).bool()
-
-
 def reference_bits(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tensor:
-    """keep_bits' twin: reference_keep in the backward's and the forward's layouts, [2, bh, s, s / 16]."""
-    keep = reference_keep(seed, bh, s, p)
-    return torch.stack([_pack_reference(keep, False), _pack_reference(keep, True)])
+    """keep_bits' twin: reference_keep packed 16 columns to an int16 word, bit = column % 16."""
+    keep = reference_keep(seed, bh, s, p).view(bh, s, s // 16, 16).to(torch.int32)
+    words = (keep << torch.arange(16, dtype=torch.int32, device=seed.device)).sum(-1)
+    return torch.where(words >= 2**15, words - 2**16, words).to(torch.int16)
 
 
 def _reference_parts(qkv: torch.Tensor, seed: torch.Tensor, p: float):
@@ -312,9 +286,9 @@ def flash_attention(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[to
 @flash_attention.register_fake
 def _(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, s, h, d3 = qkv.shape
-    n_bits = 2 * b * h * s * (s // 16) if _use_kernel(qkv) and dropout_threshold(p)[0] else 0
+    n_bits = b * h * s * (s // 16) if _use_kernel(qkv) and dropout_threshold(p)[0] else 0
     return (qkv.new_empty(b, s, h, d3 // 3), qkv.new_empty(b * h, s, dtype=torch.float32),
-            qkv.new_empty(n_bits, dtype=torch.int16).view(2, -1, s, s // 16) if n_bits else
+            qkv.new_empty(n_bits, dtype=torch.int16).view(-1, s, s // 16) if n_bits else
             qkv.new_empty(0, dtype=torch.int16))
 
 

@@ -8,11 +8,9 @@ three kernels: delta = rowsum(dO * O), dK/dV per key block, dQ per query block),
 Dropout is applied to the normalised probabilities inside the kernels, as in FlashAttention:
   O = (P * Z) V with Z = keep / (1 - p_eff), P = softmax(q k^T / sqrt(d) + causal mask) in fp32;
   backward: dV = (P * Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - delta), delta_i = dO_i . O_i.
-The keep-mask is drawn once per call by a small kernel into bits (two [b * h, s, s / 16] int16
-layouts, each 1/16 of the bf16 scores' size: 18.9 MB per layer at 124M, micro batch 12): the
-backward kernels read bit j % 16 of word (i, j / 16); the forward reads the same bits ordered by
-the MMA accumulator's columns (triton_attention.py's docstring), which lets it zero a pair of bf16
-probabilities with one byte permute and one AND in inline PTX (_drop_pairs). (Regenerating the mask inside each kernel, one Philox call per 16 elements
+The keep-mask is drawn once per call by a small kernel into bits ([b * h, s, s / 16] int16, 1/16
+of the bf16 scores' size: 18.9 MB per layer at 124M, micro batch 12) that the forward and both
+backward kernels read. (Regenerating the mask inside each kernel, one Philox call per 16 elements
 plus the unpacking, cost 0.11 ms in the forward and 0.30 ms in the backward per layer at 124M on the
 H200, more than the whole attention without dropout: bench/results/attention_probe_h200_s8a.json.)
 A tile reads its bits as one [rows, cols / 16] block of words, expanded in registers (_keep_words): at
@@ -27,10 +25,12 @@ computes P s, so dV = (P s keep)^T dO and dS = (P s)(dP keep - delta / s) need n
 per element.
 
 Cost notes (static sm90 SASS, Triton 3.6's ptxas, head dim 64, p = 0.1; instructions per iteration
-of the main loops): forward 344 (278 without dropout; 433 with the backward's layout and
-_keep_mask), dK/dV 357 / 311, dQ 186 / 249 (the pair layout did not help these: 315 and 205 in
-their main loops, its shifted words cross shared memory into the transposed or 32-column tiles);
-the bits kernel 768 instructions (568 writing one layout).
+of the main loops): forward 432 (277 without dropout), dK/dV 356 / 310, dQ 185 / 248.
+Tried and removed (session 13, bench/results/user_path_h200_s13.md): a second copy of the bits for
+the forward, ordered as the wgmma accumulator's columns, applied to bf16 pairs by one byte permute
+and one AND in inline PTX. It cut the forward loop to 344 instructions, but the forward kernel ran
+only ~4 % faster (so it is not bound by instruction issue) while the bits kernel, writing both
+layouts, went from 0.038 to 0.050 ms per layer at 124M: a net loss.
 Without Triton (a CPU-only install) this module defines nothing; the ops run the twin.
 """
 from __future__ import annotations
@@ -53,33 +53,9 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _pair_bits(w, q: tl.constexpr, t: tl.constexpr):
-        # the forward word t's 4 bits from backward word q of its 64-column group: columns
-        # 16q + 8jl + 2t + e (old bit 8jl + 2t + e) go to bit j + 8e with j = 2q + jl
-        return (((w >> (2 * t)) & 1) << (2 * q) | ((w >> (2 * t + 1)) & 1) << (2 * q + 8)
-                | ((w >> (2 * t + 8)) & 1) << (2 * q + 1) | ((w >> (2 * t + 9)) & 1) << (2 * q + 9))
-
-    @triton.jit
-    def _pair_word(w0, w1, w2, w3, t: tl.constexpr):
-        return _pair_bits(w0, 0, t) | _pair_bits(w1, 1, t) | _pair_bits(w2, 2, t) | _pair_bits(w3, 3, t)
-
-    @triton.jit
-    def _forward_words(bits, R: tl.constexpr, G: tl.constexpr):
-        """[R, G] backward words (bit = column % 16) -> the forward's (triton_attention.py's layout:
-        in each group of 64 columns, word t holds column 8j + 2t + e at bit j + 8e). G % 4 == 0."""
-        lo, hi = tl.split(tl.reshape(bits, (R, G // 4, 2, 2)))  # words 4g + 2qh + ql: ql = 0, 1
-        w0, w2 = tl.split(lo)
-        w1, w3 = tl.split(hi)  # [R, G / 4] each
-        a = tl.join(_pair_word(w0, w1, w2, w3, 0), _pair_word(w0, w1, w2, w3, 2))
-        b = tl.join(_pair_word(w0, w1, w2, w3, 1), _pair_word(w0, w1, w2, w3, 3))
-        return tl.reshape(tl.join(a, b), (R, G))  # [R, G / 4, 2 (t // 2), 2 (t % 2)]
-
-    @triton.jit
-    def _attn_bits_kernel(seed_ptr, BITS, FWD_BITS, S, thresh, R: tl.constexpr, G: tl.constexpr):
-        """The keep-mask as bits, in two layouts: BITS [b * h, s, s / 16] int16, bit j % 16 of word
-        (i, j // 16) = keep(i, j) (the backward kernels'), and FWD_BITS, the same bits in the
-        forward's pair order (_forward_words); one program per R rows x 16 * G columns, blocks right of
-        the diagonal skipped."""
+    def _attn_bits_kernel(seed_ptr, BITS, S, thresh, R: tl.constexpr, G: tl.constexpr):
+        """The keep-mask as bits: BITS [b * h, s, s / 16] int16, bit j % 16 of word (i, j // 16) =
+        keep(i, j); one program per R rows x 16 * G columns, blocks right of the diagonal skipped."""
         pm, pn, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if pn * 16 * G > pm * R + R - 1:
             return
@@ -90,7 +66,6 @@ if triton is not None:
         r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), (bh.to(tl.int64) << 32) | c)  # counter (c, bh, 0, 0)
         bits = _pack4(r0, 0, thresh) | _pack4(r1, 1, thresh) | _pack4(r2, 2, thresh) | _pack4(r3, 3, thresh)
         tl.store(BITS + bh.to(tl.int64) * S * S16 + c, bits.to(tl.int16))
-        tl.store(FWD_BITS + bh.to(tl.int64) * S * S16 + c, _forward_words(bits, R, G).to(tl.int16))
 
     @triton.jit
     def _keep_words(bits, rows, col0, S16, C: tl.constexpr):
@@ -129,38 +104,9 @@ if triton is not None:
         return (x.to(tl.int32, bitcast=True) & keep).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _keep_shifts(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr):
-        """int32 [R, C] from the forward's words (_forward_words): for column col0 + 64g + 8j + 2t + e of
-        rows `rows`, word 4g + t of the tile shifted left by 7 - j, which puts the keep bit of e = 0 at
-        bit 7 and of e = 1 at bit 15, where _drop_pairs's byte permute reads them. C is 16, 32 or a
-        multiple of 64. In the MMA layout a thread holds one t of each of its rows, so its bits come
-        from one word per row (Triton still moves the shifted words through shared memory once)."""
-        NG: tl.constexpr = C // 64 if C >= 64 else 1
-        NJ: tl.constexpr = 8 if C >= 64 else C // 8
-        w = tl.load(bits + rows[:, None] * S16 + ((col0 // 64) * 4 + tl.arange(0, NG * 4))[None, :]).to(tl.int32)
-        if C < 64:  # a tile inside a group starts at j = (col0 % 64) / 8: shift its words once, so the
-            w = w >> ((col0 % 64) // 8)  # shifts per element below stay constants
-        y = tl.reshape(w, (R, NG, 4, 1, 1)) << (7 - tl.arange(0, NJ))[None, None, None, :, None]
-        y = y + tl.zeros((1, 1, 1, 1, 2), tl.int32)  # the same word for e = 0 and 1
-        return tl.reshape(tl.permute(y, (0, 1, 3, 2, 4)), (R, C))  # [R, group, j, t, e]
-
-    @triton.jit
-    def _drop_pairs(pb, y, C: tl.constexpr, ASM: tl.constexpr):
-        """pb (bf16 / fp16 / fp32 [R, C]) with dropped entries zeroed, y from _keep_shifts. ASM (the GPU): per
-        pair of adjacent columns (one 32-bit register in the MMA layout) a byte permute replicating
-        bits 7 and 15 of y into a 0xFFFF / 0x0000 halfword mask, and one AND: 1.5 instructions per
-        element where _keep_mask + _drop took ~4 (sm90 SASS: the forward's loop 433 -> 344). In
-        Triton's interpreter (no PTX) the same through tl.where."""
-        if ASM and pb.dtype.primitive_bitwidth == 16:  # bf16 / fp16 pairs (fp32 qkv: tl.where below)
-            return tl.inline_asm_elementwise("{ .reg .b32 m; prmt.b32 m, $2, 0, 0x9988; and.b32 $0, $1, m; }",
-                                             "=r,r,r,r", [pb, y], dtype=pb.dtype, is_pure=True, pack=2)
-        else:
-            return tl.where(((y >> (7 + 8 * (tl.arange(0, C) % 2))[None, :]) & 1) != 0, pb, 0.0)
-
-    @triton.jit
     def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16, qk_scale,
                    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DIAG: tl.constexpr,
-                   DROPOUT: tl.constexpr, ASM: tl.constexpr):
+                   DROPOUT: tl.constexpr):
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, D)
         for start_n in range(lo, hi, BN):
@@ -176,18 +122,17 @@ if triton is not None:
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser counts dropped entries too
             acc = acc * alpha[:, None]
-            v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
-            pb = p.to(v.dtype)
             if DROPOUT:
-                pb = _drop_pairs(pb, _keep_shifts(bits, rows, start_n, S16, BM, BN), BN, ASM)
-            acc = tl.dot(pb, v, acc)
+                p = _drop(p, _keep_mask(bits, rows, start_n, S16, BM, BN, False))
+            v = tl.load(v_ptr + cols[:, None] * s_s + offs_d[None, :])  # [BN, D]
+            acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
         return acc, l_i, m_i
 
     @triton.jit
     def _attn_fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
                          D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
-                         HEAVY: tl.constexpr, ASM: tl.constexpr):
+                         HEAVY: tl.constexpr):
         if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
             start_m = tl.num_programs(1) - 1 - tl.program_id(1)
             bh = tl.program_id(0)
@@ -200,15 +145,15 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         q = tl.load(base + rows[:, None] * s_s + offs_d[None, :])
         S16 = S // 16
-        bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits, in the forward's order
+        bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
         # keys strictly left of the diagonal block: no mask; then the diagonal block, masked
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, 0, start_m * BM,
-                                   S16, qk_scale, BM, BN, D, False, DROPOUT, ASM)
+                                   S16, qk_scale, BM, BN, D, False, DROPOUT)
         acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, base + D, base + 2 * D, s_s, bits, rows, start_m * BM,
-                                   start_m * BM + BM, S16, qk_scale, BM, BN, D, True, DROPOUT, ASM)
+                                   start_m * BM + BM, S16, qk_scale, BM, BN, D, True, DROPOUT)
         out = acc / l_i[:, None]
         if DROPOUT:
             out = out * keep_scale
