@@ -28,9 +28,10 @@ Cost notes (static sm90 SASS, Triton 3.6's ptxas, head dim 64, p = 0.1; instruct
 of the main loops): forward 432 (277 without dropout), dK/dV 356 / 310, dQ 185 / 248.
 Tried and removed (session 13, bench/results/user_path_h200_s13.md): a second copy of the bits for
 the forward, ordered as the wgmma accumulator's columns, applied to bf16 pairs by one byte permute
-and one AND in inline PTX. It cut the forward loop to 344 instructions, but the forward kernel ran
-only ~4 % faster (so it is not bound by instruction issue) while the bits kernel, writing both
-layouts, went from 0.038 to 0.050 ms per layer at 124M: a net loss.
+and one AND in inline PTX. With session 12's cuts it took the forward loop from 495 to 344
+instructions, but the forward kernel ran only ~4 % faster than session 12's probe (0.099 -> 0.095 ms
+at 124M; it is not bound by instruction issue) while the bits kernel, writing both layouts, went
+from 0.038 to 0.050 ms per layer: a net loss.
 Without Triton (a CPU-only install) this module defines nothing; the ops run the twin.
 """
 from __future__ import annotations
