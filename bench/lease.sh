@@ -20,6 +20,8 @@
 #             graphs (bench/gpu_agreement.py --parts model,wgrad)
 #     p124    where the 124M user path's time goes (bench/profile_step.py, dropout 0.1, global batch
 #             192, as shipped)
+#     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
+#             the two profiles side by side say which per-micro-batch work does not grow with its size)
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0)
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
@@ -77,8 +79,8 @@ user_path() {  # user_path SIZE MAX_S
 [[ $# -eq 0 ]] && set -- probes u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | u124 | u355 | u1.3B | checks | p124 | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, checks, p124 or loss)" >&2
+        probes | quick | u124 | u355 | u1.3B | checks | p124 | p124m16 | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, checks, p124, p124m16 or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -104,6 +106,9 @@ for stage in "$@"; do
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;
+        p124m16) step profile_124M_mb16 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
+            --tok "$TOK" --tag lease_124M_mb16 --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
+            --set train.global_batch_size=192 --set train.micro_batch_size=16 ;;
         loss) step loss_parity 240 python bench/loss_parity.py --steps 400 --eval-interval 50 --tok "$TOK" --tag lease \
             --out "$OUT" ;;
     esac
