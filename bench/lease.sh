@@ -16,6 +16,11 @@
 #             batch 16 x accumulation 12, hpcmeg with Triton attention at attention_best_<size>.txt,
 #             then (124M) both, as far as the budget goes (the probes' files from this call, or
 #             copied into $OUT beforehand)
+#     b124 | b355
+#             the user path with model.cross_entropy backward_in_forward (the LM head's backward GEMMs
+#             in its forward, no [tokens, vocab] gradient kept): 124M nano, shipped, micro 24 x 8 with
+#             it (24 divides the recipe's 8-GPU plan), micro 16 without and with it; 355M nano,
+#             shipped, micro 16 with it (without, micro 16 needed 22.0 GB against the anchor's 21.75)
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs (bench/gpu_agreement.py --parts model,wgrad)
 #     p124    where the 124M user path's time goes (bench/profile_step.py, dropout 0.1, global batch
@@ -76,11 +81,16 @@ user_path() {  # user_path SIZE MAX_S
         --budget-s $(($(left) - 60)) --items "$items"
 }
 
+# the LM head's backward in its forward (model.cross_entropy backward_in_forward, session 13): no
+# [tokens, vocab] gradient kept, 103 MB less per sequence, so larger micro batches fit
+BIF24="hpcmeg:mb=24,set=model.cross_entropy=backward_in_forward"
+BIF16="hpcmeg:mb=16,set=model.cross_entropy=backward_in_forward"
+
 [[ $# -eq 0 ]] && set -- probes u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | u124 | u355 | u1.3B | checks | p124 | p124m16 | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, checks, p124, p124m16 or loss)" >&2
+        probes | quick | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, b124, b355, checks, p124, p124m16 or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -102,6 +112,10 @@ for stage in "$@"; do
         u124) user_path 124M 480 ;;
         u355) user_path 355M 520 ;;
         u1.3B) user_path 1.3B 520 ;;
+        b124) step user_path_124M_bif 480 python bench/user_path.py --sizes 124M --tok "$TOK" --tag lease_124M_bif \
+            --budget-s $(($(left) - 60)) --items "nano hpcmeg $BIF24 hpcmeg:mb=16 $BIF16" ;;
+        b355) step user_path_355M_bif 520 python bench/user_path.py --sizes 355M --tok "$TOK" --tag lease_355M_bif \
+            --budget-s $(($(left) - 60)) --items "nano hpcmeg $BIF16" ;;
         checks) step gpu_agreement 240 python bench/gpu_agreement.py --parts model,wgrad --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \

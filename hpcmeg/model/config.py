@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math")
-CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked")
+CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked", "backward_in_forward")
 DROPOUT_IMPLS = ("triton", "native")
 KERNEL_IMPLS = ("triton", "inductor")  # layernorm_impl, gelu_impl
 
@@ -68,7 +68,10 @@ class GPTConfig:
     Triton kernel on CUDA; 'fused_inductor': Inductor's two-pass lowering instead) and one
     softmax-minus-onehot pass backward (hpcmeg/model/fused.py); 'compiled': the same loss under
     plain autograd (its gather backward builds a dense fp32 [tokens, vocab] tensor); 'chunked':
-    token chunks, logits recomputed in backward (least memory)."""
+    token chunks, logits recomputed in backward (least memory); 'backward_in_forward':
+    'grad_in_forward' with the LM head's backward GEMMs run in the forward, chunk by chunk, on the
+    loss weights TrainStep passes (no [tokens, vocab] tensor kept between forward and backward; same
+    FLOPs; untimed on the GPU so far)."""
 
     dropout_impl: str = "triton"
     """Fused path on CUDA only. 'triton': the keep-mask from hpcmeg/model/triton_dropout.py (one

@@ -15,6 +15,11 @@ Implementations (GPTConfig.fused_ce):
     comparison. Eager CUDA calls of it and of 'fused' get their own torch.compile.
   * 'chunked': a custom autograd function over token chunks that keeps no logits at all
     (recomputes them in backward: ~1/3 more LM-head FLOPs, for the least memory).
+  * 'backward_in_forward': 'grad_in_forward' whose forward also runs the LM head's backward GEMMs,
+    chunk by chunk of tokens, with the per-token loss weights the caller will backpropagate
+    (TrainStep passes its factor x loss mask as `loss_weights`); keeps d hidden [N, h] instead of
+    G [N, V] (at 124M 38 MB instead of 2.47 GB per micro batch of 24), same FLOPs. Without
+    loss_weights, or without grad, it is 'grad_in_forward'.
 With a main-grad sink (wgrad.py; 'grad_in_forward' only) the weight's gradient is added into the
 fp32 main grad by the backward's GEMM and autograd gets none (the tied word embedding sunk).
 Everything here also runs on CPU in fp32 (tests/test_fused_ops.py compares it with ops.py).
@@ -166,13 +171,63 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h, grad_w.to(weight.dtype), None, None
 
 
+class _LinearCEBackwardInForward(torch.autograd.Function):
+    """_LinearCEGradInForward with its backward done in the forward, chunk by chunk of tokens.
+
+    g [N] is d total / d loss_n, which the caller promises to backpropagate (TrainStep: its factor x
+    loss mask), so each chunk's G = softmax - onehot (written over its logits) goes straight into
+    d hidden = g * (G @ W) and d W = G^T @ (g * hidden) (into the main grad with a sink, as the
+    other function's backward adds it) and is freed: the saved state is d hidden, not [N, V]. Same
+    GEMMs and roundings as _LinearCEGradInForward, split along the tokens (d W summed per chunk)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, g, chunk: int, flat=None, offset=0):
+        n = hidden.shape[0]
+        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        d_hidden = torch.empty_like(hidden)
+        d_weight = None if flat is not None else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        gf = g.reshape(-1, 1).float()
+        for i in range(0, n, chunk):
+            h, gc = hidden[i:i + chunk], gf[i:i + chunk]
+            G = h @ weight.t()  # [chunk, V], becomes softmax - onehot in place
+            loss[i:i + chunk] = _ce_grad_(G, labels[i:i + chunk])
+            d_hidden[i:i + chunk] = ((G @ weight).float() * gc).to(hidden.dtype)
+            hg = (h.float() * gc).to(hidden.dtype)
+            if flat is not None:  # main[V, h] += G^T (g * hidden), fp32 C, beta 1
+                torch.ops.hpcmeg.wgrad_accumulate_(flat, G, hg, offset)
+            else:
+                d_weight += (G.t() @ hg).float()
+        ctx.save_for_backward(d_hidden, gf, *(() if d_weight is None else (d_weight.to(weight.dtype),)))
+        return loss
+
+    @staticmethod
+    def backward(ctx, g_up):
+        d_hidden, gf, *d_weight = ctx.saved_tensors
+        if not g_up.is_cuda and not torch.compiler.is_compiling():
+            # the promise, checked where it costs no device sync (CPU: the tests)
+            if not torch.equal(g_up.reshape(-1, 1).float(), gf):
+                raise RuntimeError("linear_cross_entropy 'backward_in_forward': the loss gradient differs from "
+                                   "the loss_weights given to the forward")
+        return d_hidden, (d_weight[0] if d_weight else None), None, None, None, None, None
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         impl: str = "fused", chunk_tokens: int = 4096, sink=None) -> torch.Tensor:
+                         impl: str = "fused", chunk_tokens: int = 4096, sink=None,
+                         loss_weights: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [b, s, h], weight [V, h], labels [b, s] -> per-token loss float32 [b, s]. sink (flat,
-    offset), impl 'grad_in_forward' only: the weight's gradient is added into the main grad there
-    (wgrad.py) and autograd gets none."""
-    if sink is not None and impl != "grad_in_forward":
-        raise ValueError(f"linear_cross_entropy: a main-grad sink needs impl 'grad_in_forward', not {impl!r}")
+    offset), impl 'grad_in_forward' or 'backward_in_forward' only: the weight's gradient is added
+    into the main grad there (wgrad.py) and autograd gets none. loss_weights [b, s] (impl
+    'backward_in_forward'): d total / d loss, which the caller must backpropagate exactly."""
+    if sink is not None and impl not in ("grad_in_forward", "backward_in_forward"):
+        raise ValueError(f"linear_cross_entropy: a main-grad sink needs impl 'grad_in_forward' or "
+                         f"'backward_in_forward', not {impl!r}")
+    if impl == "backward_in_forward":
+        if loss_weights is not None and torch.is_grad_enabled():
+            h, w = autocast_cast(hidden, weight)
+            return _LinearCEBackwardInForward.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1),
+                                                    loss_weights.reshape(-1), chunk_tokens,
+                                                    *(sink or ())).view(labels.shape)
+        impl = "grad_in_forward"  # eval, or a caller without the weights
     if sink is not None:
         h, w = autocast_cast(hidden, weight)
         return _LinearCEGradInForward.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1),

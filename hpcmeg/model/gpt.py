@@ -175,12 +175,16 @@ class LMHead(nn.Module):
         super().__init__()
         self.fused, self.impl = cfg.fused, cfg.fused_ce
 
-    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, sink=None) -> torch.Tensor:
-        """sink: the weight's main-grad sink when it is a sunk weight (GPT.sinkable_weights)."""
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, sink=None,
+                loss_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """sink: the weight's main-grad sink when it is a sunk weight (GPT.sinkable_weights).
+        loss_weights [b, s]: d total / d loss per token, which the caller will backpropagate (used by
+        fused_ce 'backward_in_forward' only; fused_ce.linear_cross_entropy)."""
         if labels is None:
             return wgrad.linear(h, weight, None, sink)
         if self.fused:
-            return fused_ops.linear_cross_entropy(h, weight, labels, impl=self.impl, sink=sink)
+            return fused_ops.linear_cross_entropy(h, weight, labels, impl=self.impl, sink=sink,
+                                                  loss_weights=loss_weights)
         return plain_ops.linear_cross_entropy(h, weight, labels)
 
 
@@ -234,29 +238,34 @@ class GPT(nn.Module):
         return n
 
     def forward(self, tokens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                loss_weights: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (first chunk) or hidden_states [b, s, h] (later pipeline chunks) -> logits
         [b, s, V] (labels None), per-token loss fp32 [b, s] (labels given), or the hidden state
-        [b, s, h] (a chunk without the output layer)."""
+        [b, s, h] (a chunk without the output layer). loss_weights [b, s]: d total / d loss that the
+        caller will backpropagate, for a head that uses it (LMHead with fused_ce
+        'backward_in_forward'); other heads ignore it, which is always correct."""
         x = self.embed(tokens, position_ids) if self.embedding is not None else hidden_states
         h = self.encoder(x)
         if self.head is None:
             return h
         sink = wgrad.layer_sink(self.embedding.word_embeddings) if self.embedding is not None else None
+        extra = {"loss_weights": loss_weights} if loss_weights is not None and type(self.head) is LMHead else {}
         if sink:  # the tied weight is sunk: its output-layer gradient goes to the same main grad
-            return self.head(h, self.output_weight(), labels, sink=sink)
-        return self.head(h, self.output_weight(), labels)
+            return self.head(h, self.output_weight(), labels, sink=sink, **extra)
+        return self.head(h, self.output_weight(), labels, **extra)
 
     def sinkable_weights(self) -> list[torch.Tensor]:
         """The weights whose every use can add its gradient straight into a main-grad sink
         (wgrad.py; build_optimizer sinks them with gradient-accumulation fusion): every nn.Linear's,
         and the word embedding when the embedding is a plain nn.Embedding and its tied output layer
-        here is an LMHead whose loss takes a sink (cross-entropy 'grad_in_forward'). Fused models only."""
+        here is an LMHead whose loss takes a sink (cross-entropy 'grad_in_forward' or
+        'backward_in_forward'). Fused models only."""
         if not self.cfg.fused:
             return []
         out = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
         if (self.embedding is not None and type(self.embedding.word_embeddings) is nn.Embedding
-                and type(self.head) is LMHead and self.cfg.fused_ce == "grad_in_forward"):
+                and type(self.head) is LMHead and self.cfg.fused_ce in ("grad_in_forward", "backward_in_forward")):
             out.append(self.embedding.word_embeddings.weight)
         return out
 

@@ -144,6 +144,10 @@ class TrainStep:
         self.grad_clip, self.loss_scaler = grad_clip, (loss_scaler if precision == "fp16" else None)
         self.device = torch.device(device)
         self.dp_size = dp_size
+        # fused_ce 'backward_in_forward': the LM head runs its backward GEMMs in the forward on the
+        # per-token loss weights this step will backpropagate, so the forward is given them
+        cfg = getattr(model, "cfg", None)
+        self.pass_loss_weights = bool(getattr(cfg, "fused", False)) and getattr(cfg, "fused_ce", "") == "backward_in_forward"
         if compile_mode and compile_options:
             raise ValueError("TrainStep: give compile_mode or compile_options, not both (torch.compile's rule)")
         if compile and not compile_mode and compile_options is None and self.device.type == "cuda":
@@ -203,6 +207,17 @@ class TrainStep:
             per_tok = per_tok * mb[2].to(self.device, per_tok.dtype)
         return per_tok.float().sum()
 
+    def _loss_weights(self, mb, labels: torch.Tensor, factor) -> torch.Tensor:
+        """d (micro loss sum x factor) / d per-token loss, fp32 [b, s], as autograd will compute it:
+        factor rounded to fp32, times the loss mask (0 / 1, exact)."""
+        if isinstance(factor, torch.Tensor):
+            w = factor.to(self.device, torch.float32).expand(labels.shape).clone()
+        else:
+            w = torch.full(labels.shape, factor, dtype=torch.float32, device=self.device)
+        if len(mb) > 2 and mb[2] is not None:
+            w = w * mb[2].to(self.device, torch.float32)
+        return w
+
     def _forward_backward(self, micro_batches: list, factor) -> torch.Tensor:
         """Every micro batch's forward and backward (the buffer's hooks take the gradients); returns the
         fp32 sum of this rank's per-token losses."""
@@ -212,7 +227,10 @@ class TrainStep:
             tokens = mb[0].to(self.device, non_blocking=True)
             labels = mb[1].to(self.device, non_blocking=True)
             with self.autocast():
-                per_tok = fwd(tokens, labels)
+                if self.pass_loss_weights:
+                    per_tok = fwd(tokens, labels, loss_weights=self._loss_weights(mb, labels, factor))
+                else:
+                    per_tok = fwd(tokens, labels)
             mb_sum = self._micro_loss(per_tok, mb)
             (mb_sum * factor).backward()
             loss_sum += mb_sum.detach()
