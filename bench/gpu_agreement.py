@@ -247,16 +247,19 @@ def wgrad_fusion_checks(rows):
     """Gradient-accumulation fusion (hpcmeg/model/wgrad.py) through the compiled, CUDA-graphed step:
     bf16 parameters, fp32 main grads, 4 steps x 2 micro batches, sink on vs off (the GEMM's fp32
     accumulation vs a bf16 gradient added: they differ by bf16 rounding of each micro batch's
-    weight gradient); and whether Inductor skipped CUDA graphs for it (a backward mutation)."""
+    weight gradient); and whether Inductor skipped CUDA graphs for it (a backward mutation). Then
+    fused_ce 'backward_in_forward' against the default 'grad_in_forward', both sunk: the output
+    layer's main-grad accumulation moves into the forward (a forward mutation), no CUDA-graph skip
+    allowed either."""
     from torch._dynamo.utils import counters
     cfg = GPTConfig(4, 256, 4, 1024, 256, 1024, hidden_dropout=0.0, attention_dropout=0.0, fused=True)
     g = torch.Generator(device="cuda").manual_seed(5)
     d = torch.randint(0, 1024, (4, 257), device="cuda", generator=g)
     mbs = [(d[:2, :-1], d[:2, 1:]), (d[2:, :-1], d[2:, 1:])]
 
-    def curve(fusion):
+    def curve(fusion, ce="grad_in_forward"):
         torch.manual_seed(0)
-        m = GPT(cfg).cuda()
+        m = GPT(dataclasses.replace(cfg, fused_ce=ce)).cuda()
         buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.float32,
                                    wgrad_fusion=fusion)
         st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
@@ -276,6 +279,15 @@ def wgrad_fusion_checks(rows):
                      cudagraph_skips_off=skips_off, sunk_buckets=n_sunk, curves={"on": on, "off": off}, ok=ok))
     print(f"wgrad fusion on vs off: loss rel {dl:.2e} params rel {dp:.2e} main grads rel {dg:.2e} "
           f"cudagraph skips {skips_on} {'ok' if ok else 'FAIL'}", flush=True)
+    bif, p_bif, g_bif, skips_bif, n_bif = curve(True, "backward_in_forward")
+    dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(bif, on))
+    dp, dg = rel(p_bif.float(), p_on.float()), rel(g_bif, g_on)
+    ok = n_bif == n_sunk and dl < 1e-3 and dp < 1e-2 and dg < 1e-2 and skips_bif == 0
+    rows.append(dict(check="cross-entropy backward_in_forward vs grad_in_forward, sunk, compiled+CUDA graphs",
+                     loss_rel=dl, params_rel=dp, last_main_grads_rel=dg, cudagraph_skips=skips_bif,
+                     sunk_buckets=n_bif, curves={"backward_in_forward": bif, "grad_in_forward": on}, ok=ok))
+    print(f"backward_in_forward vs grad_in_forward: loss rel {dl:.2e} params rel {dp:.2e} main grads rel "
+          f"{dg:.2e} cudagraph skips {skips_bif} {'ok' if ok else 'FAIL'}", flush=True)
 
 
 def kernel_impl_checks(rows):
