@@ -106,6 +106,18 @@ def _ce_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ops.cross_entropy_grad_(logits, labels)  # no triton: the plain twin
 
 
+def _lm_head_grads(G, hidden, weight, g, flat=None, offset=0):
+    """The LM head's gradients from G = softmax - onehot [n, V] and the per-token scale g [n, 1]
+    fp32: (d hidden = g * (G @ W), d W = G^T (g * hidden)); with a sink (flat, offset) d W is added
+    into the main grad by the GEMM (fp32 C, beta 1) and None comes back."""
+    d_hidden = ((G @ weight).float() * g).to(hidden.dtype)
+    hg = (hidden.float() * g).to(hidden.dtype)
+    if flat is not None:  # main[V, h] += G^T (g * hidden)
+        torch.ops.hpcmeg.wgrad_accumulate_(flat, G, hg, offset)
+        return d_hidden, None
+    return d_hidden, G.t() @ hg
+
+
 class _LinearCEGradInForward(torch.autograd.Function):
     """Per-token CE of hidden @ weight^T whose logits become their own gradient in the forward.
 
@@ -129,13 +141,8 @@ class _LinearCEGradInForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         G, hidden, weight = ctx.saved_tensors
-        g = g.reshape(-1, 1).float()  # [N, 1]
-        d_hidden = ((G @ weight).float() * g).to(hidden.dtype)
-        hg = (hidden.float() * g).to(hidden.dtype)
-        if ctx.flat is not None:  # main[V, h] += G^T (g * hidden), in the GEMM (fp32 C, beta 1)
-            torch.ops.hpcmeg.wgrad_accumulate_(ctx.flat, G, hg, ctx.offset)
-            return d_hidden, None, None, None, None
-        return d_hidden, G.t() @ hg, None, None, None
+        d_hidden, d_weight = _lm_head_grads(G, hidden, weight, g.reshape(-1, 1).float(), ctx.flat, ctx.offset)
+        return d_hidden, d_weight, None, None, None
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -191,12 +198,9 @@ class _LinearCEBackwardInForward(torch.autograd.Function):
             h, gc = hidden[i:i + chunk], gf[i:i + chunk]
             G = h @ weight.t()  # [chunk, V], becomes softmax - onehot in place
             loss[i:i + chunk] = _ce_grad_(G, labels[i:i + chunk])
-            d_hidden[i:i + chunk] = ((G @ weight).float() * gc).to(hidden.dtype)
-            hg = (h.float() * gc).to(hidden.dtype)
-            if flat is not None:  # main[V, h] += G^T (g * hidden), fp32 C, beta 1
-                torch.ops.hpcmeg.wgrad_accumulate_(flat, G, hg, offset)
-            else:
-                d_weight += (G.t() @ hg).float()
+            d_hidden[i:i + chunk], dw = _lm_head_grads(G, h, weight, gc, flat, offset)
+            if dw is not None:
+                d_weight += dw.float()
         ctx.save_for_backward(d_hidden, gf, *(() if d_weight is None else (d_weight.to(weight.dtype),)))
         return loss
 
