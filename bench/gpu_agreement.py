@@ -149,6 +149,12 @@ def dropout_and_accumulation_checks(rows):
                              keep_fraction=frac, ok=ok))
             print(f"keep-mask {shape} p={p}: equal={torch.equal(k, r)} keep {frac:.5f} {'ok' if ok else 'FAIL'}",
                   flush=True)
+            if shape[-1] % 8 == 0:  # the packed mask ('triton_bits'): the same bits, eight to a byte
+                kb = triton_dropout.keep_bits(seed, list(shape), p)
+                ok = torch.equal(kb, triton_dropout.pack_bits(r)) and torch.equal(
+                    triton_dropout.unpack_bits(kb, list(shape)), k)
+                rows.append(dict(check=f"triton keep-bits {shape} p={p} vs the packed twin (bitwise)", ok=ok))
+                print(f"keep-bits {shape} p={p}: {'ok' if ok else 'FAIL'}", flush=True)
         # the cost where it matters: compiled bias-dropout-add + LayerNorm, forward + backward, at
         # 124M's activation shape, Triton mask vs torch's dropout (Inductor's in-kernel draw) vs none
         from triton.testing import do_bench
@@ -156,7 +162,7 @@ def dropout_and_accumulation_checks(rows):
         res, bias = torch.randn_like(x), torch.randn(768, device="cuda", dtype=torch.bfloat16)
         w, lb = torch.ones(768, device="cuda", dtype=torch.bfloat16), torch.zeros(768, device="cuda", dtype=torch.bfloat16)
         times = {}
-        for impl, p in (("triton", 0.1), ("native", 0.1), ("native", 0.0)):
+        for impl, p in (("triton", 0.1), ("triton_bits", 0.1), ("native", 0.1), ("native", 0.0)):
             f = torch.compile(lambda a, impl=impl, p=p: fused.bias_dropout_add_layer_norm(
                 a, bias, res, p, True, w, lb, 1e-5, dropout_impl=impl))
 
@@ -166,6 +172,7 @@ def dropout_and_accumulation_checks(rows):
             times[f"{impl} p={p}"] = do_bench(step, warmup=10, rep=100)
         seed = triton_dropout.draw_seed(torch.device("cuda"))
         times["keep_mask alone"] = do_bench(lambda: triton_dropout.keep_mask(seed, [12, 1024, 768], 0.1))
+        times["keep_bits alone"] = do_bench(lambda: triton_dropout.keep_bits(seed, [12, 1024, 768], 0.1))
         rows.append(dict(check="timing: compiled bias-dropout-add+LN fwd+bwd [12,1024,768] bf16 (ms)",
                          times_ms=times, ok=None))
         print("bias-dropout-add+LN fwd+bwd ms:", {k: round(v, 4) for k, v in times.items()}, flush=True)
@@ -193,6 +200,12 @@ def dropout_and_accumulation_checks(rows):
     rows.append(dict(check="compiled+CUDA graphs, dropout 0.1: triton mask reproducible; vs native dropout",
                      max_rel_err=dl, ok=ok, curves={"triton": a, "triton_again": b, "native": nat}))
     print(f"dropout triton reproducible={a == b}, loss rel vs native {dl:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    bits, _ = curve("triton_bits")  # the same masks, saved packed: the same curve up to kernel rounding
+    db = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(bits, a))
+    ok = db < 1e-5
+    rows.append(dict(check="compiled+CUDA graphs, dropout 0.1: triton_bits (packed masks) vs triton",
+                     max_rel_err=db, ok=ok, curves={"triton_bits": bits}))
+    print(f"dropout triton_bits vs triton: loss rel {db:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     f, pf = curve(drop=False)
     q, pq = curve(accumulate="per_param", drop=False)
     diff = rel(pf.float(), pq.float())

@@ -18,11 +18,15 @@
 #             copied into $OUT beforehand)
 #     b124 | b355
 #             the user path with model.cross_entropy backward_in_forward (the LM head's backward GEMMs
-#             in its forward, no [tokens, vocab] gradient kept): 124M nano, shipped, micro 24 x 8 with
-#             it (24 divides the recipe's 8-GPU plan), micro 16 without and with it; 355M nano,
-#             shipped, micro 16 with it (without, micro 16 needed 22.0 GB against the anchor's 21.75)
+#             in its forward, no [tokens, vocab] gradient kept), alone and with model.dropout_impl
+#             triton_bits (the residual branches' saved masks packed 8 to a byte): 124M nano, shipped,
+#             micro 24 x 8 with the one and with both (24 divides the recipe's 8-GPU plan), micro 16
+#             without and with it; 355M nano, shipped, micro 16 with the one and with both (without,
+#             micro 16 needed 22.0 GB against the anchor's 21.75)
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
-#             graphs (bench/gpu_agreement.py --parts model,wgrad)
+#             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
+#             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
+#             (bench/gpu_agreement.py --parts model,wgrad,dropout)
 #     p124    where the 124M user path's time goes (bench/profile_step.py, dropout 0.1, global batch
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
@@ -36,7 +40,7 @@
 # machines taken back without notice (session 10 lost most of its lease that way), so one call has
 # to answer as much as it can and leave what it measured on disk even when a step is cut short.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/hpcmeg-lease}
 TOK=${TOK:-.tok}
 BUDGET=${LEASE_BUDGET_S:-570}
@@ -63,8 +67,15 @@ step() {
     tail -n 25 "$OUT/$name.log"
 }
 
-user_path() {  # user_path SIZE MAX_S
-    local size=$1 max=$2 attn=default triton items d
+# user_path SIZE MAX_S TAG ITEMS: bench/user_path.py's rows ITEMS at SIZE, as one step
+user_path() {
+    step "user_path_$3" "$2" python bench/user_path.py --sizes "$1" --tok "$TOK" --tag "lease_$3" \
+        --budget-s $(($(left) - 60)) --items "$4"
+}
+
+# u124 | u355 | u1.3B: the shipped defaults against the anchor, then Triton attention
+user_path_u() {  # user_path_u SIZE MAX_S
+    local size=$1 max=$2 attn=default triton d
     for d in "$OUT" "${LEASE_BEST:-}"; do  # this call's probes first, then an earlier call's
         [[ -n $d && $attn == default && -s $d/attention_best_$size.txt ]] && attn=$(cat "$d/attention_best_$size.txt")
     done
@@ -73,18 +84,22 @@ user_path() {  # user_path SIZE MAX_S
     # anchor's 10.4), Triton attention at the probe's best tiles, then (124M) both
     triton="hpcmeg:set=model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$attn"
     if [[ $size == 124M ]]; then
-        items="nano hpcmeg hpcmeg:mb=16 $triton ${triton/hpcmeg:/hpcmeg:mb=16,}"
+        user_path "$size" "$max" "$size" "nano hpcmeg hpcmeg:mb=16 $triton ${triton/hpcmeg:/hpcmeg:mb=16,}"
     else
-        items="nano hpcmeg $triton"
+        user_path "$size" "$max" "$size" "nano hpcmeg $triton"
     fi
-    step "user_path_$size" "$max" python bench/user_path.py --sizes "$size" --tok "$TOK" --tag "lease_$size" \
-        --budget-s $(($(left) - 60)) --items "$items"
 }
 
 # the LM head's backward in its forward (model.cross_entropy backward_in_forward, session 13): no
-# [tokens, vocab] gradient kept, 103 MB less per sequence, so larger micro batches fit
-BIF24="hpcmeg:mb=24,set=model.cross_entropy=backward_in_forward"
-BIF16="hpcmeg:mb=16,set=model.cross_entropy=backward_in_forward"
+# [tokens, vocab] gradient kept, 103 MB less per sequence, so larger micro batches fit; with the
+# residual branches' dropout masks saved packed (model.dropout_impl triton_bits, session 14): 1.75 B
+# less per hidden element per layer (0.4 GB at 124M micro 24, 0.7 GB at 355M micro 16)
+BIF=model.cross_entropy=backward_in_forward
+BITS=model.dropout_impl=triton_bits
+BIF24="hpcmeg:mb=24,set=$BIF"
+BIF24B="hpcmeg:mb=24,set=$BIF|$BITS"
+BIF16="hpcmeg:mb=16,set=$BIF"
+BIF16B="hpcmeg:mb=16,set=$BIF|$BITS"
 
 [[ $# -eq 0 ]] && set -- probes u124
 for stage in "$@"; do  # every stage checked before any runs
@@ -109,14 +124,12 @@ for stage in "$@"; do
             step attention_probe 120 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
                 --fwd "default heavy_first=1 fwd_m=128+fwd_n=128+fwd_warps=8" --bwd "default heavy_first=1"
             ;;
-        u124) user_path 124M 480 ;;
-        u355) user_path 355M 520 ;;
-        u1.3B) user_path 1.3B 520 ;;
-        b124) step user_path_124M_bif 480 python bench/user_path.py --sizes 124M --tok "$TOK" --tag lease_124M_bif \
-            --budget-s $(($(left) - 60)) --items "nano hpcmeg $BIF24 hpcmeg:mb=16 $BIF16" ;;
-        b355) step user_path_355M_bif 520 python bench/user_path.py --sizes 355M --tok "$TOK" --tag lease_355M_bif \
-            --budget-s $(($(left) - 60)) --items "nano hpcmeg $BIF16" ;;
-        checks) step gpu_agreement 240 python bench/gpu_agreement.py --parts model,wgrad --out "$OUT" ;;
+        u124) user_path_u 124M 480 ;;
+        u355) user_path_u 355M 520 ;;
+        u1.3B) user_path_u 1.3B 520 ;;
+        b124) user_path 124M 480 124M_bif "nano hpcmeg $BIF24 $BIF24B hpcmeg:mb=16 $BIF16" ;;
+        b355) user_path 355M 520 355M_bif "nano hpcmeg $BIF16 $BIF16B" ;;
+        checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts model,wgrad,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;
@@ -130,4 +143,7 @@ done
 echo "== done after $((SECONDS - START)) s; results in $OUT/lease.tgz" | tee -a "$OUT/lease.log"
 # one file: the device tool returns at most 8 from $OUT (a call cut off before this line returns
 # the loose files, up to 8 of them)
-(cd "$OUT" && files=$(ls | grep -v '^lease\.tgz$') && tar -czf lease.tgz $files && rm -f $files)
+(cd "$OUT" || exit 1
+ files=()
+ for f in *; do [[ $f != lease.tgz ]] && files+=("$f"); done
+ tar -czf lease.tgz "${files[@]}" && rm -f "${files[@]}")

@@ -139,8 +139,10 @@ class ModelConfig:
     layout; sequence length a multiple of 128, head dim 16-128), cudnn, flash, flash_attn,
     efficient or math."""
     dropout_impl: str = "triton"
-    """Fused path on CUDA: triton (a Philox keep-mask kernel, 8 draws of 16 bits per call) or native
-    (torch's dropout; Inductor draws inside its fused kernels). CPU always uses native."""
+    """Fused path on CUDA: triton (a Philox keep-mask kernel, 8 draws of 16 bits per call),
+    triton_bits (the same masks, those the residual branches save for the backward packed 8 to a
+    byte: less memory, untimed so far) or native (torch's dropout; Inductor draws inside its fused
+    kernels). CPU always uses native."""
     layernorm_impl: str = "triton"
     """Fused path: triton (each LayerNorm backward, with the residual-gradient add, dropout mask and
     bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py) or inductor."""
@@ -382,7 +384,7 @@ CHOICES = {
     ("data", "tokenizer_type"): ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
     ("model", "fused"): ("auto", "on", "off"),
     ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
-    ("model", "dropout_impl"): ("triton", "native"),
+    ("model", "dropout_impl"): ("triton", "triton_bits", "native"),
     ("model", "layernorm_impl"): ("triton", "inductor"),
     ("model", "gelu_impl"): ("triton", "inductor"),
     ("model", "cross_entropy"): ("fused", "grad_in_forward", "fused_inductor", "compiled", "chunked",

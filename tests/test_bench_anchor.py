@@ -107,15 +107,22 @@ def test_lease_script_items(tmp_path, monkeypatch):
     assert not (out / "loss_parity.log").exists()  # the valid stage before it did not start
     spec = "heavy_first=1+dkv_m=64"
     (best / "attention_best_124M.txt").write_text(spec)
-    r = subprocess.run(["bash", lease, "u124"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+    r = subprocess.run(["bash", lease, "u124", "b124"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
     assert r.returncode == 0, r.stderr
     assert [p.name for p in out.iterdir()] == ["lease.tgz"]
     with tarfile.open(out / "lease.tgz") as t:
-        assert "user_path_124M.log" in t.getnames()
+        assert {"user_path_124M.log", "user_path_124M_bif.log"} <= set(t.getnames())
         logged = t.extractfile("lease.log").read().decode()
-    items = logged.split("--items ", 1)[1].split("\n", 1)[0].split()
+    items, bif = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:3])
+    # b124: micro 24 with backward_in_forward, alone and with the packed dropout masks; micro 16
+    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 6, bif
+    got = [user_path.parse_item(i, "124M")[1] for i in bif[2:]]
+    assert [(o["mb"], o["gbs"]) for o in got] == [(24, 192), (24, 192), (16, 192), (16, 192)]
+    assert [o["set"] for o in got] == [["model.cross_entropy=backward_in_forward"],
+                                       ["model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits"],
+                                       [], ["model.cross_entropy=backward_in_forward"]]
     assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items
     assert user_path.parse_item(items[2], "124M")[1]["mb"] == 16
     kind, o = user_path.parse_item(items[3], "124M")  # Triton attention at the probe's tiles

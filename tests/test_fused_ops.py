@@ -250,6 +250,57 @@ def test_bias_dropout_add_layer_norm_function_with_a_mask():
         _assert_same(fo + fg, po + pg)
 
 
+def test_packed_keep_bits_give_the_same_function():
+    """_BiasDropoutAddLayerNorm with the keep-mask packed eight to a byte (dropout_impl 'triton_bits')
+    against the bool mask: the same outputs and gradients, bit for bit (the same values go through
+    the same arithmetic), and only the packed mask is saved for the backward."""
+    from hpcmeg.model import triton_dropout
+    torch.manual_seed(0)
+    x, bias, res = torch.randn(2, 7, 64), torch.randn(64), torch.randn(2, 7, 64)
+    w, b = 1 + 0.1 * torch.randn(64), torch.randn(64)
+    keep = torch.rand(2, 7, 64) > 0.3
+    bits = triton_dropout.pack_bits(keep)
+    assert bits.shape == (2, 7, 8) and bits.dtype == torch.uint8
+    got = []
+    for k in (keep, bits):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            o, g = _grads(lambda *t: fused._BiasDropoutAddLayerNorm.apply(t[0], t[1], t[2], k, 1 / 0.7, t[3], t[4],
+                                                                          1e-5), x, bias, res, w, b)
+        got.append(o + g)
+        assert any(t is k for t in saved) and not any(t.dtype == torch.bool and t is not k for t in saved)
+    for a, c in zip(*got):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_triton_bits_model_eager_and_compiled(monkeypatch):
+    """The fused model with dropout_impl 'triton_bits' against 'triton' (the CUDA mask ops, taken on
+    CPU): the same seeds draw the same masks, so losses and gradients agree exactly in eager mode, and
+    compiled models (Inductor unpacking the bits inside its fused kernel) agree with each other
+    (Inductor draws the seeds with its own generator, so not with eager)."""
+    if not fused.HAVE_TRITON_DROPOUT:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(fused, "_mask_kernel_for", lambda x, impl: impl in ("triton", "triton_bits"))
+    cfg = GPTConfig(2, 64, 4, 256, 32, 128, hidden_dropout=0.2, attention_dropout=0.0, fused=True)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def run(impl, compiled=False):
+        m = GPT(dataclasses.replace(cfg, dropout_impl=impl), init_seed=3)
+        f = torch.compile(m, fullgraph=True) if compiled else m
+        torch.manual_seed(9)
+        loss = f(x, x).mean()
+        loss.backward()
+        torch._dynamo.reset()
+        return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+    (la, ga), (lb, gb) = run("triton"), run("triton_bits")
+    (lc, gc), (ld, gd) = run("triton", compiled=True), run("triton_bits", compiled=True)
+    assert torch.equal(la, lb) and not torch.equal(la, lc)  # (a different mask: a real comparison)
+    torch.testing.assert_close(ld, lc, **TOL)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=0, atol=0, msg=n)
+        torch.testing.assert_close(gd[n], gc[n], **TOL, msg=n)
+
+
 def test_kernel_impls_give_the_model_of_the_inductor_impls(monkeypatch):
     """The fused model with layernorm_impl/gelu_impl 'triton' (their twins on CPU) against 'inductor',
     with hidden dropout: the same seeds draw the same keep-masks (the CUDA mask op, taken on CPU), so

@@ -182,6 +182,18 @@ for v in (1234, 2**62 - 1):
                 td._keep_mask_kernel[(triton.cdiv(n, td.PER_CALL * td.BLOCK),)](
                     s, got, n, td.threshold(p), BLOCK=td.BLOCK, num_warps=td.NUM_WARPS)
             assert torch.equal(got, td.reference_keep_mask(s, shape, p)), (v, shape, p)
+
+# 3. the packed kernel (the launch keep_bits does) against the packed twin: a partial last program
+for v in (1234, 2**62 - 1):
+    s = torch.tensor([v], dtype=torch.int64)
+    for shape in ([8], [3, 8200], [2 * td.PER_CALL * td.BLOCK + 64], [0, 16]):
+        for p in (0.0, 0.1, 0.5, 1.0):
+            got = torch.empty(td.bits_shape(shape), dtype=torch.uint8)
+            n = got.numel()
+            if n:
+                td._keep_bits_kernel[(triton.cdiv(n, td.BLOCK),)](s, got, n, td.threshold(p), BLOCK=td.BLOCK,
+                                                                  num_warps=td.NUM_WARPS)
+            assert torch.equal(got, td.reference_keep_bits(s, shape, p)), (v, shape, p)
 print("ok")
 """
 
@@ -197,10 +209,37 @@ def test_kernel_matches_twin_in_the_interpreter(tmp_path):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
+def test_packed_bits_twin():
+    """pack_bits / unpack_bits are inverse, element 8j + g of a row is bit g of byte j, the packed twin
+    is the bool twin packed, and the op (opcheck, fake) gives uint8 [..., H / 8]."""
+    s = _seed(4321)
+    m = td.reference_keep_mask(s, [3, 5, 64], 0.3)
+    b = td.reference_keep_bits(s, [3, 5, 64], 0.3)
+    assert b.dtype == torch.uint8 and b.shape == (3, 5, 8)
+    assert torch.equal(td.unpack_bits(b, [3, 5, 64]), m) and torch.equal(td.pack_bits(m), b)
+    j, g = 5, 3  # row (1, 2): byte 5, bit 3 is element 43
+    assert bool((int(b[1, 2, j]) >> g) & 1) == bool(m[1, 2, 8 * j + g])
+    assert int(td.pack_bits(torch.tensor([True] + [False] * 6 + [True]))) == 0b10000001
+    for shape, p in (([3, 4096], 0.1), ([0, 8], 0.5), ([16], 1.0)):
+        torch.library.opcheck(td.dropout_keep_bits, (s, shape, p))
+        assert torch.equal(td.dropout_keep_bits(s, shape, p), td.reference_keep_bits(s, shape, p))
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        f = td.dropout_keep_bits(torch.empty(1, dtype=torch.int64), [2, 24], 0.1)
+    assert f.shape == (2, 3) and f.dtype == torch.uint8
+    with pytest.raises(ValueError, match="multiple of 8"):
+        td.reference_keep_bits(s, [4, 12], 0.1)
+
+
 def test_kernel_compiles_for_hopper():
-    """The keep-mask kernel compiles for sm90 (Triton's compiler, not only its interpreter)."""
+    """The keep-mask kernels compile for sm90 (Triton's compiler, not only its interpreter); the
+    packed one draws each counter's Philox once, as the bool one does (the same count of high
+    multiplies: a [BLOCK, 8] formulation drew it 8 times), and needs no shared memory."""
     pytest.importorskip("triton")
     from helpers import compile_for_hopper
     k = compile_for_hopper(td._keep_mask_kernel, dict(seed_ptr="*i64", out_ptr="*i1", n="i64", t="i32"),
                            dict(BLOCK=td.BLOCK), num_warps=td.NUM_WARPS)
-    assert "mul.hi.u32" in k.asm["ptx"]  # Philox's high multiplies, i.e. the generator was compiled in
+    kb = compile_for_hopper(td._keep_bits_kernel, dict(seed_ptr="*i64", out_ptr="*u8", n_bytes="i64", t="i32"),
+                            dict(BLOCK=td.BLOCK), num_warps=td.NUM_WARPS)
+    mulhi = k.asm["ptx"].count("mul.hi.u32")
+    assert mulhi > 0  # Philox's high multiplies, i.e. the generator was compiled in
+    assert kb.asm["ptx"].count("mul.hi.u32") == mulhi and ".shared" not in kb.asm["ptx"]

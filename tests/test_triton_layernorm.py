@@ -6,6 +6,8 @@ bias-dropout-add forward; the custom op (opcheck) and the launch plan.
 The kernels compiled for the GPU are checked by bench/layernorm_probe.py on the H200.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -83,12 +85,22 @@ for wdtype in (torch.float32, torch.bfloat16):
         else:
             assert ((g.float() - r).abs() <= r.abs() * 2.0**-7 * 1.01 + 1e-6).all(), (name, rel(g, r))
     n_checks += 1
+# the mask packed eight to a byte (dropout_impl 'triton_bits'): the same results as the bool mask,
+# bit for bit, in the twin and the kernels (several programs, a ragged tail, H = 96 and 768)
+from hpcmeg.model.triton_dropout import pack_bits
+for shape, launch in (((37, 96), few), ((39, 768), tln.Launch(programs=8)), ((2, 45, 256), tln.DEFAULT_LAUNCH)):
+    args = inputs(shape, torch.bfloat16, True, True)
+    packed = args[:5] + (pack_bits(args[5]),) + args[6:]
+    for fn in (tln.reference_backward, lambda *a: tln.layer_norm_backward(*a, launch=launch)):
+        for g, w in zip(fn(*packed), fn(*args)):
+            assert torch.equal(g, w), shape
+    n_checks += 1
 print("ok", n_checks)
 """
 
 
 def test_kernels_match_the_twin_in_the_interpreter():
-    run_in_triton_interpreter(_INTERPRETER_CHECK, expect="ok 10")
+    run_in_triton_interpreter(_INTERPRETER_CHECK, expect="ok 13")
 
 
 def _autograd_grads(residual, a, bias, keep, scale, w, b, gy, g_res, eps):
@@ -164,5 +176,29 @@ def test_plan_and_argument_checks():
         tln.reference_backward(dy, dy, torch.randn(7), 1e-5)
     with pytest.raises(ValueError, match="keep"):
         tln.layer_norm_backward(dy, dy, torch.randn(8), 1e-5, keep=torch.ones(4, 8))  # not bool
+    with pytest.raises(ValueError, match="packed keep"):  # bits of a [4, 16] mask for [4, 8]
+        tln.layer_norm_backward(dy, dy, torch.randn(8), 1e-5, keep=torch.zeros(4, 2, dtype=torch.uint8))
     with pytest.raises(ValueError, match="d_res"):
         tln.layer_norm_backward(dy, dy, torch.randn(8), 1e-5, d_res=torch.randn(4, 9))
+
+
+def test_row_kernel_compiles_for_hopper():
+    """_ln_bwd_kernel at 124M's launch (bf16, H = 768, d_res and a bool or packed keep) compiles for
+    sm90 with Triton's compiler, not only in its interpreter; the packed mask costs one 1-byte load
+    per thread per row (the bool one an 8-byte load) and no extra shared-memory traffic."""
+    pytest.importorskip("triton")
+    from helpers import compile_for_hopper
+    p = tln.plan(12288, 768, torch.device("cpu"))
+    types = dict(DY="*bf16", X="*bf16", W="*fp32", DRES="*bf16", KEEP="*u8", DX="*bf16", DBR="*bf16",
+                 PART="*fp32", N="i32", rows_per_prog="i32", eps="fp32", scale="fp32")
+    ptx = {}
+    for bits in (False, True):
+        ptx[bits] = compile_for_hopper(tln._ln_bwd_kernel, types, dict(
+            H=768, BLOCK_H=p.block_h, R=p.rows, K=3, HAS_RES=True, HAS_KEEP=True, KEEP_BITS=bits, BIAS_SUM=True,
+            PREFETCH=True), num_warps=p.warps).asm["ptx"]
+    loads = {b: re.findall(r"ld\.global\.[\w.]+", t) for b, t in ptx.items()}
+    # two of each: the current rows and the prefetched ones
+    assert loads[False].count("ld.global.v2.b32") == 2 and "ld.global.b8" not in loads[False], loads[False]
+    assert loads[True].count("ld.global.b8") == 2 and "ld.global.v2.b32" not in loads[True], loads[True]
+    shared = {b: len(re.findall(r"(?:ld|st)\.shared", t)) for b, t in ptx.items()}
+    assert shared[True] == shared[False], shared

@@ -9,7 +9,9 @@ What "fused" means here, op by op:
     kernel of triton_dropout.py (8 draws of 16 bits per Philox call; Inductor's own lowering draws
     one per element inside the fused kernel, which made the bias-dropout-add+LN kernel 61 us
     instead of 18 us at 124M on the H200), the scaling fused by Inductor; GPTConfig.dropout_impl
-    'native' keeps torch's dropout. Attention dropout stays inside the SDPA kernel.
+    'triton_bits' packs the residual branches' masks 8 to a byte (what the bias-dropout-add +
+    LayerNorm saves for its backward: 1/8 of the memory); 'native' keeps torch's dropout.
+    Attention dropout stays inside the SDPA kernel.
   * layer_norm / bias_dropout_add(_layer_norm): the forwards are one expression each on the native
     kernels (F.layer_norm), which Inductor fuses under torch.compile with the neighbouring residual
     adds, dropout scaling and casts. Their backward (layernorm_impl 'triton', the default) is ONE
@@ -140,7 +142,7 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
 def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:
     """Whether dropout of x takes the Triton keep-mask (CUDA only: on CPU the op would run its
     PyTorch twin, slower than torch's dropout)."""
-    return impl == "triton" and HAVE_TRITON_DROPOUT and x.is_cuda
+    return impl in ("triton", "triton_bits") and HAVE_TRITON_DROPOUT and x.is_cuda
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, dropout_impl: str = "triton") -> torch.Tensor:
@@ -177,8 +179,9 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True):
         branch = x + bias.to(x.dtype)
-        if keep is not None:
-            branch = branch * keep * scale
+        if keep is not None:  # bool [..., H], or packed uint8 [..., H / 8] (saved packed: 1/8 the bytes)
+            mask = triton_dropout.unpack_bits(keep, list(x.shape)) if keep.dtype == torch.uint8 else keep
+            branch = branch * mask * scale
         out = residual + branch
         ctx.save_for_backward(out, weight, keep)
         ctx.scale, ctx.eps, ctx.out_grad = scale, eps, out_grad
@@ -210,7 +213,10 @@ def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bi
         keep, scale = None, 1.0
         if training and p > 0:
             if _mask_kernel_for(x, dropout_impl):
-                keep = torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
+                seed, shape = triton_dropout.draw_seed(x.device), list(x.shape)
+                keep = (torch.ops.hpcmeg.dropout_keep_bits(seed, shape, p)
+                        if dropout_impl == "triton_bits" and shape[-1] % triton_dropout.PER_CALL == 0
+                        else torch.ops.hpcmeg.dropout_keep_mask(seed, shape, p))
                 scale = triton_dropout.keep_scale(p)
             else:
                 keep, scale = torch.rand_like(x, dtype=torch.float32) >= p, 1.0 / (1.0 - p)

@@ -25,6 +25,14 @@ Contract
     torch.compile(fullgraph=True) and CUDA graphs. It is the torch custom op
     hpcmeg::dropout_keep_mask (one opaque kernel for torch.compile; its fake only gives the shape):
     the Triton kernel on CUDA, `reference_keep_mask` elsewhere.
+  dropout_keep_bits(seed, shape, p) -> the same mask packed eight elements to a byte, uint8
+    [..., H / 8] (H = shape[-1], a multiple of 8): element 8j + g of a row is bit g of byte j, so
+    byte c holds exactly the eight elements of Philox counter c. 1/8 of the bool mask's memory and
+    traffic: the bias-dropout-add + LayerNorm saves it for the backward (GPTConfig.dropout_impl
+    'triton_bits', 1.75 B less per hidden element per layer than two bool masks), its forward
+    unpacks it with `unpack_bits` (tensor ops Inductor fuses) and triton_layernorm's backward
+    reads the bits. Custom op hpcmeg::dropout_keep_bits; twin reference_keep_bits = pack_bits of
+    the bool twin; pack_bits / unpack_bits convert between the two layouts.
   threshold(p) -> t = floor(p * 65536 + 0.5) in [0, 65536]; keep_scale(p) -> 65536 / (65536 - t),
     the factor of the kept values (0.0 when nothing is kept).
   draw_seed(device) -> [1] int64 in [0, 2**62), drawn from torch's generator of that device, so
@@ -99,6 +107,25 @@ if triton is not None:
         e = c * 8 + tl.arange(0, 8)[None, :]
         tl.store(out_ptr + e, keep, mask=e < n)
 
+    @triton.jit
+    def _keep2(w, t, shift: tl.constexpr):
+        # the bits of the two halves of uint32 words w, kept iff >= t (low half -> bit shift, high -> shift + 1)
+        lo = ((w & 0xFFFF).to(tl.int32) >= t).to(tl.int32)
+        hi = ((w >> 16).to(tl.int32) >= t).to(tl.int32)
+        return (lo << shift) | (hi << (shift + 1))
+
+    @triton.jit
+    def _keep_bits_kernel(seed_ptr, out_ptr, n_bytes, t, BLOCK: tl.constexpr):
+        # the same mask, packed: byte c (out_ptr: [n_bytes] uint8) holds elements 8c .. 8c + 7, i.e.
+        # exactly the eight of Philox counter c (keep8's order: element 8c + g in bit g). Written on
+        # 1-D [BLOCK] words, not keep8's [BLOCK, 8]: summing that tile over its 8 columns let Triton
+        # pick a layout that drew each counter's Philox 8 times (sm_90 PTX: 1,154 mul.hi vs 146).
+        pid = tl.program_id(0).to(tl.int64)
+        c = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK] counters = byte indices
+        r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), c)
+        byte = _keep2(r0, t, 0) | _keep2(r1, t, 2) | _keep2(r2, t, 4) | _keep2(r3, t, 6)
+        tl.store(out_ptr + c, byte.to(tl.uint8), mask=c < n_bytes)
+
 
 def _check(seed: torch.Tensor, p: float) -> None:
     if seed.dtype != torch.int64 or seed.shape != (1,):
@@ -130,6 +157,39 @@ def keep_mask(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
             _keep_mask_kernel[(triton.cdiv(n, PER_CALL * BLOCK),)](seed, out, n, threshold(p), BLOCK=BLOCK,
                                                                    num_warps=NUM_WARPS)
     return out
+
+
+def bits_shape(shape: list[int]) -> list[int]:
+    """The packed mask's shape for a mask of `shape` (last dim a multiple of 8): [..., H / 8]."""
+    if not shape or shape[-1] % PER_CALL:
+        raise ValueError(f"dropout keep bits: the last dim of {list(shape)} must be a multiple of {PER_CALL}")
+    return [*shape[:-1], shape[-1] // PER_CALL]
+
+
+def keep_bits(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
+    """The Triton launcher of the packed mask: uint8 bits_shape(shape) on seed.device (CUDA)."""
+    _check(seed, p)
+    out = torch.empty(bits_shape(shape), dtype=torch.uint8, device=seed.device)
+    n = out.numel()
+    if n:
+        with torch.cuda.device(seed.device):
+            _keep_bits_kernel[(triton.cdiv(n, BLOCK),)](seed, out, n, threshold(p), BLOCK=BLOCK,
+                                                       num_warps=NUM_WARPS)
+    return out
+
+
+def pack_bits(keep: torch.Tensor) -> torch.Tensor:
+    """bool [..., H] (H % 8 == 0) -> uint8 [..., H / 8], element 8j + g of a row in bit g of byte j."""
+    shifts = torch.arange(PER_CALL, dtype=torch.uint8, device=keep.device)
+    b = keep.reshape(*bits_shape(list(keep.shape)), PER_CALL).to(torch.uint8) << shifts
+    return b.sum(-1, dtype=torch.uint8)  # disjoint bits: the sum is their OR
+
+
+def unpack_bits(bits: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """uint8 [..., H / 8] -> bool `shape` [..., H]: pack_bits' inverse. Plain tensor ops, so under
+    torch.compile Inductor fuses the shift and mask into the kernel that reads the mask."""
+    shifts = torch.arange(PER_CALL, dtype=torch.uint8, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).reshape(shape).bool()
 
 
 def _umulhi(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -178,6 +238,26 @@ def dropout_keep_mask(seed: torch.Tensor, shape: list[int], p: float) -> torch.T
 @dropout_keep_mask.register_fake
 def _(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.bool, device=seed.device)
+
+
+def reference_keep_bits(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
+    """The plain twin of `keep_bits`: the twin's bool mask, packed (bit for bit the kernel's)."""
+    bits_shape(shape)
+    return pack_bits(reference_keep_mask(seed, shape, p))
+
+
+@torch.library.custom_op("hpcmeg::dropout_keep_bits", mutates_args=())
+def dropout_keep_bits(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
+    """The keep-mask of `shape` packed 8 elements per byte (uint8 bits_shape(shape)): the same bits
+    as dropout_keep_mask(seed, shape, p); the Triton kernel on CUDA, the twin elsewhere."""
+    if seed.is_cuda and triton is not None:
+        return keep_bits(seed, shape, p)
+    return reference_keep_bits(seed, shape, p)
+
+
+@dropout_keep_bits.register_fake
+def _(seed: torch.Tensor, shape: list[int], p: float) -> torch.Tensor:
+    return torch.empty(bits_shape(shape), dtype=torch.uint8, device=seed.device)
 
 
 def draw_seed(device: torch.device | str) -> torch.Tensor:

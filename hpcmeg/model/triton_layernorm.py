@@ -51,7 +51,8 @@ Contract
                       launch=DEFAULT_LAUNCH) -> (dx, d_branch, dw, db, dbias):
       the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1 in the tests).
       dy, x, d_res [..., H] with any leading dims (flattened; made contiguous if they are not),
-      weight [H] fp32 or the activation dtype, keep bool [..., H] or None, scale the kept values'
+      weight [H] fp32 or the activation dtype, keep bool [..., H], or uint8 [..., H / 8] packed
+      as triton_dropout.pack_bits does (H % 8 == 0: 1/8 B per element), or None; scale the kept values'
       factor (triton_dropout.keep_scale(p) for its masks, 1 / (1 - p) for torch's). dx, d_branch [..., H] contiguous in dy's
       dtype; dw, db, dbias [H] in weight's dtype (fp32 sums, rounded once: in the sum kernel, so
       bf16 parameters take no cast kernels, 74 per 124M micro batch before). d_branch is empty (numel 0) when keep is None, and dbias too
@@ -78,6 +79,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from hpcmeg.model.triton_dropout import unpack_bits
 
 try:
     import triton
@@ -148,10 +151,14 @@ def plan(n: int, h: int, device: torch.device, launch: Launch = DEFAULT_LAUNCH) 
 
 if triton is not None:
     @triton.jit
-    def _load_rows(DY, X, DRES, KEEP, r0, row_end, cols, H: tl.constexpr, R: tl.constexpr,
-                   HAS_RES: tl.constexpr, HAS_KEEP: tl.constexpr):
+    def _load_rows(DY, X, DRES, KEEP, r0, row_end, cols, H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr,
+                   HAS_RES: tl.constexpr, HAS_KEEP: tl.constexpr, KEEP_BITS: tl.constexpr):
         """Rows r0 .. r0 + R - 1 (those < row_end) of dy, x, d_res, keep as loaded (not upcast:
-        a prefetched tile waits in registers at 2 B or 1 B per element); masked lanes are 0."""
+        a prefetched tile waits in registers at 2 B or 1 B per element); masked lanes are 0.
+        KEEP_BITS: keep is packed (element e in bit e % 8 of byte e // 8, H % 8 == 0), loaded as
+        [R, BLOCK_H / 8] bytes and expanded by shifts; the reshape to [R, BLOCK_H] keeps each
+        thread's 8 adjacent elements in its registers (sm_90 PTX: one 1-byte load per thread per row
+        and no shared memory, where indexing the bytes as offs // 8 gave 8 loads and a shared round trip)."""
         rows = r0 + tl.arange(0, R)
         m = (rows < row_end)[:, None] & (cols < H)[None, :]
         offs = rows.to(tl.int64)[:, None] * H + cols[None, :]  # int64: N * H may pass 2^31
@@ -162,14 +169,20 @@ if triton is not None:
             res = tl.load(DRES + offs, mask=m, other=0.0)
         keep = m  # a placeholder without HAS_KEEP (never read)
         if HAS_KEEP:
-            keep = tl.load(KEEP + offs, mask=m, other=0)  # the bool mask as bytes
+            if KEEP_BITS:
+                c8 = tl.arange(0, BLOCK_H // 8)
+                m8 = (rows < row_end)[:, None] & (c8 < H // 8)[None, :]
+                byte = tl.load(KEEP + rows.to(tl.int64)[:, None] * (H // 8) + c8[None, :], mask=m8, other=0)
+                keep = tl.reshape((byte.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, [R, BLOCK_H])
+            else:
+                keep = tl.load(KEEP + offs, mask=m, other=0)  # the bool mask as bytes
         return x, dy, res, keep
 
     @triton.jit
     def _ln_bwd_kernel(DY, X, W, DRES, KEEP, DX, DBR, PART, N, rows_per_prog, eps, scale,
                        H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
-                       HAS_RES: tl.constexpr, HAS_KEEP: tl.constexpr, BIAS_SUM: tl.constexpr,
-                       PREFETCH: tl.constexpr):
+                       HAS_RES: tl.constexpr, HAS_KEEP: tl.constexpr, KEEP_BITS: tl.constexpr,
+                       BIAS_SUM: tl.constexpr, PREFETCH: tl.constexpr):
         """Rows [pid * rows_per_prog, ...) R at a time; dx (+ d_branch) out, dw/db(/dbias) partials
         [BLOCK_H] in registers, stored as row pid of PART [P, K * H]. PREFETCH: the next R rows'
         loads are issued before this iteration's arithmetic, so they are in flight during its
@@ -184,12 +197,13 @@ if triton is not None:
         acc_dw = tl.zeros([BLOCK_H], tl.float32)
         acc_db = tl.zeros([BLOCK_H], tl.float32)
         acc_dbias = tl.zeros([BLOCK_H], tl.float32)
-        x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, row_start, row_end, cols, H, R, HAS_RES, HAS_KEEP)
+        x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, row_start, row_end, cols, H, BLOCK_H, R,
+                                              HAS_RES, HAS_KEEP, KEEP_BITS)
         for r0 in range(row_start, row_end, R):
             x_raw, dy_raw, res_raw, keep_raw = x_n, dy_n, res_n, keep_n
             if PREFETCH:
-                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, R,
-                                                      HAS_RES, HAS_KEEP)
+                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, BLOCK_H, R,
+                                                      HAS_RES, HAS_KEEP, KEEP_BITS)
             rows = r0 + tl.arange(0, R)
             m = (rows < row_end)[:, None] & cmask[None, :]
             offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
@@ -221,8 +235,8 @@ if triton is not None:
             elif BIAS_SUM:  # no dropout: the branch's gradient is dx itself (not stored twice)
                 acc_dbias += tl.sum(dx, axis=0)
             if not PREFETCH:
-                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, R,
-                                                      HAS_RES, HAS_KEEP)
+                x_n, dy_n, res_n, keep_n = _load_rows(DY, X, DRES, KEEP, r0 + R, row_end, cols, H, BLOCK_H, R,
+                                                      HAS_RES, HAS_KEEP, KEEP_BITS)
         part = PART + pid.to(tl.int64) * (K * H) + cols
         tl.store(part, acc_dw, mask=cmask)
         tl.store(part + H, acc_db, mask=cmask)
@@ -267,8 +281,13 @@ def _check(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, d_res: Optio
         problems.append(f"weight {tuple(weight.shape)} must be [H] = [{h}]")
     if d_res is not None and d_res.shape != dy.shape:
         problems.append(f"d_res {tuple(d_res.shape)} must be dy's shape {tuple(dy.shape)}")
-    if keep is not None and (keep.shape != dy.shape or keep.dtype != torch.bool):
-        problems.append(f"keep {tuple(keep.shape)} {keep.dtype} must be bool of dy's shape {tuple(dy.shape)}")
+    if keep is not None and keep.dtype == torch.uint8:  # packed: triton_dropout.pack_bits' layout
+        if h % 8 or keep.shape != (*dy.shape[:-1], h // 8):
+            problems.append(f"packed keep {tuple(keep.shape)} must be [..., H / 8] of dy's shape {tuple(dy.shape)} "
+                            f"(H a multiple of 8)")
+    elif keep is not None and (keep.shape != dy.shape or keep.dtype != torch.bool):
+        problems.append(f"keep {tuple(keep.shape)} {keep.dtype} must be bool of dy's shape {tuple(dy.shape)} "
+                        f"or uint8 bits [..., H / 8]")
     if problems:
         raise ValueError("layer_norm_backward: " + "; ".join(problems))
 
@@ -300,13 +319,14 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     partials = torch.empty(p.programs, k * h, dtype=torch.float32, device=dev)
     # absent optional tensors: any pointer will do, the constexpr flags compile their loads away
     res2 = _rows(d_res, h) if d_res is not None else dy2
-    keep2 = _rows(keep, h).view(torch.uint8) if has_keep else dy2
+    bits = has_keep and keep.dtype == torch.uint8
+    keep2 = (keep.contiguous() if bits else _rows(keep, h).view(torch.uint8)) if has_keep else dy2
     with _on(dev):
         _ln_bwd_kernel[(p.programs,)](
             dy2, x2, weight.contiguous(), res2, keep2, dx, d_branch if has_keep else dx, partials,
             n, p.rows_per_prog, float(eps), float(scale),
             H=h, BLOCK_H=p.block_h, R=p.rows, K=k, HAS_RES=d_res is not None, HAS_KEEP=has_keep,
-            BIAS_SUM=has_bias, PREFETCH=p.prefetch, num_warps=p.warps)
+            KEEP_BITS=bits, BIAS_SUM=has_bias, PREFETCH=p.prefetch, num_warps=p.warps)
         _sum_partials_kernel[(triton.cdiv(h, SUM_BLOCK_C), k)](
             partials, dw, db, dbias if has_bias else dw, p.programs,
             H=h, K=k, BLOCK_P=SUM_BLOCK_P, BLOCK_C=SUM_BLOCK_C, num_warps=4)
@@ -330,6 +350,8 @@ def reference_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     if d_res is not None:
         dxf = dxf + d_res.reshape(-1, h).float()
     if keep is not None:
+        if keep.dtype == torch.uint8:
+            keep = unpack_bits(keep, list(dy.shape))
         dbrf = dxf * keep.reshape(-1, h) * scale
         d_branch, dbias = dbrf.to(dy.dtype).view(dy.shape), dbrf.sum(0)
     elif bias_grad:
