@@ -144,7 +144,7 @@ def agreement(b, s, h, d, rows, spec="default"):
         torch.cuda.empty_cache()
 
 
-def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), sdpa=True):
+def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), sdpa=True, bits_specs=()):
     qkv = torch.randn(b, s, h, 3 * d, device="cuda").bfloat16()
     do = torch.randn(b, s, h, d, device="cuda").bfloat16()
     seed = torch.tensor([99], dtype=torch.int64, device="cuda")
@@ -170,6 +170,17 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), s
         out, lse, bits = ta.forward(qkv, seed, p)
         if p:
             res[f"triton p={p} keep bits"] = graphed(lambda: ta.keep_bits(seed, b * h, s, p))
+            # launch variants of the bits kernel (Blocks.bits_*): the same words below the diagonal
+            need = torch.arange(s // 16, device="cuda").view(1, -1) <= (torch.arange(s, device="cuda") // 16).view(-1, 1)
+            ref = ta.keep_bits(seed, b * h, s, p)[:, need]
+            for spec in bits_specs:
+                bl = blocks(spec)
+                try:
+                    same = torch.equal(ta.keep_bits(seed, b * h, s, p, bl)[:, need], ref)
+                    res[f"triton p={p} keep bits [{spec}]"] = (graphed(lambda: ta.keep_bits(seed, b * h, s, p, bl))
+                                                               if same else "FAIL: bits differ from the default launch")
+                except Exception as e:
+                    res[f"triton p={p} keep bits [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
         for spec in bwd_specs:
             bl = blocks(spec)
             try:
@@ -194,6 +205,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="124M")
     ap.add_argument("--fwd", default="default")
     ap.add_argument("--bwd", default="default")
+    ap.add_argument("--bits", default="", help="Blocks specs of the keep-bits kernel's launch to time alone "
+                                               "(bits_rows, bits_groups, bits_warps, bits_loop)")
     ap.add_argument("--iters", type=int, default=20, help="event-timed iterations where CUDA-graph capture fails")
     ap.add_argument("--p", default="0.0,0.1", help="dropout rates to time")
     ap.add_argument("--no-sdpa", action="store_true", help="time only the Triton kernels")
@@ -214,7 +227,7 @@ def main() -> None:
                     print(rows[-1], flush=True)
     for size in a.sizes.split(","):
         timing(size, *SHAPES[size], a.fwd.split(), a.bwd.split(), a.iters, rows,
-               tuple(float(x) for x in a.p.split(",")), not a.no_sdpa)
+               tuple(float(x) for x in a.p.split(",")), not a.no_sdpa, a.bits.split())
         write(a, env, rows)  # after each size: a run cut short by its timeout keeps what it timed
 
 

@@ -8,7 +8,8 @@
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
 #             keep-mask on the GPU against its twin bit for bit and its time (bench/gpu_agreement.py
 #             --parts dropout)
-#     quick   the probes' short form: default tiles and heavy_first at 124M and 355M only, agreement
+#     quick   the probes' short form: default tiles and heavy_first at 124M and 355M only, the keep-bits
+#             kernel's launch variants (one program per row block, taller tiles, more warps), agreement
 #             with the twin at the default tiles (~60 s; for a lease that has one call)
 #     u124 | u355 | u1.3B
 #             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped, (124M, where
@@ -122,7 +123,8 @@ for stage in "$@"; do
             ;;
         quick)
             step attention_probe 120 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
-                --fwd "default heavy_first=1 fwd_m=128+fwd_n=128+fwd_warps=8" --bwd "default heavy_first=1"
+                --fwd "default heavy_first=1" --bwd "default heavy_first=1" \
+                --bits "bits_loop=1 bits_loop=1+bits_rows=128+bits_warps=8 bits_loop=1+bits_rows=32 bits_warps=8"
             ;;
         u124) user_path_u 124M 480 ;;
         u355) user_path_u 355M 520 ;;

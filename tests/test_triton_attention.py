@@ -21,9 +21,16 @@ from hpcmeg.model import triton_attention as ta
 
 seed = torch.tensor([123456789012345], dtype=torch.int64)
 S, BH = 256, 3
-bits = ta.keep_bits(seed, BH, S, 0.3)
 need = torch.arange(S // 16).view(1, -1) <= (torch.arange(S) // 16).view(-1, 1)  # words the kernels read
-assert torch.equal(bits[:, need], ta.reference_bits(seed, BH, S, 0.3)[:, need]), "keep bits"
+want = ta.reference_bits(seed, BH, S, 0.3)[:, need]
+# the default tiles, then one program per row block looping up to the diagonal, taller and wider tiles
+for bl in (ta.DEFAULT_BLOCKS, ta.Blocks(bits_loop=1), ta.Blocks(bits_loop=1, bits_rows=128, bits_groups=4),
+           ta.Blocks(bits_rows=32, bits_groups=8, bits_warps=8)):
+    bits = ta.keep_bits(seed, BH, S, 0.3, bl)
+    assert torch.equal(bits[:, need], want), ("keep bits", bl)
+# thresholds with the top bit set and the extremes (the packing compares bytes 4 at a time)
+for p in (0.05, 0.499, 0.5, 0.6, 0.99):
+    assert torch.equal(ta.keep_bits(seed, 1, 128, p)[:, need[:128, :8]], ta.reference_bits(seed, 1, 128, p)[:, need[:128, :8]]), p
 
 torch.manual_seed(0)
 B, S, H, D = 2, 128, 2, 16
@@ -65,6 +72,9 @@ def test_kernels_compile_for_hopper():
                               (ta._attn_dq_kernel, dict(BM=blocks.dq_m, BN=blocks.dq_n))):
             k = compile_for_hopper(kernel, types, dict(flags, **tiles), blocks.bwd_warps, blocks.bwd_stages)
             assert k.metadata.shared <= 227 * 1024
+    for loop in (0, 1):  # the keep-bits kernel, both launch shapes
+        compile_for_hopper(ta._attn_bits_kernel, dict(seed_ptr="*i64", BITS="*i16", S="i32", thresh="i32"),
+                           dict(R=64, G=8, LOOP=loop), 4)
 
 
 def test_keep_mask_statistics_and_seed_dependence():

@@ -78,6 +78,15 @@ class Blocks:
     # -9 % / -5 % / -4 % at 124M / 355M / 1.3B, but measured on top of a keep-bit load since removed
     # (one integer per tile row, slower in the backward than _keep_words's blocks), not on this one
     heavy_first: int = 0
+    # the keep-bits kernel (_attn_bits_kernel): tiles of bits_rows x 16 * bits_groups columns,
+    # bits_warps warps; bits_loop 1: one program per row block looping over its tiles (no programs
+    # right of the diagonal that only return). Knobs for bench/attention_probe.py --bits: the kernel
+    # took 0.044-0.050 ms per 124M layer call where its static SASS (142 instructions per Philox
+    # call) predicts ~0.02 at full issue rate.
+    bits_rows: int = 64
+    bits_groups: int = 8
+    bits_warps: int = 4
+    bits_loop: int = 0
 
     def __post_init__(self):
         # a loop's step must divide the block it walks (the first loop stops at the diagonal block,
@@ -87,6 +96,9 @@ class Blocks:
             if o % i or SEQ_MULTIPLE % o or i < 16:
                 raise ValueError(f"attention Blocks: {inner}={i} must divide {outer}={o}, which must divide "
                                  f"{SEQ_MULTIPLE}, and both be >= 16")
+        if SEQ_MULTIPLE % self.bits_rows or SEQ_MULTIPLE % (16 * self.bits_groups):
+            raise ValueError(f"attention Blocks: bits_rows={self.bits_rows} and 16 x bits_groups="
+                             f"{16 * self.bits_groups} must divide {SEQ_MULTIPLE}")
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -146,17 +158,15 @@ def _grid(n_blocks: int, n_heads: int, blocks: Blocks) -> tuple[int, int]:
     return (n_heads, n_blocks) if blocks.heavy_first else (n_blocks, n_heads)
 
 
-BITS_ROWS, BITS_GROUPS = 64, 8  # the bits kernel's tile: 64 rows x 128 columns
-
-
-def keep_bits(seed: torch.Tensor, bh: int, s: int, p: float) -> torch.Tensor:
+def keep_bits(seed: torch.Tensor, bh: int, s: int, p: float, blocks: Blocks = DEFAULT_BLOCKS) -> torch.Tensor:
     """The Triton keep-mask as bits, [bh, s, s / 16] int16 (bit j % 16 of word (i, j // 16));
     words wholly right of the diagonal are left unwritten (no kernel reads them)."""
     t, _ = dropout_threshold(p)
     bits = torch.empty(bh, s, s // 16, dtype=torch.int16, device=seed.device)
+    r, g = blocks.bits_rows, blocks.bits_groups
+    grid = (s // r, bh) if blocks.bits_loop else (s // r, s // (16 * g), bh)
     with _on(seed.device):
-        _attn_bits_kernel[(s // BITS_ROWS, s // (16 * BITS_GROUPS), bh)](seed, bits, s, t, R=BITS_ROWS,
-                                                                          G=BITS_GROUPS, num_warps=4)
+        _attn_bits_kernel[grid](seed, bits, s, t, R=r, G=g, LOOP=blocks.bits_loop, num_warps=blocks.bits_warps)
     return bits
 
 
@@ -167,7 +177,7 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
     t, keep_scale = dropout_threshold(p)
     out = qkv.new_empty(b, s, h, d)
     lse = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)
-    bits = keep_bits(seed, b * h, s, p) if t else torch.empty(0, dtype=torch.int16, device=qkv.device)
+    bits = keep_bits(seed, b * h, s, p, blocks) if t else torch.empty(0, dtype=torch.int16, device=qkv.device)
     sm_scale = 1.0 / math.sqrt(d)
     with _on(qkv.device):
         _attn_fwd_kernel[_grid(s // blocks.fwd_m, b * h, blocks)](

@@ -25,7 +25,10 @@ computes P s, so dV = (P s keep)^T dO and dS = (P s)(dP keep - delta / s) need n
 per element.
 
 Cost notes (static sm90 SASS, Triton 3.6's ptxas, head dim 64, p = 0.1; instructions per iteration
-of the main loops): forward 432 (277 without dropout), dK/dV 356 / 310, dQ 185 / 248.
+of the main loops): forward 432 (277 without dropout), dK/dV 356 / 310, dQ 185 / 248. The bits
+kernel: 106 instructions per Philox call (16 keep bits) since session 14's byte-parallel packing
+(_pack16), 142 before; at full issue rate its 4.7 M calls per 124M layer take ~15 us, while it
+measured 0.044-0.050 ms, so its launch shape is a knob (Blocks.bits_*, bench/attention_probe.py --bits).
 Tried and removed (session 13, bench/results/user_path_h200_s13.md): a second copy of the bits for
 the forward, ordered as the wgmma accumulator's columns, applied to bf16 pairs by one byte permute
 and one AND in inline PTX. With session 12's cuts it took the forward loop from 495 to 344
@@ -44,29 +47,57 @@ except ImportError:  # CPU-only install
 
 if triton is not None:
     @triton.jit
-    def _pack4(word, w: tl.constexpr, thresh):
-        # word w's 4 bytes decide columns w, 4 + w, 8 + w, 12 + w of a group of 16 (bit = column)
-        u = word.to(tl.uint32, bitcast=True)
-        out = ((u & 0xFF) >= thresh).to(tl.int32) << w
-        out |= (((u >> 8) & 0xFF) >= thresh).to(tl.int32) << (4 + w)
-        out |= (((u >> 16) & 0xFF) >= thresh).to(tl.int32) << (8 + w)
-        out |= ((u >> 24) >= thresh).to(tl.int32) << (12 + w)
-        return out
+    def _ge_bytes(u, t4, nt4):
+        """SWAR: for the 4 bytes b of uint32 u and a threshold byte t (t4 = t * 0x01010101, nt4 = ~t4),
+        bit 7 of each byte of the result is b >= t (other bits garbage). The low 7 bits compare by a
+        borrow-free subtraction, d = (u | 0x80) - (t & 0x7F) per byte, whose bit 7 is
+        (b & 0x7F) >= (t & 0x7F); then b >= t = (b7 & ~t7) | (~(b7 ^ t7) & d7), one LOP3."""
+        d = (u | 0x80808080) - (t4 & 0x7F7F7F7F)
+        return (u & nt4) | ((u ^ nt4) & d)
 
     @triton.jit
-    def _attn_bits_kernel(seed_ptr, BITS, S, thresh, R: tl.constexpr, G: tl.constexpr):
-        """The keep-mask as bits: BITS [b * h, s, s / 16] int16, bit j % 16 of word (i, j // 16) =
-        keep(i, j); one program per R rows x 16 * G columns, blocks right of the diagonal skipped."""
-        pm, pn, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if pn * 16 * G > pm * R + R - 1:
-            return
-        S16 = S // 16
+    def _pack16(r0, r1, r2, r3, thresh):
+        """One Philox call's 4 words -> the int32 word (16 bits) of its 16 columns: byte k of word w
+        decides column 4k + w (bit = column). By bytes in parallel (_ge_bytes), the 16 results
+        gathered with shifts and masks: ~24 instructions where a compare-and-select per byte took
+        ~57 (sm90 SASS of _attn_bits_kernel: 142 -> 109 instructions per Philox call)."""
+        t4 = thresh.to(tl.uint32) * 0x01010101
+        nt4 = t4 ^ 0xFFFFFFFF  # ~t4 (the interpreter's ~ on uint32 overflows)
+        # bit 7 + 8k of word w -> bit 8k + w: 16 bits at 0-3, 8-11, 16-19, 24-27 (byte k's 4 words)
+        x = (_ge_bytes(r0.to(tl.uint32, bitcast=True), t4, nt4) >> 7) & 0x01010101
+        x |= (_ge_bytes(r1.to(tl.uint32, bitcast=True), t4, nt4) >> 6) & 0x02020202
+        x |= (_ge_bytes(r2.to(tl.uint32, bitcast=True), t4, nt4) >> 5) & 0x04040404
+        x |= (_ge_bytes(r3.to(tl.uint32, bitcast=True), t4, nt4) >> 4) & 0x08080808
+        x = (x | (x >> 4)) & 0x00FF00FF  # nibbles of bytes 0, 1 -> bits 0-7, of bytes 2, 3 -> 16-23
+        return ((x | (x >> 8)) & 0xFFFF).to(tl.int32)  # -> bits 4k + w
+
+    @triton.jit
+    def _bits_tile(seed, BITS, S16, bh, pm, pn, thresh, R: tl.constexpr, G: tl.constexpr):
+        # the words of rows pm * R .. + R - 1 x column groups pn * G .. + G - 1 of head bh
         rows = pm * R + tl.arange(0, R)
         groups = pn * G + tl.arange(0, G)
         c = rows[:, None].to(tl.int64) * S16 + groups[None, :].to(tl.int64)  # [R, G]
-        r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), (bh.to(tl.int64) << 32) | c)  # counter (c, bh, 0, 0)
-        bits = _pack4(r0, 0, thresh) | _pack4(r1, 1, thresh) | _pack4(r2, 2, thresh) | _pack4(r3, 3, thresh)
-        tl.store(BITS + bh.to(tl.int64) * S * S16 + c, bits.to(tl.int16))
+        r0, r1, r2, r3 = tl.randint4x(seed, (bh.to(tl.int64) << 32) | c)  # counter (c, bh, 0, 0)
+        bits = _pack16(r0, r1, r2, r3, thresh)
+        tl.store(BITS + bh.to(tl.int64) * (S16 * 16) * S16 + c, bits.to(tl.int16))
+
+    @triton.jit
+    def _attn_bits_kernel(seed_ptr, BITS, S, thresh, R: tl.constexpr, G: tl.constexpr, LOOP: tl.constexpr):
+        """The keep-mask as bits: BITS [b * h, s, s / 16] int16, bit j % 16 of word (i, j // 16) =
+        keep(i, j); tiles of R rows x 16 * G columns, those right of the diagonal skipped. LOOP 0:
+        one program per tile (grid s / R, s / (16 G), b * h; the skipped ones return at once);
+        LOOP 1: one program per R rows (grid s / R, b * h), looping over its tiles up to the
+        diagonal, the longest rows first (no empty programs, 1 / (16 G / s) as many)."""
+        S16 = S // 16
+        seed = tl.load(seed_ptr)
+        if LOOP:
+            pm, bh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
+            for pn in range(0, (pm * R + R - 1) // (16 * G) + 1):
+                _bits_tile(seed, BITS, S16, bh, pm, pn, thresh, R, G)
+        else:
+            pm, pn, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+            if pn * 16 * G <= pm * R + R - 1:
+                _bits_tile(seed, BITS, S16, bh, pm, pn, thresh, R, G)
 
     @triton.jit
     def _keep_words(bits, rows, col0, S16, C: tl.constexpr):
