@@ -10,7 +10,9 @@
 #             --parts dropout)
 #     quick   the probes' short form: default tiles and heavy_first at 124M and 355M only, the keep-bits
 #             kernel's launch variants (one program per row block, taller tiles, more warps), agreement
-#             with the twin at the default tiles (~60 s; for a lease that has one call)
+#             with the twin at the default tiles; the CE kernel's launches (bench/ce_probe.py: prefetch,
+#             reversed second sweep, chunk and warps; writes ce_best.txt, which b124 then times in the
+#             user path when it is not the default) (~90 s)
 #     u124 | u355 | u1.3B
 #             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped, (124M, where
 #             memory allows it: the anchor uses 10.4 GB, hpcmeg 7.5 at micro 12 and 9.2 at 16) micro
@@ -22,7 +24,7 @@
 #             in its forward, no [tokens, vocab] gradient kept), alone and with model.dropout_impl
 #             triton_bits (the residual branches' saved masks packed 8 to a byte): 124M nano, shipped,
 #             micro 24 x 8 with the one and with both (24 divides the recipe's 8-GPU plan), micro 16
-#             without and with it; 355M nano, shipped, micro 16 with the one and with both (without,
+#             without and with it, (after quick) both with the CE probe's best launch; 355M nano, shipped, micro 16 with the one and with both (without,
 #             micro 16 needed 22.0 GB against the anchor's 21.75)
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
@@ -125,11 +127,15 @@ for stage in "$@"; do
             step attention_probe 120 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
                 --fwd "default heavy_first=1" --bwd "default heavy_first=1" \
                 --bits "bits_loop=1 bits_loop=1+bits_rows=128+bits_warps=8 bits_loop=1+bits_rows=32 bits_warps=8"
+            step ce_probe 90 python bench/ce_probe.py --rows 12288,4096 --out "$OUT"
             ;;
         u124) user_path_u 124M 480 ;;
         u355) user_path_u 355M 520 ;;
         u1.3B) user_path_u 1.3B 520 ;;
-        b124) user_path 124M 480 124M_bif "nano hpcmeg $BIF24 $BIF24B hpcmeg:mb=16 $BIF16" ;;
+        b124) items="nano hpcmeg $BIF24 $BIF24B hpcmeg:mb=16 $BIF16"
+            ce=$(cat "$OUT/ce_best.txt" 2>/dev/null || echo default)  # the quick stage's CE launch, if it won
+            [[ $ce != default ]] && items="$items $BIF24B,env=HPCMEG_CE_LAUNCH:$ce"
+            user_path 124M 480 124M_bif "$items" ;;
         b355) user_path 355M 520 355M_bif "nano hpcmeg $BIF16 $BIF16B" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts model,wgrad,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \

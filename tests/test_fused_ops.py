@@ -97,6 +97,18 @@ for dt in (torch.float32, torch.bfloat16):
     torch.testing.assert_close(a, b, **tol)
     assert torch.equal(a[:, 9000:], full[:, 9000:])
     torch.testing.assert_close(a[:, :9000].float().sum(-1), torch.zeros(5), atol=5e-3, rtol=0)  # rows sum to 0
+    # the launches (CELaunch): prefetch, a reversed second sweep and rows looped by 2 programs give the
+    # default's bits; another chunk size sums in another order (within rounding)
+    for launch in (triton_ce.CELaunch(prefetch=1), triton_ce.CELaunch(reverse=1, programs=2),
+                   triton_ce.CELaunch(prefetch=1, reverse=1, programs=2),
+                   triton_ce.CELaunch(block=1024, warps=4, prefetch=1, reverse=1, programs=2)):
+        c = full.clone()
+        lc = triton_ce.ce_forward_grad_(c[:, :9000], labels, launch)
+        if launch.block == triton_ce.BLOCK:
+            assert torch.equal(lc, gl) and torch.equal(c, a), launch
+        else:
+            torch.testing.assert_close(lc, gl, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(c, a, **tol)
 torch.library.opcheck(triton_ce.cross_entropy_lse, (torch.randn(6, 300), torch.randint(0, 300, (6,))))
 torch.library.opcheck(triton_ce.cross_entropy_grad_, (torch.randn(6, 300), torch.randint(0, 300, (6,))))
 print("ok")
@@ -116,10 +128,24 @@ def test_triton_ce_grad_kernel_compiles_for_hopper():
     from helpers import compile_for_hopper
 
     from hpcmeg.model import triton_ce
-    k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel,
-                           dict(logits_ptr="*bf16", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32"),
-                           dict(V=50304, BLOCK=triton_ce.BLOCK), num_warps=8)
-    assert k.metadata.shared <= 227 * 1024
+    types = dict(logits_ptr="*bf16", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32", n_rows="i32")
+    for block, warps, flags in ((triton_ce.BLOCK, 8, dict(PREFETCH=False, REVERSE=False, LOOP=False)),
+                                (8192, 16, dict(PREFETCH=True, REVERSE=True, LOOP=True))):
+        k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel, types, dict(V=50304, BLOCK=block, **flags),
+                               num_warps=warps)
+        assert k.metadata.shared <= 227 * 1024
+
+
+def test_ce_launch_from_env(monkeypatch):
+    from hpcmeg.model import triton_ce
+    monkeypatch.setenv(triton_ce.LAUNCH_ENV, "block=8192+warps=16,prefetch=1")
+    assert triton_ce.launch_from_env() == triton_ce.CELaunch(block=8192, warps=16, prefetch=1)
+    monkeypatch.setenv(triton_ce.LAUNCH_ENV, "default")
+    assert triton_ce.launch_from_env() == triton_ce.DEFAULT_LAUNCH
+    for bad in ("blocks=4096", "block=3000", "warps=x"):
+        monkeypatch.setenv(triton_ce.LAUNCH_ENV, bad)
+        with pytest.raises(ValueError, match="HPCMEG_CE_LAUNCH"):
+            triton_ce.launch_from_env()
 
 
 def test_bias_dropout_add_layer_norm_eval_and_train():

@@ -18,10 +18,17 @@ Contract
   ce_forward_grad_(logits, labels) -> loss [N] fp32, and logits overwritten IN PLACE by the loss
   gradient softmax - onehot(label) (logits' dtype): the forward of fused.py's "grad_in_forward" CE,
   whose backward then needs no pass over [N, V] at all. Custom op hpcmeg::cross_entropy_grad_
-  (mutates logits); twin reference_grad_.
+  (mutates logits); twin reference_grad_. Its launch (CELaunch: chunk size, warps, a persistent grid,
+  prefetch, a reversed second sweep) defaults to the one measured in the user path; $HPCMEG_CE_LAUNCH
+  picks another for a run and bench/ce_probe.py times them (every launch computes the same values;
+  bit for bit at the default chunk size and warps).
 Needs the `triton` package (present wherever CUDA torch is); imported when this module is.
 """
 from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -62,26 +69,99 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, stride_row, V: tl.
 
 
 @triton.jit
-def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, V: tl.constexpr, BLOCK: tl.constexpr):
+def _row_lse_prefetch(base, V: tl.constexpr, BLOCK: tl.constexpr):
+    """_row_lse with each chunk's load issued one chunk ahead, before this chunk's two cross-warp
+    reductions, so two chunks per program are in flight. The same arithmetic in the same order, so
+    the same lse bit for bit (m starts at -inf: the first step's s * exp(m - m_new) is 0, as there)."""
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    for start in range(0, V, BLOCK):
+        c_next = start + BLOCK + cols
+        x_next = tl.load(base + c_next, mask=c_next < V, other=float("-inf"))  # all masked past the row
+        xf = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(xf, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(xf - m_new), axis=0)
+        m = m_new
+        x = x_next
+    return m + tl.log(s)
+
+
+@triton.jit
+def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, n_rows, V: tl.constexpr, BLOCK: tl.constexpr,
+                        PREFETCH: tl.constexpr = False, REVERSE: tl.constexpr = False, LOOP: tl.constexpr = False):
     """The forward above, then a second sweep of the row that overwrites each logit x with
     softmax(x) - onehot(label) = exp(x - lse) - [col == label] in the logits' dtype: the loss
     gradient (before the per-token upstream scale), written where the logits were. The second
-    sweep re-reads a row the first one just read (100 KB at V = 50,304; ~130 rows in flight fit
-    the H200's 50 MB L2), so the logits cross HBM once in and once out. (0.95 ms at [12288, 50304]
-    on the H200, 2.6 TB/s of reads + writes; a persistent grid of 1-8 programs per SM looping over
-    rows was no faster, 0.97-2.1 ms: bench/results/user_path_h200_s12.md.)"""
-    row = tl.program_id(0).to(tl.int64)
+    sweep re-reads a row the first one just read (100 KB at V = 50,304), from L2 while the rows in
+    flight fit it. (0.95 ms at [12288, 50304] on the H200 with one row per program, 2.6 TB/s of
+    reads + writes; a persistent grid of 1-8 programs per SM was no faster, 0.97-2.1 ms, with 8
+    warps and one chunk in flight: bench/results/user_path_h200_s12.md.)
+    LOOP: rows pid, pid + G, ... (G programs), else one row per program. Launch knobs (CELaunch,
+    untimed on the GPU so far): PREFETCH the first sweep's next chunk loaded before this one's
+    reductions (_row_lse_prefetch); REVERSE the second sweep from the row's end, so the chunks the first sweep
+    read last, the likeliest still in L2, are re-read first. Every setting gives the same bits."""
+    if LOOP:
+        for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, tl.cast(r, tl.int64), stride_row, V, BLOCK,
+                             PREFETCH, REVERSE)  # (tl.cast: in the interpreter r is a Python int)
+    else:  # one row per program, no loop (64 registers at 8 warps, where the loop takes 78)
+        _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, tl.program_id(0).to(tl.int64), stride_row, V, BLOCK,
+                         PREFETCH, REVERSE)
+
+
+@triton.jit
+def _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, row, stride_row, V: tl.constexpr, BLOCK: tl.constexpr,
+                     PREFETCH: tl.constexpr, REVERSE: tl.constexpr):
     base = logits_ptr + row * stride_row
-    lse = _row_lse(base, V, BLOCK)
+    if PREFETCH:
+        lse = _row_lse_prefetch(base, V, BLOCK)
+    else:
+        lse = _row_lse(base, V, BLOCK)
     label = tl.load(labels_ptr + row)
     target = tl.load(base + label).to(tl.float32)
     tl.store(loss_ptr + row, lse - target)
     cols = tl.arange(0, BLOCK)
-    for start in range(0, V, BLOCK):
-        c = start + cols
+    NB: tl.constexpr = (V + BLOCK - 1) // BLOCK
+    for i in range(0, NB):
+        c = (NB - 1 - i if REVERSE else i) * BLOCK + cols
         x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
         g = tl.exp(x - lse) - tl.where(c == label, 1.0, 0.0)
         tl.store(base + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
+
+
+@dataclass(frozen=True)
+class CELaunch:
+    """How _ce_fwd_grad_kernel is launched (bench/ce_probe.py sweeps it; $HPCMEG_CE_LAUNCH, e.g.
+    'block=8192,warps=16,per_sm=2,prefetch=1,reverse=1', picks one for a run). The default is the
+    launch measured in the user path: one row per program, 8 warps, 4096-column chunks."""
+    block: int = BLOCK       # columns per chunk (a power of 2)
+    warps: int = 8
+    per_sm: int = 0          # 0: one row per program; k: k programs per SM, each looping over rows
+    prefetch: int = 0        # 1: the first sweep keeps two chunks in flight
+    reverse: int = 0         # 1: the second sweep runs from the row's end
+    programs: int = 0        # > 0: exactly this grid (tests: several rows per program)
+
+
+DEFAULT_LAUNCH = CELaunch()
+LAUNCH_ENV = "HPCMEG_CE_LAUNCH"
+
+
+def launch_from_env() -> CELaunch:
+    """DEFAULT_LAUNCH with the fields named in $HPCMEG_CE_LAUNCH (read per call, no state)."""
+    spec = os.environ.get(LAUNCH_ENV, "")
+    if not spec or spec == "default":
+        return DEFAULT_LAUNCH
+    try:
+        pairs = (kv.split("=") for kv in spec.replace("+", ",").split(",") if kv)
+        launch = dataclasses.replace(DEFAULT_LAUNCH, **{k: int(v) for k, v in pairs})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"${LAUNCH_ENV}={spec!r}: want NAME=INT,... with names from "
+                         f"{[f.name for f in dataclasses.fields(CELaunch)]} ({e})") from None
+    if launch.block & (launch.block - 1) or launch.block < 128:
+        raise ValueError(f"${LAUNCH_ENV}={spec!r}: block must be a power of 2 >= 128")
+    return launch
 
 
 def ce_forward(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,16 +194,27 @@ def _(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return out, torch.empty_like(out)
 
 
-def ce_forward_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """loss [N] fp32; logits [N, V] (contiguous rows) overwritten by softmax - onehot(label)."""
+def ce_forward_grad_(logits: torch.Tensor, labels: torch.Tensor, launch: CELaunch | None = None) -> torch.Tensor:
+    """loss [N] fp32; logits [N, V] (contiguous rows) overwritten by softmax - onehot(label).
+    launch: None reads $HPCMEG_CE_LAUNCH (DEFAULT_LAUNCH when unset)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"ce_forward_grad_: logits must be [N, V] with unit column stride, got "
                          f"{tuple(logits.shape)} strides {logits.stride()}")
+    launch = launch_from_env() if launch is None else launch
     n, v = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
-        _ce_fwd_grad_kernel[(n,)](logits, labels.contiguous(), loss, logits.stride(0), v, BLOCK=BLOCK, num_warps=8)
+        grid = launch.programs or (min(n, launch.per_sm * _sm_count(logits.device)) if launch.per_sm else n)
+        _ce_fwd_grad_kernel[(grid,)](logits, labels.contiguous(), loss, logits.stride(0), n, v, BLOCK=launch.block,
+                                     PREFETCH=bool(launch.prefetch), REVERSE=bool(launch.reverse), LOOP=grid < n,
+                                     num_warps=launch.warps)
     return loss
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the H200's, so CPU (interpreter) runs plan like the GPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 reference_grad_ = cross_entropy_grad_twin  # the plain twin of ce_forward_grad_ (hpcmeg/model/ops.py)
