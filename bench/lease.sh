@@ -34,6 +34,9 @@
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
 #             the two profiles side by side say which per-micro-batch work does not grow with its size)
+#     pops    which host op launches each kernel and memset of the 124M step (bench/profile_step.py --ops
+#             --no-cudagraphs, global batch 24): the CUDA-graph profiles show a memset before every bias
+#             GEMM and before some cuDNN calls, each followed by ~4 us of idle GPU (~0.8 % of the step)
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0)
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
@@ -107,8 +110,8 @@ BIF16B="hpcmeg:mb=16,set=$BIF|$BITS"
 [[ $# -eq 0 ]] && set -- probes u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, b124, b355, checks, p124, p124m16 or loss)" >&2
+        probes | quick | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -141,6 +144,9 @@ for stage in "$@"; do
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;
+        pops) step profile_124M_ops 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 1 \
+            --tok "$TOK" --tag lease_124M_ops --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
+            --set train.global_batch_size=24 --ops --no-cudagraphs ;;
         p124m16) step profile_124M_mb16 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M_mb16 --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 --set train.micro_batch_size=16 ;;

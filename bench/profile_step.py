@@ -14,6 +14,8 @@ Targets:
   nano            the compiled nanoGPT-style anchor's step (bench/anchors_gpt2.py's Nano and loop
                   body, replicated here because the anchor's run() has no per-step hook).
 Usage: python bench/profile_step.py --targets trainer,nano [--size 124M] [--tok DIR] [--set K=V ...] [--ops]
+       [--no-cudagraphs]   (with --ops: which host op launches each kernel and memset, e.g. the memsets
+                            before cuBLAS GEMMs that precede ~4 us idle gaps in the CUDA-graph profiles)
 Writes <out>/profile_<tag>.{json,md}.
 """
 from __future__ import annotations
@@ -242,7 +244,14 @@ def main() -> None:
                          "train.global_batch_size=24: the user path's dropout and accumulation)")
     ap.add_argument("--ops", action="store_true",
                     help="trainer target: also record host ops and shapes, to name what launches each eager kernel")
+    ap.add_argument("--no-cudagraphs", action="store_true",
+                    help="trainer target: compile without CUDA graphs, so that --ops can name the host op behind "
+                         "every kernel and memset (a replayed graph hides them); the times are then not the user's")
     a = ap.parse_args()
+    if a.no_cudagraphs:  # the trainer's TrainStep asks this function for its compile options
+        import hpcmeg.train.step as step_mod
+        with_graphs = step_mod.default_cuda_compile_options
+        step_mod.default_cuda_compile_options = lambda: {**with_graphs(), "triton.cudagraphs": False}
     data = None
     if any(t.startswith("trainer") for t in a.targets.split(",")):
         vocab, merge = tt.gpt2_files(a.tok)
