@@ -100,13 +100,14 @@ def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, n_rows, V:
     warps and one chunk in flight: bench/results/user_path_h200_s12.md.)
     LOOP: rows pid, pid + G, ... (G programs), else one row per program. Launch knobs (CELaunch,
     untimed on the GPU so far): PREFETCH the first sweep's next chunk loaded before this one's
-    reductions (_row_lse_prefetch); REVERSE the second sweep from the row's end, so the chunks the first sweep
-    read last, the likeliest still in L2, are re-read first. Every setting gives the same bits."""
+    reductions (_row_lse_prefetch); REVERSE the second sweep from the row's end, so the chunks the
+    first sweep read last, the likeliest still in L2, are re-read first. At one BLOCK and warp count every
+    setting gives the same bits (another BLOCK or warp count sums in another order)."""
     if LOOP:
         for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
             _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, tl.cast(r, tl.int64), stride_row, V, BLOCK,
                              PREFETCH, REVERSE)  # (tl.cast: in the interpreter r is a Python int)
-    else:  # one row per program, no loop (64 registers at 8 warps, where the loop takes 78)
+    else:  # one row per program, no loop (sm90: 62 registers at 8 warps, where the loop takes 78)
         _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, tl.program_id(0).to(tl.int64), stride_row, V, BLOCK,
                          PREFETCH, REVERSE)
 
