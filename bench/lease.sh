@@ -24,7 +24,8 @@
 #             in its forward, no [tokens, vocab] gradient kept), alone and with model.dropout_impl
 #             triton_bits (the residual branches' saved masks packed 8 to a byte): 124M nano, shipped,
 #             micro 24 x 8 with the one and with both (24 divides the recipe's 8-GPU plan), micro 16
-#             without and with it, (after quick) both with the CE probe's best launch; 355M nano, shipped, micro 16 with the one and with both (without,
+#             without and with it, (after quick) both with the CE probe's best launch, both with Triton
+#             attention at the probes' best tiles; 355M nano, shipped, micro 16 with the one and with both (without,
 #             micro 16 needed 22.0 GB against the anchor's 21.75)
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
@@ -36,7 +37,9 @@
 #             the two profiles side by side say which per-micro-batch work does not grow with its size)
 #     pops    which host op launches each kernel and memset of the 124M step (bench/profile_step.py --ops
 #             --no-cudagraphs, global batch 24): the CUDA-graph profiles show a memset before every bias
-#             GEMM and before some cuDNN calls, each followed by ~4 us of idle GPU (~0.8 % of the step)
+#             GEMM and before some cuDNN calls, each followed by ~4 us of idle GPU (~0.8 % of the step);
+#             its log also holds Inductor's generated code (TORCH_LOGS=output_code), which says what the
+#             ~74 one-microsecond `triton_poi_fused__to_copy_1` casts per micro batch convert
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0)
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
@@ -80,11 +83,17 @@ user_path() {
 }
 
 # u124 | u355 | u1.3B: the shipped defaults against the anchor, then Triton attention
-user_path_u() {  # user_path_u SIZE MAX_S
-    local size=$1 max=$2 attn=default triton d
-    for d in "$OUT" "${LEASE_BEST:-}"; do  # this call's probes first, then an earlier call's
-        [[ -n $d && $attn == default && -s $d/attention_best_$size.txt ]] && attn=$(cat "$d/attention_best_$size.txt")
+best_attention() {  # best_attention SIZE: the probes' best Triton tiles (this call's, then an earlier call's)
+    local attn=default d
+    for d in "$OUT" "${LEASE_BEST:-}"; do
+        [[ -n $d && $attn == default && -s $d/attention_best_$1.txt ]] && attn=$(cat "$d/attention_best_$1.txt")
     done
+    echo "$attn"
+}
+
+user_path_u() {  # user_path_u SIZE MAX_S
+    local size=$1 max=$2 attn triton
+    attn=$(best_attention "$size")
     # rows in order of what they decide, so --budget-s drops the least important: the anchor, the
     # shipped defaults, (124M) micro batch 16 x 12 (session 13: 3 % faster, 9.2 GB against the
     # anchor's 10.4), Triton attention at the probe's best tiles, then (124M) both
@@ -138,13 +147,15 @@ for stage in "$@"; do
         b124) items="nano hpcmeg $BIF24 $BIF24B hpcmeg:mb=16 $BIF16"
             ce=$(cat "$OUT/ce_best.txt" 2>/dev/null || echo default)  # the quick stage's CE launch, if it won
             [[ $ce != default ]] && items="$items $BIF24B,env=HPCMEG_CE_LAUNCH:$ce"
+            # last, as the budget allows: both with Triton attention at the probes' best tiles
+            items="$items hpcmeg:mb=24,set=$BIF|$BITS|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M)"
             user_path 124M 480 124M_bif "$items" ;;
         b355) user_path 355M 520 355M_bif "nano hpcmeg $BIF16 $BIF16B" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts model,wgrad,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;
-        pops) step profile_124M_ops 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 1 \
+        pops) step profile_124M_ops 180 env TORCH_LOGS=output_code python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 1 \
             --tok "$TOK" --tag lease_124M_ops --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
         p124m16) step profile_124M_mb16 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \

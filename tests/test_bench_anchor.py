@@ -117,12 +117,14 @@ def test_lease_script_items(tmp_path, monkeypatch):
         logged = t.extractfile("lease.log").read().decode()
     items, bif = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:3])
     # b124: micro 24 with backward_in_forward, alone and with the packed dropout masks; micro 16
-    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 6, bif
+    # (no ce_best.txt here: no CE-launch row) and last both with Triton attention at LEASE_BEST's tiles
+    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 7, bif
     got = [user_path.parse_item(i, "124M")[1] for i in bif[2:]]
-    assert [(o["mb"], o["gbs"]) for o in got] == [(24, 192), (24, 192), (16, 192), (16, 192)]
-    assert [o["set"] for o in got] == [["model.cross_entropy=backward_in_forward"],
-                                       ["model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits"],
-                                       [], ["model.cross_entropy=backward_in_forward"]]
+    assert [(o["mb"], o["gbs"]) for o in got] == [(24, 192), (24, 192), (16, 192), (16, 192), (24, 192)]
+    bif_set, bits_set = "model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits"
+    assert [o["set"] for o in got] == [[bif_set], [bif_set, bits_set], [], [bif_set],
+                                       [bif_set, bits_set, "model.attention_backend=triton"]]
+    assert got[-1]["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
     assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items
     assert user_path.parse_item(items[2], "124M")[1]["mb"] == 16
     kind, o = user_path.parse_item(items[3], "124M")  # Triton attention at the probe's tiles
