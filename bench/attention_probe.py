@@ -102,6 +102,20 @@ def best_spec(res: dict, p: float) -> str:
     return "+".join(f"{k}={v}" for k, v in merged.items() if v != base[k]) or "default"
 
 
+def with_best_bits(res: dict, p: float, spec: str) -> str:
+    """spec with the keep-bits launch (Blocks.bits_*) of the fastest --bits variant appended, when it
+    beat the default launch's time by >= 5 % (the forward times above ran the default bits launch)."""
+    default = res.get(f"triton p={p} keep bits")
+    timed = [(v, k.split("[", 1)[1][:-1]) for k, v in res.items()
+             if k.startswith(f"triton p={p} keep bits [") and isinstance(v, float)]
+    if not timed or not isinstance(default, float) or min(timed)[0] >= 0.95 * default:
+        return spec
+    bits = {k: v for k, v in dataclasses.asdict(blocks(min(timed)[1])).items() if k.startswith("bits_")}
+    base = dataclasses.asdict(ta.DEFAULT_BLOCKS)
+    extra = "+".join(f"{k}={v}" for k, v in bits.items() if v != base[k])
+    return extra if spec == "default" else f"{spec}+{extra}"
+
+
 def sdpa_step(qkv, p, backend):
     """The model's SDPA call (fused.causal_attention_qkv -> causal_attention): qkv [b, s, h, 3d] ->
     out [b, s, h, d], a view of SDPA's [b, h, s, d] output."""
@@ -192,7 +206,7 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), s
         if fw and bw:
             res[f"triton p={p} best fwd+bwd"] = min(fw) + min(bw)
             res[f"triton p={p} best TFLOP/s"] = round(3.5 * flops / ((min(fw) + min(bw)) * 1e-3) / 1e12, 1)
-        res[f"triton p={p} best spec"] = best_spec(res, p)
+        res[f"triton p={p} best spec"] = with_best_bits(res, p, best_spec(res, p))
         c = res.get(f"cudnn p={p} fwd+bwd")
         if isinstance(c, float):
             res[f"cudnn p={p} TFLOP/s"] = round(3.5 * flops / (c * 1e-3) / 1e12, 1)

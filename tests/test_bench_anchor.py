@@ -135,3 +135,18 @@ def test_lease_script_items(tmp_path, monkeypatch):
     monkeypatch.setenv(triton_attention.BLOCKS_ENV, o["env"][triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()
     assert (b.heavy_first, b.dkv_m, b.fwd_m) == (1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)
+
+
+def test_attention_probe_best_spec_takes_a_faster_bits_launch():
+    """bench/attention_probe.py: the best spec (what $HPCMEG_ATTENTION_BLOCKS gets in the lease's
+    Triton rows) takes the keep-bits launch of the fastest --bits variant only when it beat the
+    default launch by >= 5 %, and never a variant that failed."""
+    import attention_probe as ap
+    res = {"triton p=0.1 keep bits": 0.050, "triton p=0.1 keep bits [bits_loop=1]": 0.030,
+           "triton p=0.1 keep bits [bits_warps=8]": 0.049, "triton p=0.1 keep bits [bits_rows=32]": "failed: x"}
+    assert ap.with_best_bits(res, 0.1, "default") == "bits_loop=1"
+    assert ap.with_best_bits(res, 0.1, "heavy_first=1") == "heavy_first=1+bits_loop=1"
+    assert ap.blocks("heavy_first=1+bits_loop=1").bits_loop == 1
+    res["triton p=0.1 keep bits [bits_loop=1]"] = 0.048  # 4 % faster: not enough
+    assert ap.with_best_bits(res, 0.1, "heavy_first=1") == "heavy_first=1"
+    assert ap.with_best_bits({}, 0.1, "default") == "default"
