@@ -60,7 +60,7 @@ if triton is not None:
         """One Philox call's 4 words -> the int32 word (16 bits) of its 16 columns: byte k of word w
         decides column 4k + w (bit = column). By bytes in parallel (_ge_bytes), the 16 results
         gathered with shifts and masks: ~24 instructions where a compare-and-select per byte took
-        ~57 (sm90 SASS of _attn_bits_kernel: 142 -> 109 instructions per Philox call)."""
+        ~57 (sm90 SASS of _attn_bits_kernel: 142 -> 106 instructions per Philox call)."""
         t4 = thresh.to(tl.uint32) * 0x01010101
         nt4 = t4 ^ 0xFFFFFFFF  # ~t4 (the interpreter's ~ on uint32 overflows)
         # bit 7 + 8k of word w -> bit 8k + w: 16 bits at 0-3, 8-11, 16-19, 24-27 (byte k's 4 words)
@@ -87,7 +87,7 @@ if triton is not None:
         keep(i, j); tiles of R rows x 16 * G columns, those right of the diagonal skipped. LOOP 0:
         one program per tile (grid s / R, s / (16 G), b * h; the skipped ones return at once);
         LOOP 1: one program per R rows (grid s / R, b * h), looping over its tiles up to the
-        diagonal, the longest rows first (no empty programs, 1 / (16 G / s) as many)."""
+        diagonal, the longest rows first (no empty programs; s / (16 G) times fewer of them)."""
         S16 = S // 16
         seed = tl.load(seed_ptr)
         if LOOP:
