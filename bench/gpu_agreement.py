@@ -349,30 +349,30 @@ def main():
     ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--parts", default="ops,model,dropout,wgrad,ce,kernels",
-                    help="comma list of ops, model, dropout, wgrad, ce, kernels")
+                    help="comma list of ops, model, dropout, wgrad, ce, kernels, run in that order")
     a = ap.parse_args()
-    parts = set(a.parts.split(","))
+    table = {"ops": op_checks, "model": model_checks, "dropout": dropout_and_accumulation_checks,
+             "wgrad": wgrad_fusion_checks, "ce": ce_checks, "kernels": kernel_impl_checks}
+    parts = a.parts.split(",")  # run in the order given: a lease's timeout cuts the last ones
+    unknown = [p for p in parts if p not in table]
+    if unknown:
+        raise SystemExit(f"gpu_agreement: unknown --parts {unknown}: want a comma list of {list(table)}")
     rows = []
-    if "ops" in parts:
-        op_checks(rows)
-    for part, fn in (("model", model_checks), ("dropout", dropout_and_accumulation_checks),
-                     ("wgrad", wgrad_fusion_checks), ("ce", ce_checks), ("kernels", kernel_impl_checks)):
-        if part not in parts:
-            continue
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), flash_attn=fused.HAVE_FLASH_ATTN)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "gpu_agreement.json")
+    for part in parts:
+        fn = table[part]
         try:  # a crash in one part still leaves the others' rows
             fn(rows)
         except Exception as ex:
             rows.append(dict(check=fn.__name__, error=repr(ex)[:400], ok=False))
             print(f"{fn.__name__} failed:", repr(ex)[:400], flush=True)
-    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), flash_attn=fused.HAVE_FLASH_ATTN)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "gpu_agreement.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(dict(env=env, tol=TOL, rows=rows), f, indent=1)
-    os.replace(path + ".tmp", path)
+        with open(path + ".tmp", "w") as f:  # after each part: a run cut short keeps what it checked
+            json.dump(dict(env=env, tol=TOL, rows=rows), f, indent=1)
+        os.replace(path + ".tmp", path)
     bad = [r["check"] for r in rows if r.get("ok") is False]
     print("ALL OK" if not bad else f"FAILED: {bad}", flush=True)
-
 
 if __name__ == "__main__":
     main()

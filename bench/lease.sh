@@ -30,7 +30,8 @@
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
 #             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
-#             (bench/gpu_agreement.py --parts model,wgrad,dropout)
+#             (bench/gpu_agreement.py --parts wgrad,model,dropout: in that order, backward_in_forward
+#             through CUDA graphs first, each part's rows on disk as soon as it ends)
 #     p124    where the 124M user path's time goes (bench/profile_step.py, dropout 0.1, global batch
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
@@ -151,7 +152,7 @@ for stage in "$@"; do
             items="$items hpcmeg:mb=24,set=$BIF|$BITS|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M)"
             user_path 124M 480 124M_bif "$items" ;;
         b355) user_path 355M 520 355M_bif "nano hpcmeg $BIF16 $BIF16B" ;;
-        checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts model,wgrad,dropout --out "$OUT" ;;
+        checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,model,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;
