@@ -139,10 +139,11 @@ def agreement(b, s, h, d, rows, spec="default"):
     for p in (0.0, 0.1):
         bl = blocks(spec)
         out, lse, bits = ta.forward(qkv, seed, p, bl)
-        dqkv = ta.backward(do, qkv, out, lse, bits, p, bl)
+        dqkv, dbias = ta.backward(do, qkv, out, lse, bits, p, bl, bias_grad=True)  # as the model calls it
         ref_out = ta.reference(qkv.float(), seed, p)
-        ref_g = ta.reference_backward(do.float(), qkv.float(), seed, p)
+        ref_g = ta.reference_backward(do.float(), qkv.float(), seed, p)  # fp32
         r = dict(check=f"triton [{spec}] vs twin p={p}", out=rel(out, ref_out), dqkv=rel(dqkv, ref_g),
+                 dbias=rel(dbias, ta.reference_bias_grad(ref_g, torch.float32)),
                  lse=rel(lse, ta._reference_lse2(qkv.float())))
         if p == 0:
             x = qkv.clone().requires_grad_(True)
@@ -198,7 +199,7 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), s
         for spec in bwd_specs:
             bl = blocks(spec)
             try:
-                res[f"triton p={p} bwd [{spec}]"] = graphed(lambda: ta.backward(do, qkv, out, lse, bits, p, bl))
+                res[f"triton p={p} bwd [{spec}]"] = graphed(lambda: ta.backward(do, qkv, out, lse, bits, p, bl, True))
             except Exception as e:
                 res[f"triton p={p} bwd [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
         fw = [v for k, v in res.items() if k.startswith(f"triton p={p} fwd") and isinstance(v, float)]

@@ -25,8 +25,9 @@
 #             triton_bits (the residual branches' saved masks packed 8 to a byte): 124M nano, shipped,
 #             micro 24 x 8 with the one and with both (24 divides the recipe's 8-GPU plan), micro 16
 #             without and with it, (after quick) both with the CE probe's best launch, both with Triton
-#             attention at the probes' best tiles; 355M nano, shipped, micro 16 with the one and with both (without,
-#             micro 16 needed 22.0 GB against the anchor's 21.75)
+#             attention at the probes' best tiles; 355M nano, shipped, micro 16 with the one, with both
+#             (without, micro 16 needed 22.0 GB against the anchor's 21.75), then both with Triton
+#             attention (never timed in the 355M user path; its probe put it ~2 % of the step ahead)
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
 #             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
@@ -151,7 +152,7 @@ for stage in "$@"; do
             # last, as the budget allows: both with Triton attention at the probes' best tiles
             items="$items hpcmeg:mb=24,set=$BIF|$BITS|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M)"
             user_path 124M 480 124M_bif "$items" ;;
-        b355) user_path 355M 520 355M_bif "nano hpcmeg $BIF16 $BIF16B" ;;
+        b355) user_path 355M 520 355M_bif "nano hpcmeg $BIF16 $BIF16B $BIF16B|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 355M)" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,model,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \

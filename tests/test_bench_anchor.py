@@ -107,7 +107,8 @@ def test_lease_script_items(tmp_path, monkeypatch):
     assert not (out / "loss_parity.log").exists()  # the valid stage before it did not start
     spec = "heavy_first=1+dkv_m=64"
     (best / "attention_best_124M.txt").write_text(spec)
-    r = subprocess.run(["bash", lease, "u124", "b124"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+    (best / "attention_best_355M.txt").write_text("default")
+    r = subprocess.run(["bash", lease, "u124", "b124", "b355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
     assert r.returncode == 0, r.stderr
@@ -115,7 +116,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     with tarfile.open(out / "lease.tgz") as t:
         assert {"user_path_124M.log", "user_path_124M_bif.log"} <= set(t.getnames())
         logged = t.extractfile("lease.log").read().decode()
-    items, bif = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:3])
+    items, bif, b355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
     # b124: micro 24 with backward_in_forward, alone and with the packed dropout masks; micro 16
     # (no ce_best.txt here: no CE-launch row) and last both with Triton attention at LEASE_BEST's tiles
     assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 7, bif
@@ -132,6 +133,12 @@ def test_lease_script_items(tmp_path, monkeypatch):
     assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
     kind, o16 = user_path.parse_item(items[4], "124M")  # the same at micro batch 16
     assert (o16["mb"], o16["gbs"], o16["set"], o16["env"]) == (16, 192, o["set"], o["env"])
+    # b355: micro 16 with backward_in_forward, alone, with the packed masks, then with Triton attention too
+    assert b355[:2] == ["nano", "hpcmeg"] and len(b355) == 5, b355
+    got = [user_path.parse_item(i, "355M")[1] for i in b355[2:]]
+    assert [(o["mb"], o["gbs"]) for o in got] == [(16, 192)] * 3
+    assert got[2]["set"] == [bif_set, bits_set, "model.attention_backend=triton"]
+    assert got[2]["env"] == {"HPCMEG_ATTENTION_BLOCKS": "default"}
     monkeypatch.setenv(triton_attention.BLOCKS_ENV, o["env"][triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()
     assert (b.heavy_first, b.dkv_m, b.fwd_m) == (1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)

@@ -45,8 +45,14 @@ for p in (0.0, 0.2):
         torch.testing.assert_close(out, ta.reference(qkv, seed, p), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(lse, ta._reference_lse2(qkv), atol=1e-4, rtol=1e-4)
         do = torch.randn_like(out)
-        g = ta.backward(do, qkv, out, lse, bits, p, blocks)
-        torch.testing.assert_close(g, ta.reference_backward(do, qkv, seed, p), atol=1e-4, rtol=1e-4)
+        g, db = ta.backward(do, qkv, out, lse, bits, p, blocks, bias_grad=True)
+        g32 = ta._reference_dqkv32(do, qkv, seed, p)
+        torch.testing.assert_close(g, g32, atol=1e-4, rtol=1e-4)
+        # the QKV bias gradient from the kernels' row-block sums: dqkv summed over batch and sequence
+        torch.testing.assert_close(db, ta.reference_bias_grad(g32, torch.float32), atol=1e-3, rtol=1e-4)
+        assert db.shape == (H * 3 * D,)
+        g2, none = ta.backward(do, qkv, out, lse, bits, p, blocks)  # without: the same dqkv, no bias sums
+        assert torch.equal(g2, g) and none.numel() == 0
 print("ok")
 """
 
@@ -59,7 +65,8 @@ def test_kernels_compile_for_hopper():
     """What the GPU runs: the default tiles at head dim 64; the heavy-first grids with the probe's
     wider backward iterations (dkv_m = dq_n = 64) at head dim 128."""
     pytest.importorskip("triton")
-    ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16")
+    ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16",
+                PQ="*fp32", PKV="*fp32")
     ints = {n: "i32" for n in ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "H", "S", "thresh")}
     types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
     other = ta.Blocks(heavy_first=1 - ta.DEFAULT_BLOCKS.heavy_first, dkv_m=64, dq_n=64)
@@ -67,11 +74,14 @@ def test_kernels_compile_for_hopper():
         flags = dict(D=d, DROPOUT=True, HEAVY=blocks.heavy_first)
         fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n),
                                  blocks.fwd_warps, blocks.fwd_stages)
+        flags["BIAS_GRAD"] = True  # the backward as the model runs it (the QKV bias gradient's row sums)
         assert fwd.metadata.shared <= 227 * 1024  # fits an H100/H200 SM
         for kernel, tiles in ((ta._attn_dkv_kernel, dict(BN=blocks.dkv_n, BM=blocks.dkv_m)),
                               (ta._attn_dq_kernel, dict(BM=blocks.dq_m, BN=blocks.dq_n))):
             k = compile_for_hopper(kernel, types, dict(flags, **tiles), blocks.bwd_warps, blocks.bwd_stages)
             assert k.metadata.shared <= 227 * 1024
+        compile_for_hopper(ta._attn_bias_grad_kernel, dict(PQ="*fp32", PKV="*fp32", DBIAS="*bf16", NQ="i32",
+                                                           NK="i32", H="i32"), dict(D=d, ROWS=32), 1)
     for loop in (0, 1):  # the keep-bits kernel, both launch shapes
         compile_for_hopper(ta._attn_bits_kernel, dict(seed_ptr="*i64", BITS="*i16", S="i32", thresh="i32"),
                            dict(R=64, G=8, LOOP=loop), 4)
@@ -112,6 +122,9 @@ def test_twins_against_autograd_and_sdpa():
 def test_custom_op_opcheck_and_supports():
     seed = torch.tensor([77], dtype=torch.int64)
     torch.library.opcheck(ta.flash_attention, (torch.randn(1, 128, 2, 48, requires_grad=True), seed, 0.2))
+    # with the QKV bias whose gradient the op returns
+    torch.library.opcheck(ta.flash_attention, (torch.randn(1, 128, 2, 48, requires_grad=True), seed, 0.2,
+                                               torch.randn(96, requires_grad=True)))
     assert ta.supports(torch.empty(1, 256, 2, 192))
     assert not ta.supports(torch.empty(1, 100, 2, 192))  # sequence not a multiple of 128
     assert not ta.supports(torch.empty(1, 128, 2, 3 * 24))  # head dim 24
@@ -152,3 +165,40 @@ def test_model_with_triton_backend_matches_default_and_compiles():
     torch.testing.assert_close(lc, l1)
     for g, p in zip(gc, c.parameters()):
         torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_qkv_bias_gradient_comes_from_the_attention_op():
+    """With the Triton backend the QKV GEMM adds its bias detached and the attention op returns the
+    bias gradient (the kernels' row sums; on CPU the twin's): the same gradients as the default
+    backend, also where the kernels refuse the shape (s = 64: SDPA with a zero add carries it)."""
+    for s in (128, 64):
+        tok = torch.randint(0, 128, (2, s), generator=torch.Generator().manual_seed(s))
+        a, b = _model(attention_dropout=0.0), _model(attention_dropout=0.0, attention_backend="triton")
+        a(tok, tok).mean().backward()
+        b(tok, tok).mean().backward()
+        for la, lb in zip(a.encoder.layers, b.encoder.layers):
+            qa, qb = la.self_attention.query_key_value, lb.self_attention.query_key_value
+            assert qb.bias.grad is not None and qb.bias.grad.abs().sum() > 0
+            torch.testing.assert_close(qb.bias.grad, qa.bias.grad, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(qb.weight.grad, qa.weight.grad, atol=1e-5, rtol=1e-4)
+        with torch.no_grad():  # no autograd: the bias stays in the GEMM, nothing to split
+            torch.testing.assert_close(b(tok, tok), a(tok, tok), atol=1e-5, rtol=1e-4)
+
+
+def test_qkv_bias_split_with_main_grad_sinks():
+    """Gradient-accumulation fusion: the QKV weight's GEMM adds into its main grad while its bias
+    (given detached) gets no sum there; the buffer's main grads equal the default backend's."""
+    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.step import TrainStep
+    g = torch.Generator().manual_seed(9)
+    mbs = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in
+           (torch.randint(0, 128, (2, 129), generator=g) for _ in range(2))]
+    grads = {}
+    for backend in ("auto", "triton"):
+        m = _model(attention_dropout=0.0, attention_backend=backend)
+        buf, opt = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+        TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
+        grads[backend] = {n: buf.grad_data[slice(*buf.locate(p))].clone() for n, p in m.named_parameters()}
+    for n, want in grads["auto"].items():
+        torch.testing.assert_close(grads["triton"][n], want, atol=1e-6, rtol=1e-4, msg=n)
+    assert grads["triton"]["encoder.layers.0.self_attention.query_key_value.bias"].abs().sum() > 0

@@ -226,15 +226,22 @@ def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bi
     return out, F.layer_norm(out, (out.shape[-1],), ln_weight, ln_bias, eps)
 
 
-def causal_attention_qkv(qkv: torch.Tensor, dropout_p: float, training: bool, backend: str = "auto") -> torch.Tensor:
+def causal_attention_qkv(qkv: torch.Tensor, dropout_p: float, training: bool, backend: str = "auto",
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of qkv [b, s, heads, 3 * head_dim] (per head its q, k, v) -> [b, s, heads,
     head_dim]. backend 'triton': hpcmeg/model/triton_attention.py's kernels straight on the GEMM's
-    layout (its gradient comes back as one dqkv, no concatenation), when they take the shape."""
+    layout (its gradient comes back as one dqkv, no concatenation), when they take the shape.
+    bias [heads * 3 * head_dim]: the QKV bias when the caller added it to qkv detached (x W^T +
+    b.detach()); its gradient, the sum of dqkv over tokens, then comes from here: from the Triton
+    backward kernels' own row sums (no reduction re-reading dqkv: 13.9 us per 124M layer call), or,
+    on the other backends, through a zero add (qkv + (b - b.detach()))."""
     p = dropout_p if training else 0.0
     if backend == "triton" and triton_attention.supports(qkv):
         seed = triton_attention.draw_seed(qkv.device) if p > 0 else \
             torch.zeros(1, dtype=torch.int64, device=qkv.device)
-        return torch.ops.hpcmeg.flash_attention(qkv, seed, p)[0]
+        return torch.ops.hpcmeg.flash_attention(qkv, seed, p, bias)[0]
+    if bias is not None:
+        qkv = qkv + (bias - bias.detach()).view(qkv.shape[-2:]).to(qkv.dtype)
     q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
     return causal_attention(q, k, v, dropout_p, training, "auto" if backend == "triton" else backend)
 

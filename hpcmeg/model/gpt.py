@@ -73,11 +73,12 @@ class SelfAttention(nn.Module):
         self.p = cfg.attention_dropout
         self.fused, self.backend = cfg.fused, cfg.attention_backend
 
-    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The attention core: qkv [b, s, heads, 3 * head_dim] (per head its q, k, v rows, Megatron
-        v2 layout) -> [b, s, heads, head_dim] (its dropout is the only RNG use)."""
+        v2 layout) -> [b, s, heads, head_dim] (its dropout is the only RNG use). bias: the QKV bias
+        when qkv holds it detached (fused Triton attention returns its gradient; fused.causal_attention_qkv)."""
         if self.fused:
-            return fused_ops.causal_attention_qkv(qkv, self.p, self.training, self.backend)
+            return fused_ops.causal_attention_qkv(qkv, self.p, self.training, self.backend, bias)
         q, k, v = qkv.split(self.head_dim, dim=-1)
         return plain_ops.causal_attention(q, k, v, self.p, self.training)
 
@@ -86,8 +87,12 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         # heads from the weight's rows: a tensor-parallel shard holds whole heads
         qkv_lin = self.query_key_value
-        qkv = wgrad.linear(x, qkv_lin.weight, qkv_lin.bias, wgrad.layer_sink(qkv_lin))
-        ctx = self.attend(qkv.view(b, s, -1, 3 * self.head_dim))  # per-head [q, k, v] rows
+        # Triton attention sums the QKV bias gradient inside its backward kernels: the GEMM adds the
+        # bias detached, so the linear's backward does not re-read dqkv for it
+        split = self.fused and self.backend == "triton" and torch.is_grad_enabled() and qkv_lin.bias is not None
+        qkv = wgrad.linear(x, qkv_lin.weight, qkv_lin.bias.detach() if split else qkv_lin.bias,
+                           wgrad.layer_sink(qkv_lin))
+        ctx = self.attend(qkv.view(b, s, -1, 3 * self.head_dim), qkv_lin.bias if split else None)  # per-head [q, k, v] rows
         # bias returned separately so it fuses into the bias-dropout-add that follows
         out = wgrad.linear(ctx.reshape(b, s, -1), self.dense.weight, None, wgrad.layer_sink(self.dense))
         return out, self.dense.bias

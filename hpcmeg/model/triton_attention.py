@@ -22,14 +22,20 @@ per element Philox (Inductor's and tl.rand's way) would cost more than the two m
 dim 64.
 
 Contract
-  flash_attention(qkv [b, s, h, 3d] bf16|fp16|fp32 with unit last stride, seed [1] int64, p)
+  flash_attention(qkv [b, s, h, 3d] bf16|fp16|fp32 with unit last stride, seed [1] int64, p, bias=None)
       -> (out [b, s, h, d] contiguous, lse2 [b * h, s] fp32: log2-sum-exp of the scaled scores,
-          bits: the keep-mask (empty without dropout or off CUDA))
-  flash_attention_backward(dout, qkv, out, lse2, bits, seed, p) -> dqkv [b, s, h, 3d] (qkv's dtype)
+          bits: the keep-mask (empty without dropout or off CUDA)). bias [h * 3d]: the QKV bias that
+      qkv already holds, the caller having added it in the GEMM with the bias detached; the op only
+      returns its gradient, from the backward kernels' row sums, so no pass re-reads dqkv for it
+      (fused.causal_attention_qkv).
+  flash_attention_backward(dout, qkv, out, lse2, bits, seed, p, bias_grad=False) -> (dqkv [b, s, h, 3d]
+      in qkv's dtype, dbias): with bias_grad, dbias [h * 3d] is the fp32 sum of dqkv over b and s,
+      rounded once (the gradient of the bias flash_attention was given).
   Both are torch custom ops (hpcmeg::flash_attention[_backward]; the first has autograd) so
   torch.compile and CUDA graphs see one opaque kernel each; on CPU they run the twin.
   supports(qkv) says whether the kernels take the shape: s % 128 == 0, d in {16, 32, 64, 128}.
-  reference(qkv, seed, p) -> out and reference_backward(dout, qkv, seed, p) -> dqkv: the twins,
+  reference(qkv, seed, p) -> out, reference_backward(dout, qkv, seed, p) -> dqkv and
+  reference_bias_grad(fp32 dqkv, dtype) -> dbias: the twins,
   plain PyTorch with the same keep-mask (the ops' CPU path; the tests check reference_backward
   against autograd through reference).
 """
@@ -40,6 +46,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -135,7 +142,7 @@ def supports(qkv: torch.Tensor) -> bool:
 
 if triton is not None:
     from hpcmeg.model.triton_attention_kernels import (  # noqa: F401  (the tests compile them via this module)
-        _attn_bits_kernel, _attn_delta_kernel, _attn_dkv_kernel, _attn_dq_kernel, _attn_fwd_kernel)
+        _attn_bias_grad_kernel, _attn_bits_kernel, _attn_dkv_kernel, _attn_dq_kernel, _attn_fwd_kernel)
 
 
 # ---- launchers ------------------------------------------------------------------------------
@@ -188,27 +195,37 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
 
 
 def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, bits: torch.Tensor,
-             p: float, blocks: Blocks = DEFAULT_BLOCKS) -> torch.Tensor:
-    """The Triton backward: dqkv [b, s, h, 3d], contiguous, qkv's dtype."""
+             p: float, blocks: Blocks = DEFAULT_BLOCKS, bias_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton backward: (dqkv [b, s, h, 3d] contiguous in qkv's dtype, dbias): with bias_grad,
+    dbias [h * 3d] = the fp32 sum of dqkv over b and s (the gradient of a QKV bias added inside qkv),
+    rounded once to qkv's dtype; else an empty tensor."""
     b, s, h, d = _shape(qkv)
     t, keep_scale = dropout_threshold(p)
     dout = dout.contiguous() if dout.stride() != out.stride() else dout  # dO is read with out's strides
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     if qkv.stride() != dqkv.stride():
         qkv = qkv.contiguous()  # the dK/dV and dQ kernels address qkv and dqkv with one set of strides
-    delta = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)
+    delta = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)  # written by the dQ kernel
+    f32 = dict(dtype=torch.float32, device=qkv.device)
+    nq, nk = b * (s // blocks.dq_m), b * (s // blocks.dkv_n)
+    pq = torch.empty(nq, h, d, **f32) if bias_grad else delta.new_empty(0)  # row-block sums of dQ
+    pkv = torch.empty(nk, h, 2, d, **f32) if bias_grad else delta.new_empty(0)  # ... of dK, dV
     sm_scale = 1.0 / math.sqrt(d)
     ostr, qstr = out.stride()[:3], qkv.stride()[:3]
     with _on(qkv.device):
-        _attn_delta_kernel[(s // 128, b * h)](out, dout, delta, *ostr, h, s, D=d, BM=128, num_warps=4)
-        common = (lse, delta, dqkv, bits, *qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
-        flags = dict(DROPOUT=t > 0, HEAVY=blocks.heavy_first, num_warps=blocks.bwd_warps,
+        tail = (*qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
+        flags = dict(DROPOUT=t > 0, HEAVY=blocks.heavy_first, BIAS_GRAD=bias_grad, num_warps=blocks.bwd_warps,
                      num_stages=blocks.bwd_stages)
-        _attn_dkv_kernel[_grid(s // blocks.dkv_n, b * h, blocks)](qkv, dout, *common, D=d, BN=blocks.dkv_n,
-                                                                  BM=blocks.dkv_m, **flags)
-        _attn_dq_kernel[_grid(s // blocks.dq_m, b * h, blocks)](qkv, dout, *common, D=d, BM=blocks.dq_m,
-                                                                BN=blocks.dq_n, **flags)
-    return dqkv
+        # dQ first: it leaves delta for the dK/dV kernel
+        _attn_dq_kernel[_grid(s // blocks.dq_m, b * h, blocks)](qkv, out, dout, lse, delta, dqkv, bits, pq, *tail,
+                                                                D=d, BM=blocks.dq_m, BN=blocks.dq_n, **flags)
+        _attn_dkv_kernel[_grid(s // blocks.dkv_n, b * h, blocks)](qkv, dout, lse, delta, dqkv, bits, pkv, *tail,
+                                                                  D=d, BN=blocks.dkv_n, BM=blocks.dkv_m, **flags)
+        if not bias_grad:
+            return dqkv, dqkv.new_empty(0)
+        dbias = torch.empty(h * 3 * d, dtype=qkv.dtype, device=qkv.device)
+        _attn_bias_grad_kernel[(h, 3)](pq, pkv, dbias, nq, nk, h, D=d, ROWS=32, num_warps=1)
+    return dqkv, dbias
 
 
 # ---- the plain twin -------------------------------------------------------------------------
@@ -254,8 +271,8 @@ def reference(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
     return ((probs if z is None else probs * z) @ v).transpose(1, 2).to(qkv.dtype)
 
 
-def reference_backward(dout: torch.Tensor, qkv: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """The backward formula of the module docstring written out in PyTorch: dqkv [b, s, h, 3d]."""
+def _reference_dqkv32(dout: torch.Tensor, qkv: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    # the backward formula of the module docstring written out in PyTorch: fp32 dqkv [b, s, h, 3d]
     q, k, v, probs, z = _reference_parts(qkv, seed, p)
     do = dout.transpose(1, 2).float()
     pz = probs if z is None else probs * z
@@ -265,7 +282,17 @@ def reference_backward(dout: torch.Tensor, qkv: torch.Tensor, seed: torch.Tensor
     ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))  # (dp * P).sum = dO . O, the delta term
     scale = 1.0 / math.sqrt(q.shape[-1])
     dq, dk, dv = ds @ k * scale, ds.transpose(-1, -2) @ q * scale, pz.transpose(-1, -2) @ do
-    return torch.cat([t.transpose(1, 2) for t in (dq, dk, dv)], dim=-1).to(qkv.dtype)
+    return torch.cat([t.transpose(1, 2) for t in (dq, dk, dv)], dim=-1)
+
+
+def reference_backward(dout: torch.Tensor, qkv: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
+    """The backward formula of the module docstring written out in PyTorch: dqkv [b, s, h, 3d]."""
+    return _reference_dqkv32(dout, qkv, seed, p).to(qkv.dtype)
+
+
+def reference_bias_grad(dqkv32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """backward's dbias from the fp32 dqkv: summed over b and s, [h * 3d], rounded once to dtype."""
+    return dqkv32.sum((0, 1)).reshape(-1).to(dtype)
 
 
 def _reference_lse2(qkv: torch.Tensor) -> torch.Tensor:
@@ -284,9 +311,13 @@ def _use_kernel(t: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("hpcmeg::flash_attention", mutates_args=())
-def flash_attention(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_attention(qkv: torch.Tensor, seed: torch.Tensor, p: float, bias: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [b, s, h, d], lse2 [b * h, s], keep bits) of causal attention with dropout p; Triton
-    on CUDA, the twins elsewhere (whose backward redraws the mask from the seed, bits unused)."""
+    on CUDA, the twins elsewhere (whose backward redraws the mask from the seed, bits unused).
+    bias [h * 3d]: the QKV bias already inside qkv, which the caller kept out of qkv's autograd
+    graph (x W^T + b.detach()); unused here, given so that this op's backward returns its gradient,
+    the sum of dqkv over tokens, from the backward kernels' own row sums."""
     if _use_kernel(qkv):
         return forward(qkv, seed, p, blocks_from_env())
     return (reference(qkv, seed, p).contiguous(), _reference_lse2(qkv),
@@ -294,7 +325,8 @@ def flash_attention(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[to
 
 
 @flash_attention.register_fake
-def _(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(qkv: torch.Tensor, seed: torch.Tensor, p: float, bias: Optional[torch.Tensor] = None
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, s, h, d3 = qkv.shape
     n_bits = b * h * s * (s // 16) if _use_kernel(qkv) and dropout_threshold(p)[0] else 0
     return (qkv.new_empty(b, s, h, d3 // 3), qkv.new_empty(b * h, s, dtype=torch.float32),
@@ -304,29 +336,35 @@ def _(qkv: torch.Tensor, seed: torch.Tensor, p: float) -> tuple[torch.Tensor, to
 
 @torch.library.custom_op("hpcmeg::flash_attention_backward", mutates_args=())
 def flash_attention_backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                             bits: torch.Tensor, seed: torch.Tensor, p: float) -> torch.Tensor:
-    """dqkv of flash_attention; Triton on CUDA, reference_backward elsewhere."""
+                             bits: torch.Tensor, seed: torch.Tensor, p: float, bias_grad: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dqkv, dbias) of flash_attention (dbias [h * 3d] in qkv's dtype with bias_grad, else empty);
+    Triton on CUDA, the twins elsewhere."""
     if _use_kernel(qkv):
-        return backward(dout, qkv, out, lse, bits, p, blocks_from_env())
-    return reference_backward(dout, qkv, seed, p)
+        return backward(dout, qkv, out, lse, bits, p, blocks_from_env(), bias_grad)
+    g = _reference_dqkv32(dout, qkv, seed, p)
+    return g.to(qkv.dtype), (reference_bias_grad(g, qkv.dtype) if bias_grad else qkv.new_empty(0))
 
 
 @flash_attention_backward.register_fake
-def _(dout, qkv, out, lse, bits, seed, p) -> torch.Tensor:
-    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+def _(dout, qkv, out, lse, bits, seed, p, bias_grad=False) -> tuple[torch.Tensor, torch.Tensor]:
+    b, s, h, d3 = qkv.shape
+    return (torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device),
+            qkv.new_empty(h * d3 if bias_grad else 0))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    qkv, seed, p = inputs
+    qkv, seed, p, bias = inputs
     out, lse, bits = output
     ctx.save_for_backward(qkv, out, lse, bits, seed)
-    ctx.p = p
+    ctx.p, ctx.bias_grad = p, bias is not None
     ctx.mark_non_differentiable(lse, bits)
 
 
 def _backward(ctx, dout, _dlse, _dbits):
     qkv, out, lse, bits, seed = ctx.saved_tensors
-    return flash_attention_backward(dout, qkv, out, lse, bits, seed, ctx.p), None, None
+    dqkv, dbias = flash_attention_backward(dout, qkv, out, lse, bits, seed, ctx.p, ctx.bias_grad)
+    return dqkv, None, None, (dbias if ctx.bias_grad else None)
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,10 +1,15 @@
 """The Triton kernels of hpcmeg/model/triton_attention.py (causal flash attention with dropout): the
-keep-bit draw, the forward, and the backward's delta, dK/dV and dQ kernels, with their @triton.jit
-helpers. triton_attention.py owns the launchers, the tile shapes (Blocks), the keep-mask layout
+keep-bit draw, the forward, the backward's dQ and dK/dV kernels and the QKV bias gradient's final
+sum, with their @triton.jit helpers. triton_attention.py owns the launchers, the tile shapes (Blocks), the keep-mask layout
 these kernels implement, the plain twin and the custom ops; the tests reach the kernels through it.
 
-The algorithm is FlashAttention-2's (online softmax forward saving the log-sum-exp; backward in
-three kernels: delta = rowsum(dO * O), dK/dV per key block, dQ per query block), causal only.
+The algorithm is FlashAttention-2's (online softmax forward saving the log-sum-exp; backward per
+query block for dQ, then per key block for dK/dV), causal only. The dQ kernel, which runs first,
+also computes delta = rowsum(dO * O) for its rows (it loads dO anyway; a separate kernel re-read dO:
+10.7 us per 124M layer call, profile_h200_s12_124M_gbs192_triton_attn.md) and leaves it for the
+dK/dV kernel. With BIAS_GRAD both kernels also sum their fp32 dQ / dK, dV tiles over rows, and
+_attn_bias_grad_kernel adds those row-block sums into the QKV bias gradient: no pass re-reading
+dqkv for it (Inductor's reduction took 13.9 us per 124M layer call in the same profile).
 Dropout is applied to the normalised probabilities inside the kernels, as in FlashAttention:
   O = (P * Z) V with Z = keep / (1 - p_eff), P = softmax(q k^T / sqrt(d) + causal mask) in fp32;
   backward: dV = (P * Z)^T dO, dP = (dO V^T) * Z, dS = P * (dP - delta), delta_i = dO_i . O_i.
@@ -194,18 +199,6 @@ if triton is not None:
         tl.store(LSE + bh.to(tl.int64) * S + rows, m_i + tl.math.log2(l_i))
 
     @triton.jit
-    def _attn_delta_kernel(O, DO, DELTA, o_b, o_s, o_h, H, S, D: tl.constexpr, BM: tl.constexpr):
-        # delta_i = dO_i . O_i (fp32), the softmax backward's row term; O and dO share out's strides
-        start_m = tl.program_id(0)
-        bh = tl.program_id(1)
-        b, h = bh // H, bh % H
-        rows = start_m * BM + tl.arange(0, BM)
-        offs = b.to(tl.int64) * o_b + h * o_h + rows[:, None] * o_s + tl.arange(0, D)[None, :]
-        o = tl.load(O + offs).to(tl.float32)
-        do = tl.load(DO + offs).to(tl.float32)
-        tl.store(DELTA + bh.to(tl.int64) * S + rows, tl.sum(o * do, 1))
-
-    @triton.jit
     def _dkv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, s_s, o_s, bits, col0, cols, lo, hi, S16,
                    keep_scale, qk_scale, BN: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
                    DIAG: tl.constexpr, DROPOUT: tl.constexpr):
@@ -238,9 +231,9 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _attn_dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
+    def _attn_dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, PKV, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
                          keep_scale, qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                         DROPOUT: tl.constexpr, HEAVY: tl.constexpr):
+                         DROPOUT: tl.constexpr, HEAVY: tl.constexpr, BIAS_GRAD: tl.constexpr):
         if HEAVY:  # grid (heads, key blocks): key block 0 meets every query, so it goes first
             start_n = tl.program_id(1) * BN
             bh = tl.program_id(0)
@@ -269,8 +262,13 @@ if triton is not None:
                             cols, start_n + BN, S, S16, keep_scale, qk_scale, BN, BM, D, False,
                             DROPOUT)
         # the scores were q.k * sm_scale: dK = sm_scale * dS^T Q
-        tl.store(DQKV + base + D + kv_offs, (dk * sm_scale).to(DQKV.dtype.element_ty))
+        dk = dk * sm_scale
+        tl.store(DQKV + base + D + kv_offs, dk.to(DQKV.dtype.element_ty))
         tl.store(DQKV + base + 2 * D + kv_offs, dv.to(DQKV.dtype.element_ty))
+        if BIAS_GRAD:  # this block's rows of dK, dV summed (fp32, before rounding): PKV [b, S / BN, H, 2, D]
+            part = PKV + ((b.to(tl.int64) * (S // BN) + start_n // BN) * H + h) * (2 * D) + offs_d
+            tl.store(part, tl.sum(dk, 0))
+            tl.store(part + D, tl.sum(dv, 0))
 
     @triton.jit
     def _dq_tiles(dq, q, do, lse, delta, k_ptr, v_ptr, s_s, bits, rows, lo, hi, S16,
@@ -293,9 +291,9 @@ if triton is not None:
         return dq
 
     @triton.jit
-    def _attn_dq_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
+    def _attn_dq_kernel(QKV, O, DO, LSE, DELTA, DQKV, BITS, PQ, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
                         keep_scale, qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        DROPOUT: tl.constexpr, HEAVY: tl.constexpr):
+                        DROPOUT: tl.constexpr, HEAVY: tl.constexpr, BIAS_GRAD: tl.constexpr):
         if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
             start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BM
             bh = tl.program_id(0)
@@ -307,9 +305,12 @@ if triton is not None:
         rows = start_m + tl.arange(0, BM)
         offs_d = tl.arange(0, D)
         q = tl.load(QKV + base + rows[:, None] * s_s + offs_d[None, :])
-        do = tl.load(DO + b.to(tl.int64) * o_b + h * o_h + rows[:, None] * o_s + offs_d[None, :])
+        o_offs = b.to(tl.int64) * o_b + h * o_h + rows[:, None] * o_s + offs_d[None, :]  # O and dO share strides
+        do = tl.load(DO + o_offs)
         lse = tl.load(LSE + bh.to(tl.int64) * S + rows)
-        delta = tl.load(DELTA + bh.to(tl.int64) * S + rows)
+        # delta_i = dO_i . O_i (fp32) for this block's rows, kept for the dK/dV kernel that runs next
+        delta = tl.sum(tl.load(O + o_offs).to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + bh.to(tl.int64) * S + rows, delta)
         if DROPOUT:  # dS = P * (dP * Z - delta) = (P * s) * (dP * keep - delta / s), Z = keep * s:
             lse -= tl.math.log2(keep_scale)  # P * s through the log-sum-exp, no multiply per element
             delta = delta / keep_scale
@@ -320,4 +321,28 @@ if triton is not None:
                        S16, qk_scale, BM, BN, D, False, DROPOUT)
         dq = _dq_tiles(dq, q, do, lse, delta, QKV + base + D, QKV + base + 2 * D, s_s, bits, rows, start_m,
                        start_m + BM, S16, qk_scale, BM, BN, D, True, DROPOUT)
-        tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], (dq * sm_scale).to(DQKV.dtype.element_ty))
+        dq = dq * sm_scale
+        tl.store(DQKV + base + rows[:, None] * s_s + offs_d[None, :], dq.to(DQKV.dtype.element_ty))
+        if BIAS_GRAD:  # this block's rows of dQ summed (fp32, before rounding): PQ [b, S / BM, H, D]
+            tl.store(PQ + ((b.to(tl.int64) * (S // BM) + start_m // BM) * H + h) * D + offs_d, tl.sum(dq, 0))
+
+    @triton.jit
+    def _attn_bias_grad_kernel(PQ, PKV, DBIAS, NQ, NK, H, D: tl.constexpr, ROWS: tl.constexpr):
+        """The QKV bias gradient [H, 3, D] (per head its q, k, v parts, the QKV weight's row order) from
+        the dQ and dK/dV kernels' row-block sums: program (h, c) adds the NQ (c = 0, from PQ [NQ, H, D])
+        or NK (c = 1, 2, from PKV [NK, H, 2, D]) partial rows of its D columns in a fixed order."""
+        h, c = tl.program_id(0), tl.program_id(1)
+        offs_d = tl.arange(0, D)
+        acc = tl.zeros([D], tl.float32)
+        if c == 0:
+            for r0 in range(0, NQ, ROWS):
+                r = r0 + tl.arange(0, ROWS)
+                t = tl.load(PQ + (r.to(tl.int64)[:, None] * H + h) * D + offs_d[None, :], mask=r[:, None] < NQ, other=0.0)
+                acc += tl.sum(t, 0)
+        else:
+            for r0 in range(0, NK, ROWS):
+                r = r0 + tl.arange(0, ROWS)
+                t = tl.load(PKV + (r.to(tl.int64)[:, None] * H + h) * (2 * D) + (c - 1) * D + offs_d[None, :],
+                            mask=r[:, None] < NK, other=0.0)
+                acc += tl.sum(t, 0)
+        tl.store(DBIAS + (h * 3 + c) * D + offs_d, acc.to(DBIAS.dtype.element_ty))

@@ -99,7 +99,7 @@ class _LinearSink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, flat, offset):
         ctx.save_for_backward(x, weight)
-        ctx.flat, ctx.offset, ctx.has_bias = flat, offset, bias is not None
+        ctx.flat, ctx.offset = flat, offset
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -107,7 +107,8 @@ class _LinearSink(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight)  # [.., out] @ [out, in] -> [.., in]
         torch.ops.hpcmeg.wgrad_accumulate_(ctx.flat, dy, x, ctx.offset)
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        # a bias given detached (its gradient taken elsewhere: fused.causal_attention_qkv) is not summed
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
         return dx, None, db, None, None
 
 
