@@ -7,7 +7,8 @@ Then whole-model checks: GPT(fused) compiled under bf16 autocast vs the plain fp
 (loss and gradients), and TrainStep eager vs compile vs compile+CUDA graphs over 3 steps of 2
 micro batches (the loss curves must agree within bf16 noise; this also checks that CUDA graphs
 do not corrupt accumulated gradients); the Triton dropout mask; gradient-accumulation fusion on vs
-off through the compiled, CUDA-graphed step. Writes <out>/gpu_agreement.json and prints a table.
+off through the compiled, CUDA-graphed step; the cuBLASLt GELU epilogues (lt). Writes
+<out>/gpu_agreement.json and prints a table.
 """
 from __future__ import annotations
 
@@ -345,14 +346,117 @@ def kernel_impl_checks(rows):
               f"params rel {dp:.2e} cudagraph skips {skips} {'ok' if ok else 'FAIL'}", flush=True)
 
 
+def _graph_ms(fn, reps: int = 10, iters: int = 20) -> float:
+    """ms per fn() call: a CUDA graph of `reps` calls, replayed `iters` times between events."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()  # warm-up outside the capture (heuristics, Triton compiles)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(iters):
+        graph.replay()
+    t1.record()
+    t1.synchronize()
+    return t0.elapsed_time(t1) / (iters * reps)
+
+
+def lt_checks(rows, out_dir: str):
+    """gelu_impl 'cublaslt' (hpcmeg/model/cublaslt.py): whether the library loads and cuBLASLt offers
+    its GELU epilogues on this GPU, both GEMMs against the fp64 twins at the MLP shapes of the three
+    sizes, each timed against the GEMM + Triton GELU pass it replaces (CUDA-graph replays). Writes
+    <out>/lt_ok when all of it agreed (bench/lease.sh then times gelu_impl cublaslt in the user path).
+    ~20 s; the training step with it is lt_step_checks."""
+    import warnings
+
+    from hpcmeg.model import cublaslt
+    lib = cublaslt.lt()
+    rows.append(dict(check="cuBLASLt library", path=cublaslt.library_path(), ok=lib is not None))
+    print("cuBLASLt library:", cublaslt.library_path(), flush=True)
+    if lib is None:
+        return
+    g = torch.Generator(device="cuda").manual_seed(7)
+    all_ok = True
+    for size, (m_tok, k, n) in {"124M": (12288, 768, 3072), "355M": (12288, 1024, 4096),
+                                "1.3B": (8192, 2048, 8192)}.items():
+        x = torch.randn(m_tok, k, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+        b = (0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+        dy = torch.randn(m_tok, k, device="cuda", generator=g).bfloat16()
+        w2 = (torch.randn(k, n, device="cuda", generator=g) / n ** 0.5).bfloat16()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gl, hl = torch.ops.hpcmeg.linear_gelu_aux(x, w, b)
+            dh, db = torch.ops.hpcmeg.linear_dgelu_bgrad(dy, w2, hl)
+        used = not any("no algorithm" in str(c.message) for c in caught)
+        gr, hr = cublaslt.reference_gelu_aux(x.double(), w.double(), b.double())
+        dhr, dbr = cublaslt.reference_dgelu_bgrad(dy.double(), w2.double(), hl.double())
+        errs = dict(g=rel(gl, gr), h=rel(hl, hr), dh=rel(dh, dhr), db=rel(db, dbr))
+        times = dict(
+            fwd_lt=_graph_ms(lambda: torch.ops.hpcmeg.linear_gelu_aux(x, w, b)),
+            fwd_triton=_graph_ms(lambda: torch.ops.hpcmeg.gelu_tanh(torch.nn.functional.linear(x, w, b))),
+            bwd_lt=_graph_ms(lambda: torch.ops.hpcmeg.linear_dgelu_bgrad(dy, w2, hl)),
+            bwd_triton=_graph_ms(lambda: torch.ops.hpcmeg.gelu_tanh_backward(dy @ w2, hl)))
+        ok = used and all(e < TOL for e in errs.values())
+        all_ok &= ok
+        rows.append(dict(check=f"cuBLASLt GELU epilogues {size} [{m_tok}, {k}] x [{k}, {n}]", epilogues_used=used,
+                         rel_err=errs, ms=times, ok=ok))
+        print(f"cuBLASLt {size}: used {used} errs {errs} ms {times} {'ok' if ok else 'FAIL'}", flush=True)
+    if all_ok:
+        with open(os.path.join(out_dir, "lt_ok"), "w") as f:
+            f.write("cuBLASLt GELU epilogues agree with the twins\n")
+
+
+def lt_step_checks(rows):
+    """The compiled, CUDA-graphed step with gelu_impl 'cublaslt' against 'triton' (bf16 parameters,
+    main-grad sinks, 4 steps x 2 micro batches at a 124M-like width): the loss curves and parameters
+    agree within bf16 noise, and Inductor skips no CUDA graph for the ctypes calls."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator(device="cuda").manual_seed(7)
+    d = torch.randint(0, 1024, (8, 1025), device="cuda", generator=g)
+    mbs = [(d[:4, :-1], d[:4, 1:]), (d[4:, :-1], d[4:, 1:])]
+
+    def curve(impl):
+        cfg = GPTConfig(4, 768, 12, 3072, 1024, 1024, hidden_dropout=0.0, attention_dropout=0.0, fused=True,
+                        gelu_impl=impl)
+        torch.manual_seed(0)
+        m = GPT(cfg).cuda()
+        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.float32, wgrad_fusion=True)
+        st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
+        skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k)
+        res = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
+        skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k) - skips
+        params = buf.param_data.float().clone()
+        torch._dynamo.reset()
+        return res, params, skips
+
+    a, pa, skips = curve("cublaslt")
+    b_, pb, _ = curve("triton")
+    dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, b_))
+    dp = rel(pa, pb)
+    ok = dl < 1e-2 and dp < 1e-2 and skips == 0
+    rows.append(dict(check="gelu_impl cublaslt vs triton, compiled+CUDA graphs, 4 steps x 2 micro", loss_rel=dl,
+                     params_rel=dp, cudagraph_skips=skips, curves={"cublaslt": a, "triton": b_}, ok=ok))
+    print(f"cublaslt vs triton step: loss rel {dl:.2e} params rel {dp:.2e} skips {skips} {'ok' if ok else 'FAIL'}",
+          flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    ap.add_argument("--parts", default="ops,model,dropout,wgrad,ce,kernels",
-                    help="comma list of ops, model, dropout, wgrad, ce, kernels, run in that order")
+    ap.add_argument("--parts", default="ops,model,dropout,wgrad,ce,kernels,lt,ltstep",
+                    help="comma list of ops, model, dropout, wgrad, ce, kernels, lt, ltstep, run in that order")
     a = ap.parse_args()
     table = {"ops": op_checks, "model": model_checks, "dropout": dropout_and_accumulation_checks,
-             "wgrad": wgrad_fusion_checks, "ce": ce_checks, "kernels": kernel_impl_checks}
+             "wgrad": wgrad_fusion_checks, "ce": ce_checks, "kernels": kernel_impl_checks,
+             "lt": lambda rows: lt_checks(rows, a.out), "ltstep": lt_step_checks}
     parts = a.parts.split(",")  # run in the order given: a lease's timeout cuts the last ones
     unknown = [p for p in parts if p not in table]
     if unknown:
@@ -366,8 +470,8 @@ def main():
         try:  # a crash in one part still leaves the others' rows
             fn(rows)
         except Exception as ex:
-            rows.append(dict(check=fn.__name__, error=repr(ex)[:400], ok=False))
-            print(f"{fn.__name__} failed:", repr(ex)[:400], flush=True)
+            rows.append(dict(check=part, error=repr(ex)[:400], ok=False))
+            print(f"{part} failed:", repr(ex)[:400], flush=True)
         with open(path + ".tmp", "w") as f:  # after each part: a run cut short keeps what it checked
             json.dump(dict(env=env, tol=TOL, rows=rows), f, indent=1)
         os.replace(path + ".tmp", path)

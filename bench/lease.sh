@@ -27,12 +27,17 @@
 #             without and with it, (after quick) both with the CE probe's best launch, both with Triton
 #             attention at the probes' best tiles; 355M nano, shipped, micro 16 with the one, with both
 #             (without, micro 16 needed 22.0 GB against the anchor's 21.75), then both with Triton
-#             attention (never timed in the 355M user path; its probe put it ~2 % of the step ahead)
+#             attention (never timed in the 355M user path; its probe put it ~2 % of the step ahead).
+#             Both sizes (and u355 / u1.3B) add a row with model.gelu_impl cublaslt (no GELU pass: the
+#             GELU in fc1's GEMM epilogue, its derivative and bias gradient in fc2's input-gradient
+#             GEMM's) right after the micro-24 / micro-16 rows, once bench/gpu_agreement.py --parts lt
+#             (~30 s, run by the first stage that asks) found cuBLASLt's epilogues agreeing with the twins
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
 #             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
-#             (bench/gpu_agreement.py --parts wgrad,model,dropout: in that order, backward_in_forward
-#             through CUDA graphs first, each part's rows on disk as soon as it ends)
+#             (bench/gpu_agreement.py --parts wgrad,ltstep,model,dropout: in that order,
+#             backward_in_forward through CUDA graphs first, then the CUDA-graphed step with
+#             gelu_impl cublaslt against triton, each part's rows on disk as soon as it ends)
 #     p124    where the 124M user path's time goes (bench/profile_step.py, dropout 0.1, global batch
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
@@ -45,8 +50,8 @@
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0)
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
-# folder in the tree with an earlier call's attention_best_<size>.txt, for a call without the
-# probes stage).
+# folder in the tree with an earlier call's attention_best_<size>.txt and lt_ok, for a call without
+# the probes stage or the cuBLASLt check).
 # Why one script: a lease is ~30 device-minutes with a ~3-minute start, and starts are refused or
 # machines taken back without notice (session 10 lost most of its lease that way), so one call has
 # to answer as much as it can and leave what it measured on disk even when a step is cut short.
@@ -103,7 +108,9 @@ user_path_u() {  # user_path_u SIZE MAX_S
     if [[ $size == 124M ]]; then
         user_path "$size" "$max" "$size" "nano hpcmeg hpcmeg:mb=16 $triton ${triton/hpcmeg:/hpcmeg:mb=16,}"
     else
-        user_path "$size" "$max" "$size" "nano hpcmeg $triton"
+        local items="nano hpcmeg $triton"
+        lt_ok && items="$items hpcmeg:set=$LT"
+        user_path "$size" "$max" "$size" "$items"
     fi
 }
 
@@ -117,6 +124,21 @@ BIF24="hpcmeg:mb=24,set=$BIF"
 BIF24B="hpcmeg:mb=24,set=$BIF|$BITS"
 BIF16="hpcmeg:mb=16,set=$BIF"
 BIF16B="hpcmeg:mb=16,set=$BIF|$BITS"
+LT=model.gelu_impl=cublaslt
+
+# lt_ok: whether cuBLASLt's GELU epilogues agreed with their twins on this GPU (bench/gpu_agreement.py
+# --parts lt writes lt_ok): this call's or an earlier one's ($LEASE_BEST), else checked now (~30 s)
+lt_ok() {
+    local d
+    for d in "$OUT/lt" "${LEASE_BEST:-}"; do
+        [[ -n $d && -e $d/lt_ok ]] && return 0
+    done
+    if [[ ! -e $OUT/lt_check.log ]]; then
+        mkdir -p "$OUT/lt"
+        step lt_check 90 python bench/gpu_agreement.py --parts lt --out "$OUT/lt"
+    fi
+    [[ -e $OUT/lt/lt_ok ]]
+}
 
 [[ $# -eq 0 ]] && set -- probes u124
 for stage in "$@"; do  # every stage checked before any runs
@@ -146,14 +168,18 @@ for stage in "$@"; do
         u124) user_path_u 124M 480 ;;
         u355) user_path_u 355M 520 ;;
         u1.3B) user_path_u 1.3B 520 ;;
-        b124) items="nano hpcmeg $BIF24 $BIF24B hpcmeg:mb=16 $BIF16"
+        b124) items="nano hpcmeg $BIF24 $BIF24B"
+            lt_ok && items="$items $BIF24B|$LT"  # no GELU pass (cuBLASLt epilogues), where they agreed
+            items="$items hpcmeg:mb=16"
             ce=$(cat "$OUT/ce_best.txt" 2>/dev/null || echo default)  # the quick stage's CE launch, if it won
             [[ $ce != default ]] && items="$items $BIF24B,env=HPCMEG_CE_LAUNCH:$ce"
-            # last, as the budget allows: both with Triton attention at the probes' best tiles
-            items="$items hpcmeg:mb=24,set=$BIF|$BITS|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M)"
+            # then, as the budget allows: both with Triton attention at the probes' best tiles; micro 16
+            items="$items hpcmeg:mb=24,set=$BIF|$BITS|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M) $BIF16"
             user_path 124M 480 124M_bif "$items" ;;
-        b355) user_path 355M 520 355M_bif "nano hpcmeg $BIF16 $BIF16B $BIF16B|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 355M)" ;;
-        checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,model,dropout --out "$OUT" ;;
+        b355) items="nano hpcmeg $BIF16 $BIF16B"
+            lt_ok && items="$items $BIF16B|$LT"
+            user_path 355M 520 355M_bif "$items $BIF16B|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 355M)" ;;
+        checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,ltstep,model,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;
@@ -173,4 +199,4 @@ echo "== done after $((SECONDS - START)) s; results in $OUT/lease.tgz" | tee -a 
 (cd "$OUT" || exit 1
  files=()
  for f in *; do [[ $f != lease.tgz ]] && files+=("$f"); done
- tar -czf lease.tgz "${files[@]}" && rm -f "${files[@]}")
+ tar -czf lease.tgz "${files[@]}" && rm -rf "${files[@]}")

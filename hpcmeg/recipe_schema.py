@@ -148,7 +148,9 @@ class ModelConfig:
     bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py) or inductor."""
     gelu_impl: str = "triton"
     """Fused path: triton (the MLP's GELU forward and backward with its bias gradient, one pass
-    each, hpcmeg/model/triton_gelu.py) or inductor (F.gelu)."""
+    each, hpcmeg/model/triton_gelu.py), inductor (F.gelu) or cublaslt (no GELU pass: cuBLASLt's
+    GELU epilogue in fc1's GEMM and its GELU-derivative + bias-gradient epilogue in fc2's
+    input-gradient GEMM, hpcmeg/model/cublaslt.py; untimed on the GPU so far)."""
     cross_entropy: str = "grad_in_forward"
     """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): grad_in_forward (bf16
     logits; the forward's Triton kernel turns them into their gradient in place, so the backward
@@ -386,7 +388,7 @@ CHOICES = {
     ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
     ("model", "dropout_impl"): ("triton", "triton_bits", "native"),
     ("model", "layernorm_impl"): ("triton", "inductor"),
-    ("model", "gelu_impl"): ("triton", "inductor"),
+    ("model", "gelu_impl"): ("triton", "inductor", "cublaslt"),
     ("model", "cross_entropy"): ("fused", "grad_in_forward", "fused_inductor", "compiled", "chunked",
                                  "backward_in_forward"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),

@@ -108,6 +108,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     spec = "heavy_first=1+dkv_m=64"
     (best / "attention_best_124M.txt").write_text(spec)
     (best / "attention_best_355M.txt").write_text("default")
+    (best / "lt_ok").write_text("agreed\n")  # an earlier call's cuBLASLt check: the gelu_impl rows run
     r = subprocess.run(["bash", lease, "u124", "b124", "b355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
@@ -117,28 +118,44 @@ def test_lease_script_items(tmp_path, monkeypatch):
         assert {"user_path_124M.log", "user_path_124M_bif.log"} <= set(t.getnames())
         logged = t.extractfile("lease.log").read().decode()
     items, bif, b355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
-    # b124: micro 24 with backward_in_forward, alone and with the packed dropout masks; micro 16
-    # (no ce_best.txt here: no CE-launch row) and last both with Triton attention at LEASE_BEST's tiles
-    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 7, bif
+    # b124: micro 24 with backward_in_forward, alone, with the packed dropout masks, with both and the
+    # cuBLASLt GELU epilogues; micro 16 (no ce_best.txt here: no CE-launch row); both with Triton
+    # attention at LEASE_BEST's tiles; last micro 16 with backward_in_forward
+    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 8, bif
     got = [user_path.parse_item(i, "124M")[1] for i in bif[2:]]
-    assert [(o["mb"], o["gbs"]) for o in got] == [(24, 192), (24, 192), (16, 192), (16, 192), (24, 192)]
+    assert [(o["mb"], o["gbs"]) for o in got] == [(24, 192), (24, 192), (24, 192), (16, 192), (24, 192), (16, 192)]
     bif_set, bits_set = "model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits"
-    assert [o["set"] for o in got] == [[bif_set], [bif_set, bits_set], [], [bif_set],
-                                       [bif_set, bits_set, "model.attention_backend=triton"]]
-    assert got[-1]["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
-    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items
+    lt_set = "model.gelu_impl=cublaslt"
+    assert [o["set"] for o in got] == [[bif_set], [bif_set, bits_set], [bif_set, bits_set, lt_set], [],
+                                       [bif_set, bits_set, "model.attention_backend=triton"], [bif_set]]
+    assert got[4]["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
+    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items  # (u124 has no cuBLASLt row)
     assert user_path.parse_item(items[2], "124M")[1]["mb"] == 16
     kind, o = user_path.parse_item(items[3], "124M")  # Triton attention at the probe's tiles
     assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton"] and o["mb"] == 12
     assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
     kind, o16 = user_path.parse_item(items[4], "124M")  # the same at micro batch 16
     assert (o16["mb"], o16["gbs"], o16["set"], o16["env"]) == (16, 192, o["set"], o["env"])
-    # b355: micro 16 with backward_in_forward, alone, with the packed masks, then with Triton attention too
-    assert b355[:2] == ["nano", "hpcmeg"] and len(b355) == 5, b355
+    # b355: micro 16 with backward_in_forward, alone, with the packed masks, with the cuBLASLt GELU
+    # epilogues too, then with Triton attention instead
+    assert b355[:2] == ["nano", "hpcmeg"] and len(b355) == 6, b355
     got = [user_path.parse_item(i, "355M")[1] for i in b355[2:]]
-    assert [(o["mb"], o["gbs"]) for o in got] == [(16, 192)] * 3
-    assert got[2]["set"] == [bif_set, bits_set, "model.attention_backend=triton"]
-    assert got[2]["env"] == {"HPCMEG_ATTENTION_BLOCKS": "default"}
+    assert [(o["mb"], o["gbs"]) for o in got] == [(16, 192)] * 4
+    assert got[2]["set"] == [bif_set, bits_set, lt_set]
+    assert got[3]["set"] == [bif_set, bits_set, "model.attention_backend=triton"]
+    assert got[3]["env"] == {"HPCMEG_ATTENTION_BLOCKS": "default"}
+    # without an earlier check the first stage that wants the cuBLASLt rows runs it; failing (no GPU
+    # here), it leaves them out
+    out2, best2 = tmp_path / "out2", tmp_path / "best2"
+    best2.mkdir()
+    r = subprocess.run(["bash", lease, "b355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+                       env={**os.environ, "OUT": str(out2), "LEASE_BEST": str(best2), "LEASE_BUDGET_S": "200",
+                            "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    with tarfile.open(out2 / "lease.tgz") as t:
+        assert "lt_check.log" in t.getnames()
+        logged = t.extractfile("lease.log").read().decode()
+    assert "gelu_impl" not in logged.split("--items ")[1].split("\n", 1)[0]
     monkeypatch.setenv(triton_attention.BLOCKS_ENV, o["env"][triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()
     assert (b.heavy_first, b.dkv_m, b.fwd_m) == (1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math")
 CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked", "backward_in_forward")
 DROPOUT_IMPLS = ("triton", "triton_bits", "native")
-KERNEL_IMPLS = ("triton", "inductor")  # layernorm_impl, gelu_impl
+KERNEL_IMPLS = ("triton", "inductor")  # layernorm_impl
+GELU_IMPLS = ("triton", "inductor", "cublaslt")
 
 
 @dataclass
@@ -93,7 +94,10 @@ class GPTConfig:
     kernel, then column reductions that re-read its inputs). The forward is Inductor's either way."""
     gelu_impl: str = "triton"
     """Fused path only. 'triton': the MLP's GELU forward and backward (with its bias gradient) are
-    hpcmeg/model/triton_gelu.py's kernels (exp2-based tanh; one pass each); 'inductor': F.gelu."""
+    hpcmeg/model/triton_gelu.py's kernels (exp2-based tanh; one pass each); 'inductor': F.gelu;
+    'cublaslt': no GELU pass at all: fc1's GEMM applies the GELU in its epilogue and fc2's
+    input-gradient GEMM the GELU derivative and the bias gradient (hpcmeg/model/cublaslt.py; opt-in,
+    untimed on the GPU so far)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -111,9 +115,10 @@ class GPTConfig:
                              f"use one of {ATTENTION_BACKENDS}")
         if self.dropout_impl not in DROPOUT_IMPLS:
             raise ValueError(f"GPTConfig.dropout_impl={self.dropout_impl!r}: use one of {DROPOUT_IMPLS}")
-        for name in ("layernorm_impl", "gelu_impl"):
-            if getattr(self, name) not in KERNEL_IMPLS:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}: use one of {KERNEL_IMPLS}")
+        if self.layernorm_impl not in KERNEL_IMPLS:
+            raise ValueError(f"GPTConfig.layernorm_impl={self.layernorm_impl!r}: use one of {KERNEL_IMPLS}")
+        if self.gelu_impl not in GELU_IMPLS:
+            raise ValueError(f"GPTConfig.gelu_impl={self.gelu_impl!r}: use one of {GELU_IMPLS}")
         if self.fused_ce not in CE_IMPLS:
             raise ValueError(f"GPTConfig.fused_ce={self.fused_ce!r}: use one of {CE_IMPLS}")
 

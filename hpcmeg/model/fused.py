@@ -33,6 +33,8 @@ What "fused" means here, op by op:
     vs Inductor's libdevice-tanh 45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
   * With both (bench/results/user_path_s9b_124M_kernels.md, 124M user path, one call): 494.6K vs
     482.7K tokens/s (+2.5 %).
+  * mlp with gelu_impl 'cublaslt' (opt-in, untimed): no GELU pass at all, the GELU and its
+    derivative with the bias gradient in cuBLASLt's GEMM epilogues (hpcmeg/model/cublaslt.py).
   * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
 
 Everything here also runs on CPU in fp32 (tests compare it against ops.py within 1e-5).
@@ -52,7 +54,7 @@ from hpcmeg.model.fused_ce import HAVE_TRITON_CE, autocast_cast, linear_cross_en
 # .gelu_tanh(_backward), .dropout_keep_mask) must exist before
 # torch.compile traces the model; their CPU paths are the plain twins, so no triton needed
 from hpcmeg.model import triton_attention, triton_dropout
-from hpcmeg.model import triton_gelu, triton_layernorm  # noqa: F401
+from hpcmeg.model import cublaslt, triton_gelu, triton_layernorm  # noqa: F401
 
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
 # imports (then the keep-mask op runs its kernel on CUDA).
@@ -137,6 +139,55 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, 
         flat, offset = sink if sink is not None else (None, 0)
         return _LinearBiasGelu.apply(x, weight, bias, flat, offset)
     return F.gelu(wgrad.linear(x, weight, bias, sink), approximate="tanh")
+
+
+class _MLPCublasLt(torch.autograd.Function):
+    """GELU(x W1^T + b1) W2^T with no GELU pass (gelu_impl 'cublaslt', hpcmeg/model/cublaslt.py):
+    fc1's GEMM writes the GELU output g and the pre-activation h in its epilogue; in the backward,
+    fc2's input-gradient GEMM multiplies by GELU'(h) and sums fc1's bias gradient in its epilogue,
+    so fc2's weight gradient (dy^T g) and fc1's two GEMMs are all that is left. Saves x, h and g, as
+    _LinearBiasGelu + fc2's linear do. x [M, K] (2-D; mlp() flattens), sinks as in wgrad._LinearSink."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2):
+        g, h = torch.ops.hpcmeg.linear_gelu_aux(x, w1, b1)
+        ctx.save_for_backward(x, w1, w2, h, g)
+        ctx.sinks = (flat1, off1, flat2, off2)
+        return F.linear(g, w2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, w2, h, g = ctx.saved_tensors
+        flat1, off1, flat2, off2 = ctx.sinks
+        dy = dy.contiguous()
+        dh, db1 = torch.ops.hpcmeg.linear_dgelu_bgrad(dy, w2, h)
+        dw2 = None
+        if flat2 is not None:
+            torch.ops.hpcmeg.wgrad_accumulate_(flat2, dy, g, off2)
+        else:
+            dw2 = dy.t().matmul(g)
+        dx = dh.matmul(w1)
+        dw1 = None
+        if flat1 is not None:
+            torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
+        else:
+            dw1 = dh.t().matmul(x)
+        return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None
+
+
+def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, sink1=None, sink2=None,
+        gelu_impl: str = "triton") -> torch.Tensor:
+    """The MLP without its output bias, GELU(x W1^T + b1) W2^T; sink1/sink2: the weights' main-grad
+    sinks (wgrad.py) or None. gelu_impl 'cublaslt' (with grad): _MLPCublasLt; else linear_bias_gelu
+    with gelu_impl, then fc2's linear."""
+    if gelu_impl == "cublaslt" and torch.is_grad_enabled():
+        x, w1, b1, w2 = autocast_cast(x, w1, b1, w2)
+        f1, o1 = sink1 if sink1 is not None else (None, 0)
+        f2, o2 = sink2 if sink2 is not None else (None, 0)
+        out = _MLPCublasLt.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, f2, o2)
+        return out.view(*x.shape[:-1], w2.shape[0])
+    impl = "triton" if gelu_impl == "cublaslt" else gelu_impl  # no grad: the Triton GELU forward
+    return wgrad.linear(linear_bias_gelu(x, w1, b1, sink1, impl), w2, None, sink2)
 
 
 def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:

@@ -106,10 +106,11 @@ class MLP(nn.Module):
         self.ops, self.gelu_kw = _ops_for(cfg, "gelu_impl")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, h] -> (the output without its bias [b, s, h], the output bias [h])."""
         fc1, fc2 = self.dense_h_to_4h, self.dense_4h_to_h
-        sink = wgrad.layer_sink(fc1)  # only a fused model gets sinks: fused.linear_bias_gelu takes one
-        h = self.ops.linear_bias_gelu(x, fc1.weight, fc1.bias, **({"sink": sink} if sink else {}), **self.gelu_kw)
-        return wgrad.linear(h, fc2.weight, None, wgrad.layer_sink(fc2)), fc2.bias
+        sinks = (wgrad.layer_sink(fc1), wgrad.layer_sink(fc2))  # only a fused model gets sinks: fused.mlp takes them
+        kw = {"sink1": sinks[0], "sink2": sinks[1]} if any(sinks) else {}
+        return self.ops.mlp(x, fc1.weight, fc1.bias, fc2.weight, **kw, **self.gelu_kw), fc2.bias
 
 
 class TransformerLayer(nn.Module):

@@ -39,6 +39,11 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
     return bias_gelu(F.linear(x, weight), bias)
 
 
+def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The MLP without its output bias (bias-dropout-add adds it): GELU(x W1^T + b1) W2^T."""
+    return F.linear(linear_bias_gelu(x, w1, b1), w2)
+
+
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """torch's dropout (fused.py's twin draws its mask from a Philox kernel on CUDA)."""
     return F.dropout(x, p=p, training=training)

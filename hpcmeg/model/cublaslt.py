@@ -1,0 +1,294 @@
+"""The MLP's two GELU GEMMs through cuBLASLt's GELU epilogues, which PyTorch does not expose,
+called with ctypes from the libcublasLt that torch itself loads; with plain PyTorch twins and torch
+custom ops.
+
+Why: the GELU and its backward are separate memory-bound passes over [tokens, ffn] after and before
+two GEMMs that already hold those values in registers. On the H200's 124M user path (micro batch
+12, profile_h200_s12_124M_gbs192.md) hpcmeg's own Triton kernels for them took 37 us (forward) and
+61 us (backward with the bias gradient) per layer call, ~1.2 ms, ~5 % of a micro batch. cuBLASLt
+can do both inside the GEMMs' epilogues (what Transformer Engine uses on Hopper):
+  * forward, CUBLASLT_EPILOGUE_GELU_AUX_BIAS: one GEMM writes g = gelu_tanh(x W1^T + b1) and the
+    pre-activation h (kept for the backward); the GELU pass and its re-read of h are gone;
+  * backward, CUBLASLT_EPILOGUE_DGELU_BGRAD: fc2's input-gradient GEMM dg = dy W2 multiplies by
+    gelu'(h) in its epilogue and sums the bias gradient: dh and db1 without the pass that read dg
+    and h and wrote dh.
+GELU here is GPT-2's tanh approximation, cuBLASLt's GELU (computed in fp32 in the epilogue).
+
+Layouts (cuBLASLt is column-major; a row-major [r, c] tensor is a column-major [c, r] one):
+  forward  D[N, M] = op(A) B with A = W1 (row-major [N, K] = col-major [K, N], transposed),
+           B = x (col-major [K, M]), bias [N] per row of D, aux = h like D;
+  backward D[F, M] = A B with A = W2 (row-major [H, F] = col-major [F, H]), B = dy (col-major
+           [H, M]), aux = h (col-major [F, M]), bias gradient [F] (summed over D's columns).
+bf16/fp16 operands, fp32 accumulation and scale, beta = 0; the workspace is a torch allocation
+(so CUDA graphs capture the calls: the graph pool owns it).
+
+Contract
+  linear_gelu_aux(x [M, K], w [N, K], b [N]) -> (g [M, N], h [M, N]), contiguous, x's dtype:
+      h = x W^T + b, g = gelu_tanh(h).
+  linear_dgelu_bgrad(dy [M, H], w [H, F], h [M, F]) -> (dh [M, F], db [F]) in dy's dtype:
+      dh = (dy W) * gelu'(h), db = sum over rows of dh (fp32 inside cuBLASLt, rounded once).
+  Both are torch custom ops (hpcmeg::linear_gelu_aux, hpcmeg::linear_dgelu_bgrad; no autograd:
+  fused.py's _MLPCublasLt wraps them): cuBLASLt on CUDA for bf16/fp16 when the library loads and
+  its heuristic offers an algorithm for the epilogue (else a warning, once per problem); otherwise
+  the GEMM, then hpcmeg::gelu_tanh[_backward] (gelu_impl 'triton''s kernels; their twins on CPU).
+  reference_gelu_aux / reference_dgelu_bgrad are the plain twins (fp32 math, the matmuls in the
+  operands' dtype as F.linear computes them). tests/test_cublaslt.py checks the twins against
+  autograd and, where a libcublasLt is found ($HPCMEG_CUBLASLT_LIB), that every descriptor this
+  module builds is accepted; bench/gpu_agreement.py --parts lt checks the GPU path against the
+  twins and times it.
+  Lt(lib) wraps the library: handles per device and the heuristic's choice per problem are cached
+  on the object (what PyTorch's own cuBLAS wrapper keeps per process; no training state).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+
+import torch
+
+from hpcmeg.model import triton_gelu  # noqa: F401  (registers hpcmeg::gelu_tanh[_backward], the fallback)
+from hpcmeg.model.triton_gelu import gelu_grad
+
+# cublasLt.h (CUDA 12 and 13 alike)
+_OP_N, _OP_T = 0, 1
+_R_32F, _R_16F, _R_16BF = 0, 2, 14
+_COMPUTE_32F = 68
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
+_EPILOGUE_GELU_AUX_BIAS, _EPILOGUE_DGELU_BGRAD = 164, 208
+_PREF_MAX_WORKSPACE_BYTES = 1
+WORKSPACE_BYTES = 32 * 1024 * 1024  # what Hopper wants (cuBLAS's own recommendation)
+_CUDA_TYPE = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
+LIB_ENV = "HPCMEG_CUBLASLT_LIB"  # a libcublasLt.so path: the tests' way to a library on a CPU machine
+
+
+class _HeuristicResult(ctypes.Structure):
+    # cublasLtMatmulHeuristicResult_t: algo (8 x uint64), workspaceSize, state, wavesCount, reserved[4]
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+class LtError(RuntimeError):
+    pass
+
+
+class Lt:
+    """libcublasLt through ctypes: descriptors, the heuristic's algorithm (cached per problem), the call."""
+
+    def __init__(self, path: str):
+        self.lib = lib = ctypes.CDLL(path)
+        vp, u64, i64, sz = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        pvp = ctypes.POINTER(vp)
+        sigs = {
+            "cublasLtCreate": [pvp],
+            "cublasLtMatmulDescCreate": [pvp, ctypes.c_int, ctypes.c_int],
+            "cublasLtMatmulDescDestroy": [vp],
+            "cublasLtMatmulDescSetAttribute": [vp, ctypes.c_int, vp, sz],
+            "cublasLtMatrixLayoutCreate": [pvp, ctypes.c_int, u64, u64, i64],
+            "cublasLtMatrixLayoutDestroy": [vp],
+            "cublasLtMatmulPreferenceCreate": [pvp],
+            "cublasLtMatmulPreferenceDestroy": [vp],
+            "cublasLtMatmulPreferenceSetAttribute": [vp, ctypes.c_int, vp, sz],
+            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, ctypes.c_int,
+                                               ctypes.POINTER(_HeuristicResult), ctypes.POINTER(ctypes.c_int)],
+            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+        }
+        for name, args in sigs.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        self._handles: dict[int, ctypes.c_void_p] = {}
+        self._algos: dict[tuple, tuple[_HeuristicResult, int] | None] = {}
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise LtError(f"cuBLASLt {what}: status {status}")
+
+    def handle(self, device_index: int) -> ctypes.c_void_p:
+        if device_index not in self._handles:
+            h = ctypes.c_void_p()
+            with torch.cuda.device(device_index):
+                self.check(self.lib.cublasLtCreate(ctypes.byref(h)), "create")
+            self._handles[device_index] = h
+        return self._handles[device_index]
+
+    def _set(self, desc, attr: int, value) -> None:
+        self.check(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                   f"matmul attribute {attr}")
+
+    def layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+        lay = ctypes.c_void_p()
+        self.check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), dtype, rows, cols, ld), "layout")
+        return lay
+
+    def matmul_desc(self, transa: int, transb: int, epilogue: int, bias_ptr: int, aux_ptr: int,
+                    aux_ld: int) -> ctypes.c_void_p:
+        """A matmul descriptor (fp32 compute and scale) with the epilogue and its pointers set (the
+        bias / bias gradient and the aux matrix take D's type, cuBLASLt's default)."""
+        desc = ctypes.c_void_p()
+        self.check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "matmul desc")
+        try:
+            self._set(desc, _DESC_TRANSA, ctypes.c_int32(transa))
+            self._set(desc, _DESC_TRANSB, ctypes.c_int32(transb))
+            self._set(desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
+            self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+            self._set(desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux_ptr))
+            self._set(desc, _DESC_AUX_LD, ctypes.c_int64(aux_ld))
+        except LtError:
+            self.lib.cublasLtMatmulDescDestroy(desc)
+            raise
+        return desc
+
+    def preference(self) -> ctypes.c_void_p:
+        pref = ctypes.c_void_p()
+        self.check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        ws = ctypes.c_uint64(WORKSPACE_BYTES)
+        self.check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
+                                                                 ctypes.sizeof(ws)), "preference workspace")
+        return pref
+
+    def gemm(self, device: torch.device, key: tuple, transa: int, transb: int, m: int, n: int, k: int,
+             a: torch.Tensor, lda: int, b: torch.Tensor, ldb: int, d: torch.Tensor, ldd: int, epilogue: int,
+             bias: torch.Tensor, aux: torch.Tensor, aux_ld: int) -> bool:
+        """D[m, n] = op(A) op(B) with the epilogue (all column-major, A/B/D/aux of one 16-bit type);
+        False when the heuristic offers no algorithm (the caller falls back to its twin)."""
+        dt = _CUDA_TYPE[d.dtype]
+        layouts, desc = [], None
+        try:
+            for rows, cols, ld in (((k, m) if transa == _OP_T else (m, k)) + (lda,),
+                                   ((n, k) if transb == _OP_T else (k, n)) + (ldb,), (m, n, ldd)):
+                layouts.append(self.layout(dt, rows, cols, ld))
+            la, lb, ld_ = layouts
+            desc = self.matmul_desc(transa, transb, epilogue, bias.data_ptr(), aux.data_ptr(), aux_ld)
+            handle = self.handle(device.index)
+            if key not in self._algos:  # the heuristic's first choice, once per problem
+                pref, res, count = self.preference(), _HeuristicResult(), ctypes.c_int(0)
+                try:
+                    st = self.lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, ld_, ld_, pref, 1,
+                                                                 ctypes.byref(res), ctypes.byref(count))
+                finally:
+                    self.lib.cublasLtMatmulPreferenceDestroy(pref)
+                ok = st == 0 and count.value > 0 and res.state == 0
+                self._algos[key] = (res, res.workspace_size) if ok else None
+                if not ok:  # said once per problem: the op then runs the Triton GELU path instead
+                    warnings.warn(f"cuBLASLt offers no algorithm for {key} (status {st}, {count.value} found): "
+                                  "the GELU runs as its own pass", stacklevel=2)
+            found = self._algos[key]
+            if found is None:
+                return False
+            res, ws_bytes = found
+            ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
+            alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+            stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+            self.check(self.lib.cublasLtMatmul(handle, desc, ctypes.byref(alpha), a.data_ptr(), la, b.data_ptr(), lb,
+                                               ctypes.byref(beta), d.data_ptr(), ld_, d.data_ptr(), ld_,
+                                               ctypes.byref(res.algo), ws.data_ptr(), ws_bytes, stream), "matmul")
+            return True
+        finally:
+            if desc is not None:
+                self.lib.cublasLtMatmulDescDestroy(desc)
+            for lay in layouts:
+                self.lib.cublasLtMatrixLayoutDestroy(lay)
+
+
+def library_path() -> str | None:
+    """$HPCMEG_CUBLASLT_LIB, else the libcublasLt this process has loaded (CUDA torch loads it with
+    its cuBLAS), else None."""
+    return os.environ.get(LIB_ENV) or _loaded_library()
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded_library() -> str | None:
+    # read once per process (after lt() made torch load its cuBLAS): /proc/self/maps is long
+    if torch.cuda.is_available():
+        torch.cuda.current_blas_handle()  # torch loads cuBLAS (and with it cuBLASLt) lazily
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "/libcublasLt.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _lt_for(path: str) -> Lt:
+    return Lt(path)
+
+
+def lt() -> Lt | None:
+    """The process's Lt (one per library path, made on first use), or None without a library."""
+    path = library_path()
+    return _lt_for(path) if path else None
+
+
+def _alignment(*ts: torch.Tensor) -> tuple[int, ...]:
+    # the heuristic's choice depends on pointer alignment (up to 16 bytes): part of the cache key
+    return tuple(min(t.data_ptr() & -t.data_ptr(), 256) for t in ts)
+
+
+def _use_lt(*ts: torch.Tensor) -> bool:
+    return all(t.is_cuda for t in ts) and ts[0].dtype in _CUDA_TYPE and all(t.dtype == ts[0].dtype for t in ts)
+
+
+# ---- the plain twins ------------------------------------------------------------------------
+
+def reference_gelu_aux(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, h): h = x W^T + b as F.linear computes it (x's dtype), g = tanh-GELU of h in fp32, cast."""
+    h = torch.nn.functional.linear(x, w, b)
+    hf = h.float()
+    g = 0.5 * hf * (1.0 + torch.tanh(0.7978845608028654 * (hf + 0.044715 * hf * hf * hf)))
+    return g.to(h.dtype), h
+
+
+def reference_dgelu_bgrad(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, db): dg = dy W as a matmul in dy's dtype, dh = dg * gelu'(h) in fp32, db its fp32 row sum;
+    both rounded once to dy's dtype."""
+    dh = (dy @ w).float() * gelu_grad(h.float())
+    return dh.to(dy.dtype), dh.sum(0).to(dy.dtype)
+
+
+# ---- custom ops -----------------------------------------------------------------------------
+
+@torch.library.custom_op("hpcmeg::linear_gelu_aux", mutates_args=())
+def linear_gelu_aux(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gelu_tanh(x W^T + b), x W^T + b) for x [M, K], w [N, K], b [N]: one cuBLASLt GEMM with the
+    GELU_AUX_BIAS epilogue on CUDA, the twin elsewhere."""
+    lib = lt() if _use_lt(x, w, b) else None
+    if lib is not None:
+        x, w, b = x.contiguous(), w.contiguous(), b.contiguous()
+        (m_tok, k), n = x.shape, w.shape[0]
+        g, h = x.new_empty(m_tok, n), x.new_empty(m_tok, n)
+        key = ("gelu_aux", x.device.index, x.dtype, m_tok, n, k, _alignment(x, w, b, g, h))
+        if lib.gemm(x.device, key, _OP_T, _OP_N, n, m_tok, k, w, k, x, k, g, n, _EPILOGUE_GELU_AUX_BIAS, b, h, n):
+            return g, h
+    h = torch.nn.functional.linear(x, w, b).contiguous()  # the gelu_impl 'triton' path (its twin on CPU)
+    return torch.ops.hpcmeg.gelu_tanh(h), h
+
+
+@linear_gelu_aux.register_fake
+def _(x, w, b):
+    return x.new_empty(x.shape[0], w.shape[0]), x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("hpcmeg::linear_dgelu_bgrad", mutates_args=())
+def linear_dgelu_bgrad(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """((dy W) * gelu'(h), its row sum) for dy [M, H], w [H, F], h [M, F]: one cuBLASLt GEMM with the
+    DGELU_BGRAD epilogue on CUDA, the twin elsewhere."""
+    lib = lt() if _use_lt(dy, w, h) else None
+    if lib is not None:
+        dy, w, h = dy.contiguous(), w.contiguous(), h.contiguous()
+        (m_tok, k), f = dy.shape, w.shape[1]
+        dh, db = dy.new_empty(m_tok, f), dy.new_empty(f)
+        key = ("dgelu_bgrad", dy.device.index, dy.dtype, m_tok, f, k, _alignment(dy, w, h, dh, db))
+        if lib.gemm(dy.device, key, _OP_N, _OP_N, f, m_tok, k, w, f, dy, k, dh, f, _EPILOGUE_DGELU_BGRAD, db, h, f):
+            return dh, db
+    return torch.ops.hpcmeg.gelu_tanh_backward(dy @ w, h)  # the gelu_impl 'triton' path (its twin on CPU)
+
+
+@linear_dgelu_bgrad.register_fake
+def _(dy, w, h):
+    return dy.new_empty(dy.shape[0], w.shape[1]), dy.new_empty(w.shape[1])

@@ -1,0 +1,117 @@
+"""hpcmeg/model/cublaslt.py (gelu_impl 'cublaslt'): the twins against autograd, the custom ops
+(opcheck), the model's MLP with it against the Triton GELU path (eager, compiled, with main-grad
+sinks), and, where a libcublasLt is at hand ($HPCMEG_CUBLASLT_LIB, e.g. from the nvidia-cublas
+wheel), that the library accepts every descriptor the module builds (the GEMMs themselves need a
+GPU: bench/gpu_agreement.py --parts lt checks them against the twins on the H200)."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpcmeg.model import cublaslt
+from hpcmeg.model.config import GPTConfig
+from hpcmeg.model.gpt import GPT
+
+
+def test_twins_against_autograd():
+    torch.manual_seed(0)
+    x, w1, b1, w2 = torch.randn(10, 8), torch.randn(12, 8), torch.randn(12), torch.randn(6, 12)
+    g, h = cublaslt.reference_gelu_aux(x, w1, b1)
+    torch.testing.assert_close(h, F.linear(x, w1, b1))
+    torch.testing.assert_close(g, F.gelu(h, approximate="tanh").to(g.dtype))
+    # dh = (dy W2) * GELU'(h) and its row sum: autograd of out = GELU(h) W2^T
+    hh = h.clone().requires_grad_(True)
+    dy = torch.randn(10, 6)
+    (want,) = torch.autograd.grad(F.linear(F.gelu(hh, approximate="tanh"), w2), hh, dy)
+    dh, db = cublaslt.reference_dgelu_bgrad(dy, w2, h)
+    torch.testing.assert_close(dh, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(db, want.sum(0), atol=1e-5, rtol=1e-5)
+
+
+def test_ops_opcheck_and_cpu_path():
+    torch.manual_seed(1)
+    x, w, b = torch.randn(16, 8), torch.randn(24, 8), torch.randn(24)
+    torch.library.opcheck(cublaslt.linear_gelu_aux, (x, w, b))
+    g, h = torch.ops.hpcmeg.linear_gelu_aux(x, w, b)  # CPU: the twin
+    assert g.shape == h.shape == (16, 24) and g.is_contiguous()
+    dy, w2 = torch.randn(16, 8), torch.randn(8, 24)
+    torch.library.opcheck(cublaslt.linear_dgelu_bgrad, (dy, w2, h))
+    dh, db = torch.ops.hpcmeg.linear_dgelu_bgrad(dy, w2, h)
+    assert dh.shape == (16, 24) and db.shape == (24,)
+
+
+def _cfg(**kw):
+    return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                     max_position_embeddings=64, padded_vocab_size=128, fused=True, hidden_dropout=0.0,
+                     attention_dropout=0.0, **kw)
+
+
+def test_model_mlp_matches_the_triton_gelu_path_eager_compiled_and_sunk():
+    """The fused model with gelu_impl 'cublaslt' (its twins on CPU) against 'triton' (the Triton GELU
+    twins): loss and every gradient, eager and under torch.compile; then TrainStep with main-grad
+    sinks (fc1's and fc2's weight gradients added into the buffer by _MLPCublasLt's backward)."""
+    tok = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for impl in ("triton", "cublaslt"):
+        m = GPT(_cfg(gelu_impl=impl), init_seed=3)
+        loss = m(tok, tok).mean()
+        loss.backward()
+        grads[impl] = (loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()})
+        if impl == "cublaslt":
+            m.zero_grad()
+            lc = torch.compile(m)(tok, tok).mean()
+            lc.backward()
+            torch.testing.assert_close(lc, loss)
+            for n, p in m.named_parameters():
+                torch.testing.assert_close(p.grad, grads[impl][1][n], atol=1e-5, rtol=1e-4, msg=n)
+    torch.testing.assert_close(grads["cublaslt"][0], grads["triton"][0])
+    for n, want in grads["triton"][1].items():
+        torch.testing.assert_close(grads["cublaslt"][1][n], want, atol=1e-5, rtol=1e-4, msg=n)
+    assert grads["cublaslt"][1]["encoder.layers.0.mlp.dense_h_to_4h.bias"].abs().sum() > 0
+
+    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.step import TrainStep
+    mbs = [(tok[:, :-1].contiguous(), tok[:, 1:].contiguous())] * 2
+    main = {}
+    for impl in ("triton", "cublaslt"):
+        m = GPT(_cfg(gelu_impl=impl), init_seed=3)
+        buf, opt = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+        assert buf.is_sunk(m.encoder.layers[0].mlp.dense_4h_to_h.weight)
+        TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
+        main[impl] = {n: buf.grad_data[slice(*buf.locate(p))].clone() for n, p in m.named_parameters()}
+    for n, want in main["triton"].items():
+        torch.testing.assert_close(main["cublaslt"][n], want, atol=1e-6, rtol=1e-4, msg=n)
+    with pytest.raises(ValueError, match="gelu_impl"):
+        dataclasses.replace(_cfg(), gelu_impl="cublas")
+
+
+def _library() -> str:
+    path = os.environ.get(cublaslt.LIB_ENV)
+    if not path:
+        pytest.skip(f"no libcublasLt here (set ${cublaslt.LIB_ENV} to one, e.g. from the nvidia-cublas wheel)")
+    return path
+
+
+def test_the_library_accepts_every_descriptor_the_gemms_build():
+    """Each attribute's size and value is checked by cuBLASLt itself (a wrong size answers
+    CUBLAS_STATUS_INVALID_VALUE): the layouts of both GEMMs, both epilogue descriptors, the
+    workspace preference. Without a GPU the library cannot create a handle, so no heuristic runs."""
+    lt = cublaslt.Lt(_library())
+    m_tok, k, n = 12288, 768, 3072
+    for dims in ((k, n, k), (k, m_tok, k), (n, m_tok, n)):  # A (transposed W1), B (x), D / aux
+        lt.lib.cublasLtMatrixLayoutDestroy(lt.layout(cublaslt._R_16BF, *dims))
+    for trans, epi in (((cublaslt._OP_T, cublaslt._OP_N), cublaslt._EPILOGUE_GELU_AUX_BIAS),
+                       ((cublaslt._OP_N, cublaslt._OP_N), cublaslt._EPILOGUE_DGELU_BGRAD)):
+        lt.lib.cublasLtMatmulDescDestroy(lt.matmul_desc(*trans, epi, 1 << 20, 2 << 20, n))
+    lt.lib.cublasLtMatmulPreferenceDestroy(lt.preference())
+    desc = lt.matmul_desc(0, 0, 1, 0, 0, 8)
+    try:  # the check would catch a wrong size: the epilogue is a 4-byte enum
+        with pytest.raises(cublaslt.LtError, match="attribute 7"):
+            lt._set(desc, cublaslt._DESC_EPILOGUE, ctypes.c_uint64(1))
+    finally:
+        lt.lib.cublasLtMatmulDescDestroy(desc)
