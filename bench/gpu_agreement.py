@@ -304,6 +304,24 @@ def wgrad_fusion_checks(rows):
           f"{dg:.2e} cudagraph skips {skips_bif} {'ok' if ok else 'FAIL'}", flush=True)
 
 
+def _graphed_curve(mbs, **cfg_kw):
+    """4 compiled, CUDA-graphed steps of a 4-layer 124M-width fused GPT (bf16 parameters, fp32 main
+    grads with gradient-accumulation fusion) on the micro batches mbs: ([(loss, grad norm)] per step,
+    the final parameters as fp32, CUDA-graph skips counted by Inductor)."""
+    from torch._dynamo.utils import counters
+    cfg = GPTConfig(4, 768, 12, 3072, 1024, 1024, fused=True, **cfg_kw)
+    torch.manual_seed(0)
+    m = GPT(cfg).cuda()
+    buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.float32, wgrad_fusion=True)
+    st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
+    skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k)
+    out = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
+    skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k) - skips
+    params = buf.param_data.float().clone()
+    torch._dynamo.reset()
+    return out, params, skips
+
+
 def kernel_impl_checks(rows):
     """hpcmeg's own Triton kernels (LayerNorm backward, GELU, attention) against the Inductor / cuDNN
     paths through the compiled, CUDA-graphed step of the user's path (bf16 parameters, fp32 main grads
@@ -311,23 +329,12 @@ def kernel_impl_checks(rows):
     width. Attention dropout 0 for the bitwise-comparable masks (the hidden-dropout seeds are drawn in
     the same order on both sides); then attention dropout 0.1 (the Triton and cuDNN masks differ:
     looser tolerance). Also: no CUDA-graph skips."""
-    from torch._dynamo.utils import counters
     g = torch.Generator(device="cuda").manual_seed(5)
     d = torch.randint(0, 1024, (8, 1025), device="cuda", generator=g)
     mbs = [(d[:4, :-1], d[:4, 1:]), (d[4:, :-1], d[4:, 1:])]
 
     def curve(**kw):
-        cfg = GPTConfig(4, 768, 12, 3072, 1024, 1024, hidden_dropout=0.1, fused=True, **kw)
-        torch.manual_seed(0)
-        m = GPT(cfg).cuda()
-        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.float32, wgrad_fusion=True)
-        st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
-        skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k)
-        out = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
-        skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k) - skips
-        params = buf.param_data.float().clone()
-        torch._dynamo.reset()
-        return out, params, skips
+        return _graphed_curve(mbs, hidden_dropout=0.1, **kw)
 
     old = dict(layernorm_impl="inductor", gelu_impl="inductor", attention_backend="cudnn")
     new = dict(layernorm_impl="triton", gelu_impl="triton", attention_backend="triton")
@@ -418,27 +425,11 @@ def lt_step_checks(rows):
     """The compiled, CUDA-graphed step with gelu_impl 'cublaslt' against 'triton' (bf16 parameters,
     main-grad sinks, 4 steps x 2 micro batches at a 124M-like width): the loss curves and parameters
     agree within bf16 noise, and Inductor skips no CUDA graph for the ctypes calls."""
-    from torch._dynamo.utils import counters
     g = torch.Generator(device="cuda").manual_seed(7)
     d = torch.randint(0, 1024, (8, 1025), device="cuda", generator=g)
     mbs = [(d[:4, :-1], d[:4, 1:]), (d[4:, :-1], d[4:, 1:])]
-
-    def curve(impl):
-        cfg = GPTConfig(4, 768, 12, 3072, 1024, 1024, hidden_dropout=0.0, attention_dropout=0.0, fused=True,
-                        gelu_impl=impl)
-        torch.manual_seed(0)
-        m = GPT(cfg).cuda()
-        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.float32, wgrad_fusion=True)
-        st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
-        skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k)
-        res = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
-        skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k) - skips
-        params = buf.param_data.float().clone()
-        torch._dynamo.reset()
-        return res, params, skips
-
-    a, pa, skips = curve("cublaslt")
-    b_, pb, _ = curve("triton")
+    a, pa, skips = _graphed_curve(mbs, hidden_dropout=0.0, attention_dropout=0.0, gelu_impl="cublaslt")
+    b_, pb, _ = _graphed_curve(mbs, hidden_dropout=0.0, attention_dropout=0.0, gelu_impl="triton")
     dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, b_))
     dp = rel(pa, pb)
     ok = dl < 1e-2 and dp < 1e-2 and skips == 0

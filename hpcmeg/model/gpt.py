@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from hpcmeg.model import fused as fused_ops
 from hpcmeg.model import ops as plain_ops
