@@ -91,7 +91,8 @@ class SelfAttention(nn.Module):
         split = self.fused and self.backend == "triton" and torch.is_grad_enabled() and qkv_lin.bias is not None
         qkv = wgrad.linear(x, qkv_lin.weight, qkv_lin.bias.detach() if split else qkv_lin.bias,
                            wgrad.layer_sink(qkv_lin))
-        ctx = self.attend(qkv.view(b, s, -1, 3 * self.head_dim), qkv_lin.bias if split else None)  # per-head [q, k, v] rows
+        # per-head [q, k, v] rows
+        ctx = self.attend(qkv.view(b, s, -1, 3 * self.head_dim), qkv_lin.bias if split else None)
         # bias returned separately so it fuses into the bias-dropout-add that follows
         out = wgrad.linear(ctx.reshape(b, s, -1), self.dense.weight, None, wgrad.layer_sink(self.dense))
         return out, self.dense.bias

@@ -1,7 +1,8 @@
 """The Triton kernels of hpcmeg/model/triton_attention.py (causal flash attention with dropout): the
 keep-bit draw, the forward, the backward's dQ and dK/dV kernels and the QKV bias gradient's final
-sum, with their @triton.jit helpers. triton_attention.py owns the launchers, the tile shapes (Blocks), the keep-mask layout
-these kernels implement, the plain twin and the custom ops; the tests reach the kernels through it.
+sum, with their @triton.jit helpers. triton_attention.py owns the launchers, the tile shapes
+(Blocks), the keep-mask layout these kernels implement, the plain twin and the custom ops; the
+tests reach the kernels through it.
 
 The algorithm is FlashAttention-2's (online softmax forward saving the log-sum-exp; backward per
 query block for dQ, then per key block for dK/dV), causal only. The dQ kernel, which runs first,
@@ -337,7 +338,8 @@ if triton is not None:
         if c == 0:
             for r0 in range(0, NQ, ROWS):
                 r = r0 + tl.arange(0, ROWS)
-                t = tl.load(PQ + (r.to(tl.int64)[:, None] * H + h) * D + offs_d[None, :], mask=r[:, None] < NQ, other=0.0)
+                t = tl.load(PQ + (r.to(tl.int64)[:, None] * H + h) * D + offs_d[None, :], mask=r[:, None] < NQ,
+                            other=0.0)
                 acc += tl.sum(t, 0)
         else:
             for r0 in range(0, NK, ROWS):
