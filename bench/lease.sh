@@ -30,8 +30,9 @@
 #             attention (never timed in the 355M user path; its probe put it ~2 % of the step ahead).
 #             Both sizes (and u355 / u1.3B) add a row with model.gelu_impl cublaslt (no GELU pass: the
 #             GELU in fc1's GEMM epilogue, its derivative and bias gradient in fc2's input-gradient
-#             GEMM's) right after the micro-24 / micro-16 rows, once bench/gpu_agreement.py --parts lt
-#             (~30 s, run by the first stage that asks) found cuBLASLt's epilogues agreeing with the twins
+#             GEMM's) right after the micro-24 / micro-16 rows, and take it into the Triton-attention
+#             row, once bench/gpu_agreement.py --parts lt (~30 s, run by the first stage that asks)
+#             found cuBLASLt's epilogues agreeing with the twins
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
 #             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
@@ -168,17 +169,17 @@ for stage in "$@"; do
         u124) user_path_u 124M 480 ;;
         u355) user_path_u 355M 520 ;;
         u1.3B) user_path_u 1.3B 520 ;;
-        b124) items="nano hpcmeg $BIF24 $BIF24B"
-            lt_ok && items="$items $BIF24B|$LT"  # no GELU pass (cuBLASLt epilogues), where they agreed
+        b124) items="nano hpcmeg $BIF24 $BIF24B" lt=""
+            lt_ok && lt="|$LT" && items="$items $BIF24B$lt"  # no GELU pass (cuBLASLt epilogues), where they agreed
             items="$items hpcmeg:mb=16"
             ce=$(cat "$OUT/ce_best.txt" 2>/dev/null || echo default)  # the quick stage's CE launch, if it won
             [[ $ce != default ]] && items="$items $BIF24B,env=HPCMEG_CE_LAUNCH:$ce"
-            # then, as the budget allows: both with Triton attention at the probes' best tiles; micro 16
-            items="$items hpcmeg:mb=24,set=$BIF|$BITS|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M) $BIF16"
+            # then, as the budget allows: all of it with Triton attention at the probes' best tiles; micro 16
+            items="$items hpcmeg:mb=24,set=$BIF|$BITS$lt|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M) $BIF16"
             user_path 124M 480 124M_bif "$items" ;;
-        b355) items="nano hpcmeg $BIF16 $BIF16B"
-            lt_ok && items="$items $BIF16B|$LT"
-            user_path 355M 520 355M_bif "$items $BIF16B|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 355M)" ;;
+        b355) items="nano hpcmeg $BIF16 $BIF16B" lt=""
+            lt_ok && lt="|$LT" && items="$items $BIF16B$lt"
+            user_path 355M 520 355M_bif "$items $BIF16B$lt|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 355M)" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,ltstep,model,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \

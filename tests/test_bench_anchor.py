@@ -127,7 +127,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     bif_set, bits_set = "model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits"
     lt_set = "model.gelu_impl=cublaslt"
     assert [o["set"] for o in got] == [[bif_set], [bif_set, bits_set], [bif_set, bits_set, lt_set], [],
-                                       [bif_set, bits_set, "model.attention_backend=triton"], [bif_set]]
+                                       [bif_set, bits_set, lt_set, "model.attention_backend=triton"], [bif_set]]
     assert got[4]["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
     assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items  # (u124 has no cuBLASLt row)
     assert user_path.parse_item(items[2], "124M")[1]["mb"] == 16
@@ -142,7 +142,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     got = [user_path.parse_item(i, "355M")[1] for i in b355[2:]]
     assert [(o["mb"], o["gbs"]) for o in got] == [(16, 192)] * 4
     assert got[2]["set"] == [bif_set, bits_set, lt_set]
-    assert got[3]["set"] == [bif_set, bits_set, "model.attention_backend=triton"]
+    assert got[3]["set"] == [bif_set, bits_set, lt_set, "model.attention_backend=triton"]
     assert got[3]["env"] == {"HPCMEG_ATTENTION_BLOCKS": "default"}
     # without an earlier check the first stage that wants the cuBLASLt rows runs it; failing (no GPU
     # here), it leaves them out
