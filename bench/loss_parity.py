@@ -41,7 +41,11 @@ from hpcmeg.train.optim import param_groups  # noqa: E402
 # --hpcmeg-variants: recipe overrides per named hpcmeg run
 VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "attn_cudnn": ["model.attention_backend=cudnn"],
             # session 7's kernels (before the Triton LayerNorm/GELU and the grad-in-forward CE): the A/B of their numerics
-            "s7_kernels": ["model.layernorm_impl=inductor", "model.gelu_impl=inductor", "model.cross_entropy=fused"]}
+            "s7_kernels": ["model.layernorm_impl=inductor", "model.gelu_impl=inductor", "model.cross_entropy=fused"],
+            # session 15's candidate defaults, all opt-in until the user path times them: the LM head's
+            # backward in its forward, no GELU pass (cuBLASLt epilogues), Triton attention
+            "candidate": ["model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits",
+                          "model.gelu_impl=cublaslt", "model.attention_backend=triton"]}
 
 def run_hpcmeg(r) -> dict:
     times, trainer = tt.run_trainer(r)
