@@ -109,6 +109,9 @@ def test_the_library_accepts_every_descriptor_the_gemms_build():
                        ((cublaslt._OP_N, cublaslt._OP_N), cublaslt._EPILOGUE_DGELU_BGRAD)):
         lt.lib.cublasLtMatmulDescDestroy(lt.matmul_desc(*trans, epi, 1 << 20, 2 << 20, n))
     lt.lib.cublasLtMatmulPreferenceDestroy(lt.preference())
+    lt.lib.cublasLtMatmulPreferenceDestroy(lt.preference(128, 256, 256))  # a buffer-view weight's alignment
+    x = torch.empty(64, dtype=torch.bfloat16)
+    assert cublaslt._alignment(x, x[8:], x[1:]) == (min(x.data_ptr() & -x.data_ptr(), 256), 16, 2)
     desc = lt.matmul_desc(0, 0, 1, 0, 0, 8)
     try:  # the check would catch a wrong size: the epilogue is a 4-byte enum
         with pytest.raises(cublaslt.LtError, match="attribute 7"):

@@ -59,6 +59,7 @@ _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
 _EPILOGUE_GELU_AUX_BIAS, _EPILOGUE_DGELU_BGRAD = 164, 208
 _PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT_BYTES = (5, 6, 7, 8)  # A, B, C, D: the heuristic assumes 256 unless told
 WORKSPACE_BYTES = 32 * 1024 * 1024  # what Hopper wants (cuBLAS's own recommendation)
 _CUDA_TYPE = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
 LIB_ENV = "HPCMEG_CUBLASLT_LIB"  # a libcublasLt.so path: the tests' way to a library on a CPU machine
@@ -140,12 +141,21 @@ class Lt:
             raise
         return desc
 
-    def preference(self) -> ctypes.c_void_p:
+    def preference(self, align_a: int = 256, align_b: int = 256, align_d: int = 256) -> ctypes.c_void_p:
+        """The heuristic's constraints: at most WORKSPACE_BYTES of workspace, and the operands' actual
+        pointer alignments (bytes; the ParamAndGradBuffer's weights are 128-byte aligned views, below
+        the 256 cuBLASLt assumes by default)."""
         pref = ctypes.c_void_p()
         self.check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-        ws = ctypes.c_uint64(WORKSPACE_BYTES)
-        self.check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
-                                                                 ctypes.sizeof(ws)), "preference workspace")
+        try:
+            for attr, value in ((_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(WORKSPACE_BYTES)),
+                                *zip(_PREF_MIN_ALIGNMENT_BYTES, (ctypes.c_uint32(align_a), ctypes.c_uint32(align_b),
+                                                                 ctypes.c_uint32(align_d), ctypes.c_uint32(align_d)))):
+                self.check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value),
+                                                                         ctypes.sizeof(value)), f"preference {attr}")
+        except LtError:
+            self.lib.cublasLtMatmulPreferenceDestroy(pref)
+            raise
         return pref
 
     def gemm(self, device: torch.device, key: tuple, transa: int, transb: int, m: int, n: int, k: int,
@@ -163,7 +173,8 @@ class Lt:
             desc = self.matmul_desc(transa, transb, epilogue, bias.data_ptr(), aux.data_ptr(), aux_ld)
             handle = self.handle(device.index)
             if key not in self._algos:  # the heuristic's first choice, once per problem
-                pref, res, count = self.preference(), _HeuristicResult(), ctypes.c_int(0)
+                pref = self.preference(*_alignment(a, b, d))
+                res, count = _HeuristicResult(), ctypes.c_int(0)
                 try:
                     st = self.lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, ld_, ld_, pref, 1,
                                                                  ctypes.byref(res), ctypes.byref(count))
@@ -226,7 +237,8 @@ def lt() -> Lt | None:
 
 
 def _alignment(*ts: torch.Tensor) -> tuple[int, ...]:
-    # the heuristic's choice depends on pointer alignment (up to 16 bytes): part of the cache key
+    # each pointer's alignment in bytes (capped at cuBLASLt's default assumption, 256): the heuristic
+    # is told them, and they are part of the cache key
     return tuple(min(t.data_ptr() & -t.data_ptr(), 256) for t in ts)
 
 
