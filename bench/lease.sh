@@ -21,13 +21,14 @@
 #             copied into $OUT beforehand)
 #     b124 | b355
 #             the user path with model.cross_entropy backward_in_forward (the LM head's backward GEMMs
-#             in its forward, no [tokens, vocab] gradient kept), alone and with model.dropout_impl
-#             triton_bits (the residual branches' saved masks packed 8 to a byte): 124M nano, shipped,
-#             micro 24 x 8 with the one and with both (24 divides the recipe's 8-GPU plan), micro 16
-#             without and with it, (after quick) both with the CE probe's best launch, both with Triton
-#             attention at the probes' best tiles; 355M nano, shipped, micro 16 with the one, with both
-#             (without, micro 16 needed 22.0 GB against the anchor's 21.75), then both with Triton
-#             attention (never timed in the 355M user path; its probe put it ~2 % of the step ahead).
+#             in its forward, no [tokens, vocab] gradient kept) and model.dropout_impl triton_bits (the
+#             residual branches' saved masks packed 8 to a byte): 124M nano, shipped, micro 24 x 8 with
+#             both (24 divides the recipe's 8-GPU plan), then with gelu_impl cublaslt (below) at micro
+#             24 and 16, micro 16 as shipped otherwise, all of it with Triton attention at the probes'
+#             best tiles at micro 24 and 16, (after quick) the CE probe's best launch, and last each
+#             memory lever alone; 355M nano, shipped, micro 16 with both (without, micro 16 needed
+#             22.0 GB against the anchor's 21.75), then with Triton attention too (never timed in the
+#             355M user path; its probe put it ~2 % of the step ahead), last backward_in_forward alone.
 #             Both sizes (and u355 / u1.3B) add a row with model.gelu_impl cublaslt (no GELU pass: the
 #             GELU in fc1's GEMM epilogue, its derivative and bias gradient in fc2's input-gradient
 #             GEMM's) right after the micro-24 / micro-16 rows, and take it into the Triton-attention
@@ -171,17 +172,22 @@ for stage in "$@"; do
         u124) user_path_u 124M 480 ;;
         u355) user_path_u 355M 520 ;;
         u1.3B) user_path_u 1.3B 520 ;;
-        b124) items="nano hpcmeg $BIF24 $BIF24B" lt=""
-            lt_ok && lt="|$LT" && items="$items $BIF24B$lt"  # no GELU pass (cuBLASLt epilogues), where they agreed
-            items="$items hpcmeg:mb=16"
+        b124) lt="" tri="model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M)"
+            lt_ok && lt="|$LT"  # no GELU pass (cuBLASLt epilogues), where they agreed
+            # in order of what they decide (--budget-s drops the last): micro 24 with both memory
+            # levers, and with the GELU epilogues; the same at micro 16 (the fallback if micro 24 goes
+            # over the anchor's 10.4 GB); s13's best (micro 16); everything with Triton attention at 24
+            # and 16 (its saved keep bits cost ~19 MB per sequence); the CE launch; each lever alone
+            items="nano hpcmeg $BIF24B"
+            [[ -n $lt ]] && items="$items $BIF24B$lt $BIF16B$lt"
+            items="$items hpcmeg:mb=16 hpcmeg:mb=24,set=$BIF|$BITS$lt|$tri hpcmeg:mb=16,set=$BIF|$BITS$lt|$tri"
             ce=$(cat "$OUT/ce_best.txt" 2>/dev/null || echo default)  # the quick stage's CE launch, if it won
-            [[ $ce != default ]] && items="$items $BIF24B,env=HPCMEG_CE_LAUNCH:$ce"
-            # then, as the budget allows: all of it with Triton attention at the probes' best tiles; micro 16
-            items="$items hpcmeg:mb=24,set=$BIF|$BITS$lt|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M) $BIF16"
-            user_path 124M 480 124M_bif "$items" ;;
-        b355) items="nano hpcmeg $BIF16 $BIF16B" lt=""
+            [[ $ce != default ]] && items="$items $BIF24B$lt,env=HPCMEG_CE_LAUNCH:$ce"
+            user_path 124M 480 124M_bif "$items $BIF24 $BIF16" ;;
+        b355) items="nano hpcmeg $BIF16B" lt=""  # micro 16 with both memory levers first, the one alone last
             lt_ok && lt="|$LT" && items="$items $BIF16B$lt"
-            user_path 355M 520 355M_bif "$items $BIF16B$lt|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 355M)" ;;
+            items="$items $BIF16B$lt|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 355M)"
+            user_path 355M 520 355M_bif "$items $BIF16" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,ltstep,model,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \

@@ -118,17 +118,18 @@ def test_lease_script_items(tmp_path, monkeypatch):
         assert {"user_path_124M.log", "user_path_124M_bif.log"} <= set(t.getnames())
         logged = t.extractfile("lease.log").read().decode()
     items, bif, b355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
-    # b124: micro 24 with backward_in_forward, alone, with the packed dropout masks, with both and the
-    # cuBLASLt GELU epilogues; micro 16 (no ce_best.txt here: no CE-launch row); both with Triton
-    # attention at LEASE_BEST's tiles; last micro 16 with backward_in_forward
-    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 8, bif
+    # b124: micro 24 with both memory levers, then with the cuBLASLt GELU epilogues at 24 and 16; micro
+    # 16; all of it with Triton attention at LEASE_BEST's tiles at 24 and 16 (no ce_best.txt here: no
+    # CE-launch row); last each memory lever alone
+    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 10, bif
     got = [user_path.parse_item(i, "124M")[1] for i in bif[2:]]
-    assert [(o["mb"], o["gbs"]) for o in got] == [(24, 192), (24, 192), (24, 192), (16, 192), (24, 192), (16, 192)]
+    assert [o["mb"] for o in got] == [24, 24, 16, 16, 24, 16, 24, 16] and {o["gbs"] for o in got} == {192}
     bif_set, bits_set = "model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits"
-    lt_set = "model.gelu_impl=cublaslt"
-    assert [o["set"] for o in got] == [[bif_set], [bif_set, bits_set], [bif_set, bits_set, lt_set], [],
-                                       [bif_set, bits_set, lt_set, "model.attention_backend=triton"], [bif_set]]
-    assert got[4]["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
+    lt_set, tri_set = "model.gelu_impl=cublaslt", "model.attention_backend=triton"
+    both = [bif_set, bits_set]
+    assert [o["set"] for o in got] == [both, both + [lt_set], both + [lt_set], [], both + [lt_set, tri_set],
+                                       both + [lt_set, tri_set], [bif_set], [bif_set]]
+    assert got[4]["env"] == got[5]["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
     assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items  # (u124 has no cuBLASLt row)
     assert user_path.parse_item(items[2], "124M")[1]["mb"] == 16
     kind, o = user_path.parse_item(items[3], "124M")  # Triton attention at the probe's tiles
@@ -136,14 +137,13 @@ def test_lease_script_items(tmp_path, monkeypatch):
     assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
     kind, o16 = user_path.parse_item(items[4], "124M")  # the same at micro batch 16
     assert (o16["mb"], o16["gbs"], o16["set"], o16["env"]) == (16, 192, o["set"], o["env"])
-    # b355: micro 16 with backward_in_forward, alone, with the packed masks, with the cuBLASLt GELU
-    # epilogues too, then with Triton attention instead
+    # b355: micro 16 with both memory levers, with the cuBLASLt GELU epilogues too, then with Triton
+    # attention too; last backward_in_forward alone
     assert b355[:2] == ["nano", "hpcmeg"] and len(b355) == 6, b355
     got = [user_path.parse_item(i, "355M")[1] for i in b355[2:]]
     assert [(o["mb"], o["gbs"]) for o in got] == [(16, 192)] * 4
-    assert got[2]["set"] == [bif_set, bits_set, lt_set]
-    assert got[3]["set"] == [bif_set, bits_set, lt_set, "model.attention_backend=triton"]
-    assert got[3]["env"] == {"HPCMEG_ATTENTION_BLOCKS": "default"}
+    assert [o["set"] for o in got] == [both, both + [lt_set], both + [lt_set, tri_set], [bif_set]]
+    assert got[2]["env"] == {"HPCMEG_ATTENTION_BLOCKS": "default"}
     # without an earlier check the first stage that wants the cuBLASLt rows runs it; failing (no GPU
     # here), it leaves them out
     out2, best2 = tmp_path / "out2", tmp_path / "best2"
