@@ -29,9 +29,9 @@
 #             memory lever alone; 355M nano, shipped, micro 16 with both (without, micro 16 needed
 #             22.0 GB against the anchor's 21.75), then with Triton attention too (never timed in the
 #             355M user path; its probe put it ~2 % of the step ahead), last backward_in_forward alone.
-#             Both sizes (and u355 / u1.3B) add a row with model.gelu_impl cublaslt (no GELU pass: the
-#             GELU in fc1's GEMM epilogue, its derivative and bias gradient in fc2's input-gradient
-#             GEMM's) right after the micro-24 / micro-16 rows, and take it into the Triton-attention
+#             Both sizes (and u355 / u1.3B) add a row with model.gelu_impl cublaslt (no GELU forward
+#             pass: the GELU in fc1's GEMM epilogue; session 15's H100 call timed a first version whose
+#             backward epilogue was slow) right after the micro-24 / micro-16 rows, and take it into the Triton-attention
 #             row, once bench/gpu_agreement.py --parts lt (~30 s, run by the first stage that asks)
 #             found cuBLASLt's epilogues agreeing with the twins
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
@@ -173,7 +173,7 @@ for stage in "$@"; do
         u355) user_path_u 355M 520 ;;
         u1.3B) user_path_u 1.3B 520 ;;
         b124) lt="" tri="model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M)"
-            lt_ok && lt="|$LT"  # no GELU pass (cuBLASLt epilogues), where they agreed
+            lt_ok && lt="|$LT"  # no GELU forward pass (cuBLASLt epilogue), where it agreed
             # in order of what they decide (--budget-s drops the last): micro 24 with both memory
             # levers, and with the GELU epilogues; the same at micro 16 (the fallback if micro 24 goes
             # over the anchor's 10.4 GB); s13's best (micro 16); everything with Triton attention at 24

@@ -43,7 +43,7 @@ VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "a
             # session 7's kernels (before the Triton LayerNorm/GELU and the grad-in-forward CE): the A/B of their numerics
             "s7_kernels": ["model.layernorm_impl=inductor", "model.gelu_impl=inductor", "model.cross_entropy=fused"],
             # session 15's candidate defaults, all opt-in until the user path times them: the LM head's
-            # backward in its forward, no GELU pass (cuBLASLt epilogues), Triton attention
+            # backward in its forward, no GELU forward pass (cuBLASLt epilogue), Triton attention
             "candidate": ["model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits",
                           "model.gelu_impl=cublaslt", "model.attention_backend=triton"]}
 

@@ -148,9 +148,9 @@ class ModelConfig:
     bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py) or inductor."""
     gelu_impl: str = "triton"
     """Fused path: triton (the MLP's GELU forward and backward with its bias gradient, one pass
-    each, hpcmeg/model/triton_gelu.py), inductor (F.gelu) or cublaslt (no GELU pass: cuBLASLt's
-    GELU epilogue in fc1's GEMM and its GELU-derivative + bias-gradient epilogue in fc2's
-    input-gradient GEMM, hpcmeg/model/cublaslt.py; untimed on the GPU so far)."""
+    each, hpcmeg/model/triton_gelu.py), inductor (F.gelu) or cublaslt (no GELU forward pass:
+    cuBLASLt's GELU epilogue in fc1's GEMM, hpcmeg/model/cublaslt.py; the backward as triton's;
+    opt-in, not yet timed in the user path in this form)."""
     cross_entropy: str = "grad_in_forward"
     """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): grad_in_forward (bf16
     logits; the forward's Triton kernel turns them into their gradient in place, so the backward

@@ -33,8 +33,8 @@ What "fused" means here, op by op:
     vs Inductor's libdevice-tanh 45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
   * With both (bench/results/user_path_s9b_124M_kernels.md, 124M user path, one call): 494.6K vs
     482.7K tokens/s (+2.5 %).
-  * mlp with gelu_impl 'cublaslt' (opt-in, untimed): no GELU pass at all, the GELU and its
-    derivative with the bias gradient in cuBLASLt's GEMM epilogues (hpcmeg/model/cublaslt.py).
+  * mlp with gelu_impl 'cublaslt' (opt-in): no GELU forward pass, the GELU in fc1's cuBLASLt GEMM
+    epilogue (hpcmeg/model/cublaslt.py); the backward is the Triton path's.
   * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
 
 Everything here also runs on CPU in fp32 (tests compare it against ops.py within 1e-5).
