@@ -134,23 +134,24 @@ class ModelConfig:
     fused: str = "auto"
     """Fused kernels: auto (on for CUDA), on, off (the plain PyTorch twins)."""
     attention_backend: str = "auto"
-    """Fused path: the attention kernel (GPTConfig.attention_backend): auto (flash-attn if installed,
-    else PyTorch SDPA, cuDNN first), triton (hpcmeg's own, dropout inside, q/k/v in the QKV GEMM's
-    layout; sequence length a multiple of 128, head dim 16-128), cudnn, flash, flash_attn,
-    efficient or math."""
-    dropout_impl: str = "triton"
-    """Fused path on CUDA: triton (a Philox keep-mask kernel, 8 draws of 16 bits per call),
-    triton_bits (the same masks, those the residual branches save for the backward packed 8 to a
-    byte: less memory, untimed so far) or native (torch's dropout; Inductor draws inside its fused
-    kernels). CPU always uses native."""
+    """Fused path: the attention kernel (GPTConfig.attention_backend): auto (on Hopper or newer,
+    triton where it takes the shape; elsewhere flash-attn if installed, else PyTorch SDPA, cuDNN
+    first), triton (hpcmeg's own, dropout inside, q/k/v in the QKV GEMM's layout; sequence length a
+    multiple of 128, head dim 16-128; 12 % faster than cuDNN per layer on an H100), cudnn, flash,
+    flash_attn, efficient or math."""
+    dropout_impl: str = "triton_bits"
+    """Fused path on CUDA: triton_bits (a Philox keep-mask kernel, 8 draws of 16 bits per call; the
+    masks the residual branches save for the backward packed 8 to a byte: 0.26 GB less at 124M,
+    micro batch 16, and 0.6 % faster on an H100), triton (the same masks kept as bytes) or native
+    (torch's dropout; Inductor draws inside its fused kernels). CPU always uses native."""
     layernorm_impl: str = "triton"
     """Fused path: triton (each LayerNorm backward, with the residual-gradient add, dropout mask and
     bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py) or inductor."""
-    gelu_impl: str = "triton"
-    """Fused path: triton (the MLP's GELU forward and backward with its bias gradient, one pass
-    each, hpcmeg/model/triton_gelu.py), inductor (F.gelu) or cublaslt (no GELU forward pass:
-    cuBLASLt's GELU epilogue in fc1's GEMM, hpcmeg/model/cublaslt.py; the backward as triton's;
-    opt-in, not yet timed in the user path in this form)."""
+    gelu_impl: str = "cublaslt"
+    """Fused path: cublaslt (no GELU forward pass: cuBLASLt's GELU epilogue in fc1's GEMM,
+    hpcmeg/model/cublaslt.py, 0.9 % faster on an H100 at 124M; the backward as triton's; the triton
+    path, with a warning, where cuBLASLt cannot take the shape), triton (the MLP's GELU forward and
+    backward with its bias gradient, one pass each, hpcmeg/model/triton_gelu.py) or inductor (F.gelu)."""
     cross_entropy: str = "grad_in_forward"
     """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): grad_in_forward (bf16
     logits; the forward's Triton kernel turns them into their gradient in place, so the backward

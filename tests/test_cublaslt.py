@@ -118,3 +118,26 @@ def test_the_library_accepts_every_descriptor_the_gemms_build():
             lt._set(desc, cublaslt._DESC_EPILOGUE, ctypes.c_uint64(1))
     finally:
         lt.lib.cublasLtMatmulDescDestroy(desc)
+
+
+@pytest.mark.parametrize("kind", ["not_a_library", "lacks_the_symbols"])
+def test_an_unusable_library_warns_and_the_mlp_falls_back(kind, tmp_path, monkeypatch):
+    """gelu_impl 'cublaslt' is the default: a library that does not load (a stub, another CUDA
+    major's file) or lacks cuBLASLt's symbols must mean one warning and the Triton GELU path."""
+    import ctypes.util
+
+    if kind == "not_a_library":
+        path = tmp_path / "libcublasLt.so.99"
+        path.write_bytes(b"not an ELF file")
+        path = str(path)
+    else:
+        path = ctypes.util.find_library("c")  # loads, but has no cublasLtCreate
+        if path is None:
+            pytest.skip("no libc to load")
+    monkeypatch.setenv(cublaslt.LIB_ENV, path)
+    cublaslt._lt_for.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="unusable"):
+            assert cublaslt.lt() is None
+    finally:
+        cublaslt._lt_for.cache_clear()

@@ -228,7 +228,7 @@ def test_triton_dropout_path_inside_the_compiled_model(monkeypatch):
     if not fused.HAVE_TRITON_DROPOUT:
         pytest.skip("triton is not installed")
     calls = []
-    monkeypatch.setattr(fused, "_mask_kernel_for", lambda x, impl: calls.append(impl) or impl == "triton")
+    monkeypatch.setattr(fused, "_mask_kernel_for", lambda x, impl: calls.append(impl) or impl in ("triton", "triton_bits"))
     x = torch.randn(3, 5, 8, requires_grad=True)
     torch.manual_seed(1)
     y = fused.dropout(x, 0.25, True)
@@ -253,7 +253,7 @@ def test_triton_dropout_path_inside_the_compiled_model(monkeypatch):
         return out
     a, b, c = losses(5), losses(5), losses(6)
     assert a == b and a != c
-    assert "triton" in calls
+    assert "triton" in calls and "triton_bits" in calls  # fused.dropout's default, the model's default
 
 
 def test_bias_dropout_add_layer_norm_function_with_a_mask():
@@ -333,7 +333,7 @@ def test_kernel_impls_give_the_model_of_the_inductor_impls(monkeypatch):
     losses and gradients agree."""
     if not fused.HAVE_TRITON_DROPOUT:
         pytest.skip("triton is not installed")
-    monkeypatch.setattr(fused, "_mask_kernel_for", lambda x, impl: impl == "triton")
+    monkeypatch.setattr(fused, "_mask_kernel_for", lambda x, impl: impl in ("triton", "triton_bits"))
     cfg = GPTConfig(2, 64, 4, 256, 32, 128, hidden_dropout=0.2, attention_dropout=0.0, fused=True)
     x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     grads = []

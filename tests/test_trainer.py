@@ -16,7 +16,7 @@ import torch
 
 from hpcmeg.launch.env import dist_env
 from hpcmeg.recipe import load_recipe
-from hpcmeg.train.build import build_trainer
+from hpcmeg.train.build import attention_backend_for, build_trainer
 from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK
 from hpcmeg.train.entry import train
 from hpcmeg.train.metrics import read_metrics
@@ -191,3 +191,21 @@ def test_one_step_in_flight_keeps_logs_and_stops_exact(dataset, tmp_path, capsys
     assert train(r, on_built=inject) == EXIT_ERROR
     assert "non-finite loss or gradient at iteration 3" in capsys.readouterr().err
     assert open(os.path.join(run_dir(r), "checkpoints", "latest_checkpointed_iteration.txt")).read().strip() == "2"
+
+
+def test_auto_attention_is_triton_on_hopper_with_16_bit_training_only():
+    """The recipe's attention_backend 'auto' becomes hpcmeg's Triton attention where it was timed
+    faster than cuDNN (compute capability 9.x, bf16/fp16); elsewhere it stays 'auto' (SDPA), and an
+    explicit choice is never changed."""
+    from hpcmeg.model import triton_attention
+
+    if triton_attention.triton is None:
+        pytest.skip("no triton")
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert attention_backend_for("auto", gpu, "bf16", capability=(9, 0)) == "triton"
+    assert attention_backend_for("auto", gpu, "fp16", capability=(10, 0)) == "triton"
+    assert attention_backend_for("auto", gpu, "bf16", capability=(8, 0)) == "auto"
+    assert attention_backend_for("auto", gpu, "fp32", capability=(9, 0)) == "auto"
+    assert attention_backend_for("auto", cpu, "bf16") == "auto"
+    assert attention_backend_for("cudnn", gpu, "bf16", capability=(9, 0)) == "cudnn"
+    assert attention_backend_for("triton", cpu, "fp32") == "triton"

@@ -49,13 +49,16 @@ class GPTConfig:
     """Use the fast paths of hpcmeg/model/fused.py (SDPA/flash attention, fusion-friendly ops,
     cross-entropy without full fp32 logits). False: the plain twins of hpcmeg/model/ops.py."""
     attention_backend: str = "auto"
-    """Fused path only. 'auto': flash-attn package if importable, else SDPA with priority
-    cuDNN > flash > mem-efficient > math; 'triton': hpcmeg/model/triton_attention.py (q/k/v read in
-    the QKV GEMM's layout, dropout inside; where the shape is not supported, 'auto'); or force one
-    of cudnn|flash|flash_attn|efficient|math. 'triton' is not the default: in the 124M user path
-    with dropout 0.1 it measured ~0.44 ms per layer against cuDNN's ~0.47 with its q/k/v gradient
-    concatenation (bench/results/profile_h200_s9_124M_gbs192*.md), 495.6K vs 494.6K tokens/s end
-    to end (within the run's noise), and it keeps 19 MB of keep bits per layer for the backward."""
+    """Fused path only. 'auto': the flash-attn package if importable, else SDPA with priority
+    cuDNN > flash > mem-efficient > math (the trainer turns a recipe's 'auto' into 'triton' on a GPU
+    of compute capability >= 9.0 with bf16/fp16 training: hpcmeg/train/build.attention_backend_for).
+    'triton': hpcmeg/model/triton_attention.py (q/k/v read in the QKV GEMM's layout, dropout
+    inside, the QKV bias gradient from its own row sums; where the shape is not supported, 'auto');
+    or force one of cudnn|flash|flash_attn|efficient|math. Why 'triton' first on Hopper: forward +
+    backward per layer at p = 0.1 on an H100, 0.395 ms against cuDNN's 0.451 (124M), 0.512 vs 0.585
+    (355M) (bench/results/attention_probe_h100_s15.json), +1.2 % tokens/s in the 124M user path
+    (bench/results/user_path_h100_s16.md); it keeps 1 bit per attention probability for the
+    backward (19 MB per layer at 124M, micro batch 12). Older GPUs were never timed: SDPA there."""
     fp32_residual_connection: bool = False
     """Megatron's --fp32-residual-connection. False: under autocast the residual stream is kept in
     the autocast dtype (as in Megatron, where bf16 params make it bf16), halving its memory traffic;
@@ -74,31 +77,35 @@ class GPTConfig:
     loss weights TrainStep passes (no [tokens, vocab] tensor kept between forward and backward; same
     FLOPs; untimed on the GPU so far)."""
 
-    dropout_impl: str = "triton"
+    dropout_impl: str = "triton_bits"
     """Fused path on CUDA only. 'triton': the keep-mask from hpcmeg/model/triton_dropout.py (one
     Philox call per 8 elements, 16-bit thresholds: p in steps of 2**-16; a bool mask that Inductor
     reads in its fused bias-dropout-add+LN kernel; a Triton bias-dropout-add+LN kernel drawing the
     mask itself was slower on the H200, 1.60 vs 1.44 ms fwd+bwd at 124M's shape, and was removed:
-    bench/results/user_path_h200_s12.md); 'native': torch's dropout (under torch.compile Inductor
+    bench/results/user_path_h200_s12.md); 'triton_bits' (the default): 'triton' with the residual
+    branches' masks (the ones the bias-dropout-add + LayerNorm saves for its backward) packed eight
+    to a byte (triton_dropout.dropout_keep_bits): the same bits, 1.75 B less saved per hidden
+    element per layer (0.26 GB at 124M, micro batch 16, where the peak fell 9.54 -> 9.20 GB), and
+    +0.6 % tokens/s there on an H100
+    (bench/results/user_path_h100_s16.md); 'native': torch's dropout (under torch.compile Inductor
     draws one Philox call per element inside that kernel: 61 us vs 18 us without dropout at 124M
     on the H200). All draw from torch's generator (reproducible, resumable); 'native''s masks
-    differ. 'triton_bits': 'triton' with the residual branches' masks (the ones the bias-dropout-add
-    + LayerNorm saves for its backward) packed eight to a byte (triton_dropout.dropout_keep_bits):
-    the same bits, 1.75 B less saved per hidden element per layer (0.4 GB at 124M, micro batch 24),
-    untimed on the GPU so far. CPU always uses 'native'."""
+    differ. CPU always uses 'native'."""
 
     layernorm_impl: str = "triton"
     """Fused path only. 'triton': every LayerNorm's backward (with the residual-gradient add, the
     dropout mask and the bias gradient of the bias-dropout-add before it) is one pass of
     hpcmeg/model/triton_layernorm.py; 'inductor': autograd's formula, compiled by Inductor (a fused
     kernel, then column reductions that re-read its inputs). The forward is Inductor's either way."""
-    gelu_impl: str = "triton"
-    """Fused path only. 'triton': the MLP's GELU forward and backward (with its bias gradient) are
-    hpcmeg/model/triton_gelu.py's kernels (exp2-based tanh; one pass each); 'inductor': F.gelu;
-    'cublaslt': no GELU forward pass: fc1's GEMM applies the GELU in its cuBLASLt epilogue (0.119
-    against 0.142 ms for GEMM + Triton GELU at 124M's shape on an H100), the backward is 'triton''s
-    (cuBLASLt's DGELU_BGRAD epilogue measured 2.1x slower) (hpcmeg/model/cublaslt.py; opt-in,
-    untimed on the GPU so far)."""
+    gelu_impl: str = "cublaslt"
+    """Fused path only. 'cublaslt' (the default): no GELU forward pass: fc1's GEMM applies the
+    GELU in its cuBLASLt epilogue (GELU_AUX_BIAS; 0.119 against 0.142 ms for GEMM + Triton GELU at
+    124M's shape on an H100; +0.9 % tokens/s in the 124M user path, bench/results/
+    user_path_h100_s16.md), the backward is 'triton''s (cuBLASLt's DGELU_BGRAD epilogue measured
+    2.1x slower); where no libcublasLt is loaded or its heuristic offers no algorithm for the shape,
+    the 'triton' path with a warning (hpcmeg/model/cublaslt.py). 'triton': the MLP's GELU forward
+    and backward (with its bias gradient) are hpcmeg/model/triton_gelu.py's kernels (exp2-based
+    tanh; one pass each); 'inductor': F.gelu."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

@@ -18,6 +18,9 @@ the forward 0.119 ms against 0.142 for the GEMM + Triton GELU at 124M's [12288, 
 (355M 0.185 vs 0.212, 1.3B 0.454 vs 0.489); the backward 0.362 against 0.174 (2.1x slower; 355M
 0.606 vs 0.253, 1.3B 0.950 vs 0.525). So the model (fused._MLPCublasLt) uses the forward epilogue
 only; linear_dgelu_bgrad stays for bench/gpu_agreement.py --parts lt, which times it on each GPU.
+In the 124M user path on an H100 (session 16, bench/results/user_path_h100_s16.md): +0.9 %
+tokens/s, so gelu_impl 'cublaslt' is the default; a library that does not load warns once and the
+MLP takes the 'triton' path.
 
 Layouts (cuBLASLt is column-major; a row-major [r, c] tensor is a column-major [c, r] one):
   forward  D[N, M] = op(A) B with A = W1 (row-major [N, K] = col-major [K, N], transposed),
@@ -34,7 +37,8 @@ Contract
       dh = (dy W) * gelu'(h), db = sum over rows of dh (fp32 inside cuBLASLt, rounded once).
   Both are torch custom ops (hpcmeg::linear_gelu_aux, hpcmeg::linear_dgelu_bgrad; no autograd:
   fused.py's _MLPCublasLt wraps them): cuBLASLt on CUDA for bf16/fp16 when the library loads and
-  its heuristic offers an algorithm for the epilogue (else a warning, once per problem); otherwise
+  its heuristic offers an algorithm for the epilogue (else a warning, once per problem or
+  unusable library); otherwise
   the GEMM, then hpcmeg::gelu_tanh[_backward] (gelu_impl 'triton''s kernels; their twins on CPU).
   reference_gelu_aux / reference_dgelu_bgrad are the plain twins (fp32 math, the matmuls in the
   operands' dtype as F.linear computes them). tests/test_cublaslt.py checks the twins against
@@ -231,12 +235,19 @@ def _loaded_library() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _lt_for(path: str) -> Lt:
-    return Lt(path)
+def _lt_for(path: str) -> Lt | None:
+    # a library that does not load or lacks a symbol (another CUDA major, a stub) is said once per
+    # path; gelu_impl 'cublaslt' is the default, so the MLP then takes the 'triton' path, not an error
+    try:
+        return Lt(path)
+    except (OSError, AttributeError, LtError) as e:
+        warnings.warn(f"cuBLASLt at {path} is unusable ({e}): the GELU runs as its own pass "
+                      f"(set model.gelu_impl=triton to silence this)", stacklevel=3)
+        return None
 
 
 def lt() -> Lt | None:
-    """The process's Lt (one per library path, made on first use), or None without a library."""
+    """The process's Lt (one per library path, made on first use), or None without a usable library."""
     path = library_path()
     return _lt_for(path) if path else None
 

@@ -28,13 +28,14 @@ What "fused" means here, op by op:
   * linear_bias_gelu: the bias goes INTO the matmul (cuBLASLt's bias epilogue), then tanh-GELU.
     Measured on the H200 (bench/results/profile_h200_s3a.md): with the bias add left to
     Inductor, the backward recomputed GELU' in two kernels (141 us/layer at 124M) where
-    addmm + GELU needs 83 us. gelu_impl 'triton' (the default): the GELU forward and the backward
+    addmm + GELU needs 83 us. gelu_impl 'triton': the GELU forward and the backward
     with the bias gradient are hpcmeg/model/triton_gelu.py's kernels (exp2-based; 38.5 + 62.8 us
     vs Inductor's libdevice-tanh 45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
   * With both (bench/results/user_path_s9b_124M_kernels.md, 124M user path, one call): 494.6K vs
     482.7K tokens/s (+2.5 %).
-  * mlp with gelu_impl 'cublaslt' (opt-in): no GELU forward pass, the GELU in fc1's cuBLASLt GEMM
-    epilogue (hpcmeg/model/cublaslt.py); the backward is the Triton path's.
+  * mlp with gelu_impl 'cublaslt' (the default): no GELU forward pass, the GELU in fc1's cuBLASLt
+    GEMM epilogue (hpcmeg/model/cublaslt.py); the backward is the Triton path's. +0.9 % tokens/s
+    in the 124M user path on an H100 (bench/results/user_path_h100_s16.md).
   * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
 
 Everything here also runs on CPU in fp32 (tests compare it against ops.py within 1e-5).

@@ -25,7 +25,10 @@ loaded its own word (bench/results/attention_probe_h200_s9a.json). Drawing the b
 0.044 ms per layer (Philox's 32-bit multiplies: 4.7 M calls). In the 124M user path
 (profile_h200_s12_124M_gbs192_triton_attn.md) these kernels took 0.455 ms per layer against cuDNN's
 0.445 + 0.026 for its q/k/v gradient concatenation, and the step ran at the same 505.6K tokens/s:
-even end to end, so they are opt-in (GPTConfig.attention_backend 'triton').
+even end to end then. Session 15's backward (dQ first, computing delta itself; the QKV bias gradient
+from the kernels' row sums) made them 12 % faster than cuDNN per layer on an H100 (0.395 vs 0.451 ms,
+attention_probe_h100_s15.json) and +1.2 % end to end (user_path_h100_s16.md): the trainer's
+'auto' on Hopper (hpcmeg/train/build.attention_backend_for).
 The backward carries the dropout scale s inside P, through its log-sum-exp (lse - log2 s): it
 computes P s, so dV = (P s keep)^T dO and dS = (P s)(dP keep - delta / s) need no multiply by s
 per element.

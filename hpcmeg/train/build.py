@@ -8,7 +8,8 @@ Contract
   called in this order; the caller destroys the context.
     context      init_distributed from the launcher's rank/world (hpcmeg.launch.env.DistEnv)
     threads      CPU ranks share the node's cores
-    model        GPT built with the same seed on every rank (identical init, identical dropout)
+    model        GPT built with the same seed on every rank (identical init, identical dropout);
+                 model.attention_backend 'auto' resolved for the device (attention_backend_for)
     optimizer    ParamAndGradBuffer + FlatAdamW: bf16/fp16 parameters with fp32 masters on CUDA
                  (fp32 parameters + autocast on CPU), fp32 main gradients whenever gradients are
                  summed, the distributed optimizer when parallel.distributed_optimizer
@@ -46,6 +47,25 @@ def _auto(flag: str, device: torch.device) -> bool:
     return flag == "on" or (flag == "auto" and device.type == "cuda")
 
 
+def attention_backend_for(backend: str, device: torch.device, precision: str,
+                          capability: tuple[int, int] | None = None) -> str:
+    """The recipe's model.attention_backend on this device. 'auto' becomes 'triton' (hpcmeg's Triton
+    attention; the model falls back to SDPA for shapes it does not take) on a GPU of compute
+    capability >= 9.0 with bf16/fp16 training, where it was timed against cuDNN (forward + backward
+    per layer at p = 0.1 on an H100: 0.395 vs 0.451 ms at 124M, bench/results/
+    attention_probe_h100_s15.json); older GPUs were never timed, so 'auto' keeps GPTConfig's meaning
+    there (flash-attn if installed, else SDPA, cuDNN first). capability: for the tests (default:
+    the device's)."""
+    if backend != "auto" or device.type != "cuda" or precision not in ("bf16", "fp16"):
+        return backend
+    from hpcmeg.model import triton_attention
+
+    if triton_attention.triton is None:
+        return backend
+    major, _ = capability or torch.cuda.get_device_capability(device)
+    return "triton" if major >= 9 else backend
+
+
 def share_cpu_threads(env: DistEnv, device: torch.device) -> None:
     """CPU ranks of one node share its cores: oversubscribed OpenMP threads spin and can make a CPU
     step 10x slower (measured on a 2-core box with 2 ranks). OMP_NUM_THREADS set by the user wins."""
@@ -72,7 +92,9 @@ def gpt_config(recipe: Recipe, derived: Derived, device: torch.device):
                      attention_dropout=model_cfg.attention_dropout, layernorm_epsilon=model_cfg.layernorm_epsilon,
                      init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device),
                      vocab_size=derived.orig_vocab_size, dropout_impl=model_cfg.dropout_impl,
-                     fused_ce=model_cfg.cross_entropy, attention_backend=model_cfg.attention_backend,
+                     fused_ce=model_cfg.cross_entropy,
+                     attention_backend=attention_backend_for(model_cfg.attention_backend, device,
+                                                             recipe.train.precision),
                      layernorm_impl=model_cfg.layernorm_impl, gelu_impl=model_cfg.gelu_impl)
 
 
