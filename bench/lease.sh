@@ -2,7 +2,7 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: probes u124):
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: quick u124):
 #     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -11,29 +11,23 @@
 #     quick   the probes' short form: default tiles and heavy_first at 124M and 355M only, the keep-bits
 #             kernel's launch variants (one program per row block, taller tiles, more warps), agreement
 #             with the twin at the default tiles; the CE kernel's launches (bench/ce_probe.py: prefetch,
-#             reversed second sweep, chunk and warps; writes ce_best.txt, which b124 then times in the
-#             user path when it is not the default) (~90 s)
+#             reversed second sweep, chunk and warps; never timed yet: 0.95 ms per 124M micro batch on the
+#             H200, ~4 % of it, about 1.9x its one-read-one-write floor; writes ce_best.txt, which u124
+#             then times in the user path when it is not the default) (~90 s)
 #     u124 | u355 | u1.3B
-#             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped, (124M, where
-#             memory allows it: the anchor uses 10.4 GB, hpcmeg 7.5 at micro 12 and 9.2 at 16) micro
-#             batch 16 x accumulation 12, hpcmeg with Triton attention at attention_best_<size>.txt,
-#             then (124M) both, as far as the budget goes (the probes' files from this call, or
-#             copied into $OUT beforehand)
+#             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped (session 16's
+#             defaults: triton_bits, gelu_impl cublaslt, Triton attention on Hopper), then (124M,
+#             355M) micro batch 16 x accumulation 12 (124M: 9.20 GB on the H100 against the anchor's
+#             9.19, while the anchor took 10.4 GB on the H200 in session 13), the Triton attention at
+#             attention_best_<size>.txt when the probes found other tiles best, (124M) the CE probe's
+#             best launch, and the A/B rows of the new defaults (cuDNN attention; gelu_impl triton),
+#             as far as the budget goes (the probes' files from this call, or copied into $OUT beforehand)
 #     b124 | b355
-#             the user path with model.cross_entropy backward_in_forward (the LM head's backward GEMMs
-#             in its forward, no [tokens, vocab] gradient kept) and model.dropout_impl triton_bits (the
-#             residual branches' saved masks packed 8 to a byte): 124M nano, shipped, micro 24 x 8 with
-#             both (24 divides the recipe's 8-GPU plan), then with gelu_impl cublaslt (below) at micro
-#             24 and 16, micro 16 as shipped otherwise, all of it with Triton attention at the probes'
-#             best tiles at micro 24 and 16, (after quick) the CE probe's best launch, and last each
-#             memory lever alone; 355M nano, shipped, micro 16 with both (without, micro 16 needed
-#             22.0 GB against the anchor's 21.75), then with Triton attention too (never timed in the
-#             355M user path; its probe put it ~2 % of the step ahead), last backward_in_forward alone.
-#             Both sizes (and u355 / u1.3B) add a row with model.gelu_impl cublaslt (no GELU forward
-#             pass: the GELU in fc1's GEMM epilogue; session 15's H100 call timed a first version whose
-#             backward epilogue was slow) right after the micro-24 / micro-16 rows, and take it into the Triton-attention
-#             row, once bench/gpu_agreement.py --parts lt (~30 s, run by the first stage that asks)
-#             found cuBLASLt's epilogues agreeing with the twins
+#             model.cross_entropy backward_in_forward (the LM head's backward GEMMs in its forward, no
+#             [tokens, vocab] gradient kept): session 16 measured it 4 % slower at 124M micro 16 on
+#             the H100 (486.7K against 506.1K tokens/s) and no faster at micro 24; these rows (nano,
+#             shipped, backward_in_forward at micro 12, 16 and 24 / at 355M micro 12 and 16, plain
+#             micro 16) say whether that holds on this GPU; pbif profiles it
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
 #             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
@@ -44,14 +38,15 @@
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
 #             the two profiles side by side say which per-micro-batch work does not grow with its size)
+#     pbif    the same at micro 16 with model.cross_entropy backward_in_forward: where its 4 % goes
 #     pops    which host op launches each kernel and memset of the 124M step (bench/profile_step.py --ops
 #             --no-cudagraphs, global batch 24): the CUDA-graph profiles show a memset before every bias
 #             GEMM and before some cuDNN calls, each followed by ~4 us of idle GPU (~0.8 % of the step);
 #             its log also holds Inductor's generated code (TORCH_LOGS=output_code), which says what the
 #             ~74 one-microsecond `triton_poi_fused__to_copy_1` casts per micro batch convert
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0), the
-#             shipped defaults and the candidate ones (backward_in_forward, triton_bits, gelu_impl
-#             cublaslt, Triton attention), so a default changed after the lease keeps its parity
+#             shipped defaults, session 15's (triton dropout masks, Triton GELU, cuDNN attention) and
+#             the candidate (backward_in_forward), so a default changed after the lease keeps its parity
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
 # folder in the tree with an earlier call's attention_best_<size>.txt and lt_ok, for a call without
@@ -93,7 +88,7 @@ user_path() {
         --budget-s $(($(left) - 60)) --items "$4"
 }
 
-# u124 | u355 | u1.3B: the shipped defaults against the anchor, then Triton attention
+# u124 | u355 | u1.3B: the shipped defaults against the anchor, then micro 16 and the A/B rows
 best_attention() {  # best_attention SIZE: the probes' best Triton tiles (this call's, then an earlier call's)
     local attn=default d
     for d in "$OUT" "${LEASE_BEST:-}"; do
@@ -103,32 +98,22 @@ best_attention() {  # best_attention SIZE: the probes' best Triton tiles (this c
 }
 
 user_path_u() {  # user_path_u SIZE MAX_S
-    local size=$1 max=$2 attn triton
+    local size=$1 max=$2 attn items ce
     attn=$(best_attention "$size")
     # rows in order of what they decide, so --budget-s drops the least important: the anchor, the
-    # shipped defaults, (124M) micro batch 16 x 12 (session 13: 3 % faster, 9.2 GB against the
-    # anchor's 10.4), Triton attention at the probe's best tiles, then (124M) both
-    triton="hpcmeg:set=model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$attn"
-    if [[ $size == 124M ]]; then
-        user_path "$size" "$max" "$size" "nano hpcmeg hpcmeg:mb=16 $triton ${triton/hpcmeg:/hpcmeg:mb=16,}"
-    else
-        local items="nano hpcmeg $triton"
-        lt_ok && items="$items hpcmeg:set=$LT"
-        user_path "$size" "$max" "$size" "$items"
-    fi
+    # shipped defaults, micro batch 16 x 12 (124M, 355M), the probes' tiles and CE launch where they
+    # are not the defaults, then the A/B rows of session 16's defaults
+    items="nano hpcmeg"
+    [[ $size != 1.3B ]] && items="$items hpcmeg:mb=16"
+    [[ $attn != default ]] && items="$items hpcmeg:env=HPCMEG_ATTENTION_BLOCKS:$attn"
+    ce=$(cat "$OUT/ce_best.txt" 2>/dev/null || echo default)  # the quick stage's CE launch, if it won
+    [[ $size == 124M && $ce != default ]] && items="$items hpcmeg:env=HPCMEG_CE_LAUNCH:$ce"
+    user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=triton"
 }
 
 # the LM head's backward in its forward (model.cross_entropy backward_in_forward, session 13): no
-# [tokens, vocab] gradient kept, 103 MB less per sequence, so larger micro batches fit; with the
-# residual branches' dropout masks saved packed (model.dropout_impl triton_bits, session 14): 1.75 B
-# less per hidden element per layer (0.4 GB at 124M micro 24, 0.7 GB at 355M micro 16)
+# [tokens, vocab] gradient kept, 103 MB less per sequence, so larger micro batches fit
 BIF=model.cross_entropy=backward_in_forward
-BITS=model.dropout_impl=triton_bits
-BIF24="hpcmeg:mb=24,set=$BIF"
-BIF24B="hpcmeg:mb=24,set=$BIF|$BITS"
-BIF16="hpcmeg:mb=16,set=$BIF"
-BIF16B="hpcmeg:mb=16,set=$BIF|$BITS"
-LT=model.gelu_impl=cublaslt
 
 # lt_ok: whether cuBLASLt's GELU epilogues agreed with their twins on this GPU (bench/gpu_agreement.py
 # --parts lt writes lt_ok): this call's or an earlier one's ($LEASE_BEST), else checked now (~30 s)
@@ -144,11 +129,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- probes u124
+[[ $# -eq 0 ]] && set -- quick u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pops or loss)" >&2
+        probes | quick | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -169,25 +154,13 @@ for stage in "$@"; do
                 --bits "bits_loop=1 bits_loop=1+bits_rows=128+bits_warps=8 bits_loop=1+bits_rows=32 bits_warps=8"
             step ce_probe 90 python bench/ce_probe.py --rows 12288,4096 --out "$OUT"
             ;;
-        u124) user_path_u 124M 480 ;;
-        u355) user_path_u 355M 520 ;;
-        u1.3B) user_path_u 1.3B 520 ;;
-        b124) lt="" tri="model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 124M)"
-            lt_ok && lt="|$LT"  # no GELU forward pass (cuBLASLt epilogue), where it agreed
-            # in order of what they decide (--budget-s drops the last): micro 24 with both memory
-            # levers, and with the GELU epilogues; the same at micro 16 (the fallback if micro 24 goes
-            # over the anchor's 10.4 GB); s13's best (micro 16); everything with Triton attention at 24
-            # and 16 (its saved keep bits cost ~19 MB per sequence); the CE launch; each lever alone
-            items="nano hpcmeg $BIF24B"
-            [[ -n $lt ]] && items="$items $BIF24B$lt $BIF16B$lt"
-            items="$items hpcmeg:mb=16 hpcmeg:mb=24,set=$BIF|$BITS$lt|$tri hpcmeg:mb=16,set=$BIF|$BITS$lt|$tri"
-            ce=$(cat "$OUT/ce_best.txt" 2>/dev/null || echo default)  # the quick stage's CE launch, if it won
-            [[ $ce != default ]] && items="$items $BIF24B$lt,env=HPCMEG_CE_LAUNCH:$ce"
-            user_path 124M 480 124M_bif "$items $BIF24 $BIF16" ;;
-        b355) items="nano hpcmeg $BIF16B" lt=""  # micro 16 with both memory levers first, the one alone last
-            lt_ok && lt="|$LT" && items="$items $BIF16B$lt"
-            items="$items $BIF16B$lt|model.attention_backend=triton,env=HPCMEG_ATTENTION_BLOCKS:$(best_attention 355M)"
-            user_path 355M 520 355M_bif "$items $BIF16" ;;
+        u124 | u355 | u1.3B)  # the shipped gelu_impl cublaslt checked against its twins on this GPU first
+            lt_ok || echo "== cuBLASLt's epilogues did NOT agree with their twins here (see lt_check.log)" | tee -a "$OUT/lease.log"
+            size=${stage#u}
+            [[ $size == 1.3B ]] || size=${size}M
+            user_path_u "$size" 520 ;;
+        b124) user_path 124M 480 124M_bif "nano hpcmeg hpcmeg:set=$BIF hpcmeg:mb=16,set=$BIF hpcmeg:mb=24,set=$BIF hpcmeg:mb=16" ;;
+        b355) user_path 355M 520 355M_bif "nano hpcmeg hpcmeg:set=$BIF hpcmeg:mb=16,set=$BIF hpcmeg:mb=16" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,ltstep,model,dropout --out "$OUT" ;;
         p124) step profile_124M 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
@@ -195,11 +168,14 @@ for stage in "$@"; do
         pops) step profile_124M_ops 180 env TORCH_LOGS=output_code python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 1 \
             --tok "$TOK" --tag lease_124M_ops --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
+        pbif) step profile_124M_bif 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
+            --tok "$TOK" --tag lease_124M_bif --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
+            --set train.global_batch_size=192 --set train.micro_batch_size=16 --set model.cross_entropy=backward_in_forward ;;
         p124m16) step profile_124M_mb16 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M_mb16 --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 --set train.micro_batch_size=16 ;;
         loss) step loss_parity 330 python bench/loss_parity.py --steps 400 --eval-interval 50 --tok "$TOK" --tag lease \
-            --out "$OUT" --hpcmeg-variants default,candidate ;;
+            --out "$OUT" --hpcmeg-variants default,s15_defaults,candidate ;;
     esac
 done
 echo "== done after $((SECONDS - START)) s; results in $OUT/lease.tgz" | tee -a "$OUT/lease.log"

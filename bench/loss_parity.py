@@ -42,10 +42,11 @@ from hpcmeg.train.optim import param_groups  # noqa: E402
 VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "attn_cudnn": ["model.attention_backend=cudnn"],
             # session 7's kernels (before the Triton LayerNorm/GELU and the grad-in-forward CE): the A/B of their numerics
             "s7_kernels": ["model.layernorm_impl=inductor", "model.gelu_impl=inductor", "model.cross_entropy=fused"],
-            # session 15's candidate defaults, all opt-in until the user path times them: the LM head's
-            # backward in its forward, no GELU forward pass (cuBLASLt epilogue), Triton attention
-            "candidate": ["model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits",
-                          "model.gelu_impl=cublaslt", "model.attention_backend=triton"]}
+            # session 16 made triton_bits, gelu_impl cublaslt and (on Hopper) Triton attention the
+            # defaults; "s15_defaults" is what shipped before them, "candidate" what is still opt-in
+            # (session 16's loss_parity_h100_s16.json ran "candidate" with all four)
+            "s15_defaults": ["model.dropout_impl=triton", "model.gelu_impl=triton", "model.attention_backend=cudnn"],
+            "candidate": ["model.cross_entropy=backward_in_forward"]}
 
 def run_hpcmeg(r) -> dict:
     times, trainer = tt.run_trainer(r)

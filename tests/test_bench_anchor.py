@@ -87,7 +87,7 @@ def test_user_path_items():
 
 def test_lease_script_items(tmp_path, monkeypatch):
     """bench/lease.sh: an unknown stage fails with one line and exit 2 before any stage runs; a
-    user-path stage builds its rows from an earlier call's probe file (LEASE_BEST), and those rows
+    user-path stage builds its rows from an earlier call's probe and cuBLASLt files (LEASE_BEST), and those rows
     parse into the settings and the attention spec the kernels read from the environment (the run
     itself fails here, without a GPU, after logging its command); everything ends up in one
     lease.tgz (the device tool returns at most 8 files)."""
@@ -109,53 +109,47 @@ def test_lease_script_items(tmp_path, monkeypatch):
     (best / "attention_best_124M.txt").write_text(spec)
     (best / "attention_best_355M.txt").write_text("default")
     (best / "lt_ok").write_text("agreed\n")  # an earlier call's cuBLASLt check: the gelu_impl rows run
-    r = subprocess.run(["bash", lease, "u124", "b124", "b355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+    (best / "ce_best.txt").write_text("nothing")  # not read from LEASE_BEST: only this call's quick stage
+    r = subprocess.run(["bash", lease, "u124", "b124", "u355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
     assert r.returncode == 0, r.stderr
     assert [p.name for p in out.iterdir()] == ["lease.tgz"]
     with tarfile.open(out / "lease.tgz") as t:
-        assert {"user_path_124M.log", "user_path_124M_bif.log"} <= set(t.getnames())
+        assert {"user_path_124M.log", "user_path_124M_bif.log", "user_path_355M.log"} <= set(t.getnames())
+        assert "lt_check.log" not in t.getnames()  # LEASE_BEST's lt_ok stands for this GPU's check
         logged = t.extractfile("lease.log").read().decode()
-    items, bif, b355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
-    # b124: micro 24 with both memory levers, then with the cuBLASLt GELU epilogues at 24 and 16; micro
-    # 16; all of it with Triton attention at LEASE_BEST's tiles at 24 and 16 (no ce_best.txt here: no
-    # CE-launch row); last each memory lever alone
-    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 10, bif
+    items, bif, u355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
+    # u124: the anchor, the shipped defaults, micro 16, the probe's tiles (LEASE_BEST), then the A/B
+    # rows of session 16's defaults (cuDNN attention, the Triton GELU)
+    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 6, items
+    got = [user_path.parse_item(i, "124M")[1] for i in items[2:]]
+    assert [(o["mb"], o["gbs"]) for o in got] == [(16, 192), (12, 192), (12, 192), (12, 192)]
+    assert [o["set"] for o in got] == [[], [], ["model.attention_backend=cudnn"], ["model.gelu_impl=triton"]]
+    o = got[1]
+    assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec} and not got[0].get("env")
+    # b124: backward_in_forward at micro 12, 16 and 24, then plain micro 16
+    bif_set = "model.cross_entropy=backward_in_forward"
+    assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 6, bif
     got = [user_path.parse_item(i, "124M")[1] for i in bif[2:]]
-    assert [o["mb"] for o in got] == [24, 24, 16, 16, 24, 16, 24, 16] and {o["gbs"] for o in got} == {192}
-    bif_set, bits_set = "model.cross_entropy=backward_in_forward", "model.dropout_impl=triton_bits"
-    lt_set, tri_set = "model.gelu_impl=cublaslt", "model.attention_backend=triton"
-    both = [bif_set, bits_set]
-    assert [o["set"] for o in got] == [both, both + [lt_set], both + [lt_set], [], both + [lt_set, tri_set],
-                                       both + [lt_set, tri_set], [bif_set], [bif_set]]
-    assert got[4]["env"] == got[5]["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
-    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 5, items  # (u124 has no cuBLASLt row)
-    assert user_path.parse_item(items[2], "124M")[1]["mb"] == 16
-    kind, o = user_path.parse_item(items[3], "124M")  # Triton attention at the probe's tiles
-    assert kind == "hpcmeg" and o["set"] == ["model.attention_backend=triton"] and o["mb"] == 12
-    assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec}
-    kind, o16 = user_path.parse_item(items[4], "124M")  # the same at micro batch 16
-    assert (o16["mb"], o16["gbs"], o16["set"], o16["env"]) == (16, 192, o["set"], o["env"])
-    # b355: micro 16 with both memory levers, with the cuBLASLt GELU epilogues too, then with Triton
-    # attention too; last backward_in_forward alone
-    assert b355[:2] == ["nano", "hpcmeg"] and len(b355) == 6, b355
-    got = [user_path.parse_item(i, "355M")[1] for i in b355[2:]]
-    assert [(o["mb"], o["gbs"]) for o in got] == [(16, 192)] * 4
-    assert [o["set"] for o in got] == [both, both + [lt_set], both + [lt_set, tri_set], [bif_set]]
-    assert got[2]["env"] == {"HPCMEG_ATTENTION_BLOCKS": "default"}
-    # without an earlier check the first stage that wants the cuBLASLt rows runs it; failing (no GPU
-    # here), it leaves them out
+    assert [(o2["mb"], o2["set"]) for o2 in got] == [(12, [bif_set]), (16, [bif_set]), (24, [bif_set]), (16, [])]
+    # u355: the probe's tiles are the defaults there: no tiles row
+    assert u355 == ["nano", "hpcmeg", "hpcmeg:mb=16", "hpcmeg:set=model.attention_backend=cudnn",
+                    "hpcmeg:set=model.gelu_impl=triton"], u355
+    # without an earlier check the u stage checks cuBLASLt's epilogues first and says when they failed
+    # (no GPU here); the rows are the shipped ones either way
     out2, best2 = tmp_path / "out2", tmp_path / "best2"
     best2.mkdir()
-    r = subprocess.run(["bash", lease, "b355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+    r = subprocess.run(["bash", lease, "u1.3B"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out2), "LEASE_BEST": str(best2), "LEASE_BUDGET_S": "200",
                             "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr
     with tarfile.open(out2 / "lease.tgz") as t:
         assert "lt_check.log" in t.getnames()
         logged = t.extractfile("lease.log").read().decode()
-    assert "gelu_impl" not in logged.split("--items ")[1].split("\n", 1)[0]
+    assert "did NOT agree" in logged
+    assert logged.split("--items ")[1].split("\n", 1)[0].split() == [
+        "nano", "hpcmeg", "hpcmeg:set=model.attention_backend=cudnn", "hpcmeg:set=model.gelu_impl=triton"]
     monkeypatch.setenv(triton_attention.BLOCKS_ENV, o["env"][triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()
     assert (b.heavy_first, b.dkv_m, b.fwd_m) == (1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)
