@@ -66,6 +66,14 @@ def attention_backend_for(backend: str, device: torch.device, precision: str,
     return "triton" if major >= 9 else backend
 
 
+def kernels_of(cfg) -> str:
+    """The fused model's kernel choices in one phrase for the start line and record, e.g.
+    'attention triton, GELU cublaslt, dropout triton_bits, CE grad_in_forward' (what 'auto' resolved
+    to on this device; a cuBLASLt fallback at run time warns on its own)."""
+    return (f"attention {cfg.attention_backend}, GELU {cfg.gelu_impl}, dropout {cfg.dropout_impl}, "
+            f"CE {cfg.fused_ce}")
+
+
 def share_cpu_threads(env: DistEnv, device: torch.device) -> None:
     """CPU ranks of one node share its cores: oversubscribed OpenMP threads spin and can make a CPU
     step 10x slower (measured on a 2-core box with 2 ranks). OMP_NUM_THREADS set by the user wins."""
@@ -295,7 +303,8 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
                        "sequence_parallel": plan.sequence_parallel, "grad_accum_steps": derived.grad_accum_steps,
                        "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
                        "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
-                       "fused": model.cfg.fused, "compile": step.compile, "optimizer": optimizer.name,
+                       "fused": model.cfg.fused, "kernels": kernels_of(model.cfg), "compile": step.compile,
+                       "optimizer": optimizer.name,
                        "n_params": n_params, "flops_per_token": fpt,
                        "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
                        "recipe": recipe.source, "start": resumed})
@@ -304,7 +313,8 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
             tp += f"PP {ctx.pp_size}{f' (V {dims.vpp})' if dims.vpp > 1 else ''} x "
         metrics.print(f"hpcmeg train: {recipe.run.name} | {ctx.world_size} process(es) on {name} | {tp}DP {ctx.dp_size} x "
                       f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
-                      f"{n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused} | "
+                      f"{n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused}"
+                      f"{' (' + kernels_of(model.cfg) + ')' if model.cfg.fused else ''} | "
                       f"compile {step.compile} | {optimizer.name} | {resumed}")
         planned = derive(recipe).world_size
         if planned != ctx.world_size:
