@@ -134,7 +134,7 @@ class ModelConfig:
     fused: str = "auto"
     """Fused kernels: auto (on for CUDA), on, off (the plain PyTorch twins)."""
     attention_backend: str = "auto"
-    """Fused path: the attention kernel (GPTConfig.attention_backend): auto (on Hopper or newer,
+    """Fused path: the attention kernel (GPTConfig.attention_backend): auto (on Hopper GPUs,
     triton where it takes the shape; elsewhere flash-attn if installed, else PyTorch SDPA, cuDNN
     first), triton (hpcmeg's own, dropout inside, q/k/v in the QKV GEMM's layout; sequence length a
     multiple of 128, head dim 16-128; 12 % faster than cuDNN per layer on an H100), cudnn, flash,

@@ -197,15 +197,16 @@ def test_one_step_in_flight_keeps_logs_and_stops_exact(dataset, tmp_path, capsys
 
 def test_auto_attention_is_triton_on_hopper_with_16_bit_training_only():
     """The recipe's attention_backend 'auto' becomes hpcmeg's Triton attention where it was timed
-    faster than cuDNN (compute capability 9.x, bf16/fp16); elsewhere it stays 'auto' (SDPA), and an
-    explicit choice is never changed."""
+    faster than cuDNN (compute capability 9.x, bf16/fp16); elsewhere (older or newer GPUs, fp32, CPU)
+    it stays 'auto' (SDPA), and an explicit choice is never changed."""
     from hpcmeg.model import triton_attention
 
     if triton_attention.triton is None:
         pytest.skip("no triton")
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert attention_backend_for("auto", gpu, "bf16", capability=(9, 0)) == "triton"
-    assert attention_backend_for("auto", gpu, "fp16", capability=(10, 0)) == "triton"
+    assert attention_backend_for("auto", gpu, "fp16", capability=(9, 0)) == "triton"
+    assert attention_backend_for("auto", gpu, "bf16", capability=(10, 0)) == "auto"  # Blackwell: never timed
     assert attention_backend_for("auto", gpu, "bf16", capability=(8, 0)) == "auto"
     assert attention_backend_for("auto", gpu, "fp32", capability=(9, 0)) == "auto"
     assert attention_backend_for("auto", cpu, "bf16") == "auto"

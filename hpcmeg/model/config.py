@@ -50,15 +50,15 @@ class GPTConfig:
     cross-entropy without full fp32 logits). False: the plain twins of hpcmeg/model/ops.py."""
     attention_backend: str = "auto"
     """Fused path only. 'auto': the flash-attn package if importable, else SDPA with priority
-    cuDNN > flash > mem-efficient > math (the trainer turns a recipe's 'auto' into 'triton' on a GPU
-    of compute capability >= 9.0 with bf16/fp16 training: hpcmeg/train/build.attention_backend_for).
+    cuDNN > flash > mem-efficient > math (the trainer turns a recipe's 'auto' into 'triton' on a
+    Hopper GPU, compute capability 9.x, with bf16/fp16 training: hpcmeg/train/build.attention_backend_for).
     'triton': hpcmeg/model/triton_attention.py (q/k/v read in the QKV GEMM's layout, dropout
     inside, the QKV bias gradient from its own row sums; where the shape is not supported, 'auto');
     or force one of cudnn|flash|flash_attn|efficient|math. Why 'triton' first on Hopper: forward +
     backward per layer at p = 0.1 on an H100, 0.395 ms against cuDNN's 0.451 (124M), 0.512 vs 0.585
     (355M) (bench/results/attention_probe_h100_s15.json), +1.2 % tokens/s in the 124M user path
     (bench/results/user_path_h100_s16.md); it keeps 1 bit per attention probability for the
-    backward (19 MB per layer at 124M, micro batch 12). Older GPUs were never timed: SDPA there."""
+    backward (19 MB per layer at 124M, micro batch 12). Other GPUs were never timed: SDPA there."""
     fp32_residual_connection: bool = False
     """Megatron's --fp32-residual-connection. False: under autocast the residual stream is kept in
     the autocast dtype (as in Megatron, where bf16 params make it bf16), halving its memory traffic;
@@ -86,8 +86,7 @@ class GPTConfig:
     branches' masks (the ones the bias-dropout-add + LayerNorm saves for its backward) packed eight
     to a byte (triton_dropout.dropout_keep_bits): the same bits, 1.75 B less saved per hidden
     element per layer (0.26 GB at 124M, micro batch 16, where the peak fell 9.54 -> 9.20 GB), and
-    +0.6 % tokens/s there on an H100
-    (bench/results/user_path_h100_s16.md); 'native': torch's dropout (under torch.compile Inductor
+    +0.6 % tokens/s there on an H100 (bench/results/user_path_h100_s16.md); 'native': torch's dropout (under torch.compile Inductor
     draws one Philox call per element inside that kernel: 61 us vs 18 us without dropout at 124M
     on the H200). All draw from torch's generator (reproducible, resumable); 'native''s masks
     differ. CPU always uses 'native'."""

@@ -50,12 +50,12 @@ def _auto(flag: str, device: torch.device) -> bool:
 def attention_backend_for(backend: str, device: torch.device, precision: str,
                           capability: tuple[int, int] | None = None) -> str:
     """The recipe's model.attention_backend on this device. 'auto' becomes 'triton' (hpcmeg's Triton
-    attention; the model falls back to SDPA for shapes it does not take) on a GPU of compute
-    capability >= 9.0 with bf16/fp16 training, where it was timed against cuDNN (forward + backward
-    per layer at p = 0.1 on an H100: 0.395 vs 0.451 ms at 124M, bench/results/
-    attention_probe_h100_s15.json); older GPUs were never timed, so 'auto' keeps GPTConfig's meaning
-    there (flash-attn if installed, else SDPA, cuDNN first). capability: for the tests (default:
-    the device's)."""
+    attention; the model falls back to SDPA for shapes it does not take) on a Hopper GPU (compute
+    capability 9.x: H100, H200, GH200) with bf16/fp16 training, where it was timed against cuDNN
+    (forward + backward per layer at p = 0.1 on an H100: 0.395 vs 0.451 ms at 124M, bench/results/
+    attention_probe_h100_s15.json; faster on the H200 too, attention_probe_h200_s13.json). Other
+    GPUs, older or newer, were never timed, so 'auto' keeps GPTConfig's meaning there (flash-attn if
+    installed, else SDPA, cuDNN first). capability: for the tests (default: the device's)."""
     if backend != "auto" or device.type != "cuda" or precision not in ("bf16", "fp16"):
         return backend
     from hpcmeg.model import triton_attention
@@ -63,7 +63,7 @@ def attention_backend_for(backend: str, device: torch.device, precision: str,
     if triton_attention.triton is None:
         return backend
     major, _ = capability or torch.cuda.get_device_capability(device)
-    return "triton" if major >= 9 else backend
+    return "triton" if major == 9 else backend
 
 
 def kernels_of(cfg) -> str:
