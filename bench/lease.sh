@@ -28,6 +28,9 @@
 #             the H100 (486.7K against 506.1K tokens/s) and no faster at micro 24; these rows (nano,
 #             shipped, backward_in_forward at micro 12, 16 and 24 / at 355M micro 12 and 16, plain
 #             micro 16) say whether that holds on this GPU; pbif profiles it
+#     gemm    the weight-gradient GEMMs (bench/gemm_probe.py): torch's addmm into the fp32 main grad, as
+#             the model runs it, against each algorithm of cuBLASLt's heuristic list for the same
+#             problem (124M, 355M, 1.3B; the split-K reduce after them is 1.8 % of the 124M step) (~100 s)
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
 #             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
@@ -132,8 +135,8 @@ lt_ok() {
 [[ $# -eq 0 ]] && set -- quick u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
+        probes | quick | gemm | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, gemm, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -154,6 +157,7 @@ for stage in "$@"; do
                 --bits "bits_loop=1 bits_loop=1+bits_rows=128+bits_warps=8 bits_loop=1+bits_rows=32 bits_warps=8"
             step ce_probe 90 python bench/ce_probe.py --rows 12288,4096 --out "$OUT"
             ;;
+        gemm) step gemm_probe 150 python bench/gemm_probe.py --out "$OUT" --tag lease ;;
         u124 | u355 | u1.3B)  # the shipped gelu_impl cublaslt checked against its twins on this GPU first
             lt_ok || echo "== cuBLASLt's epilogues did NOT agree with their twins here (see lt_check.log)" | tee -a "$OUT/lease.log"
             size=${stage#u}

@@ -110,13 +110,13 @@ def test_lease_script_items(tmp_path, monkeypatch):
     (best / "attention_best_355M.txt").write_text("default")
     (best / "lt_ok").write_text("agreed\n")  # an earlier call's cuBLASLt check: the gelu_impl rows run
     (best / "ce_best.txt").write_text("nothing")  # not read from LEASE_BEST: only this call's quick stage
-    r = subprocess.run(["bash", lease, "u124", "b124", "u355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+    r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
     assert r.returncode == 0, r.stderr
     assert [p.name for p in out.iterdir()] == ["lease.tgz"]
     with tarfile.open(out / "lease.tgz") as t:
-        assert {"user_path_124M.log", "user_path_124M_bif.log", "user_path_355M.log"} <= set(t.getnames())
+        assert {"gemm_probe.log", "user_path_124M.log", "user_path_124M_bif.log", "user_path_355M.log"} <= set(t.getnames())
         assert "lt_check.log" not in t.getnames()  # LEASE_BEST's lt_ok stands for this GPU's check
         logged = t.extractfile("lease.log").read().decode()
     items, bif, u355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])

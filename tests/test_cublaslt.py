@@ -141,3 +141,19 @@ def test_an_unusable_library_warns_and_the_mlp_falls_back(kind, tmp_path, monkey
             assert cublaslt.lt() is None
     finally:
         cublaslt._lt_for.cache_clear()
+
+
+def test_the_library_accepts_the_gemm_probes_descriptors():
+    """bench/gemm_probe.py's weight-gradient problem (bf16 A/B, fp32 C/D, the default epilogue, B
+    transposed) for every GEMM of the three sizes: layouts and descriptor accepted by cuBLASLt."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import gemm_probe
+
+    lt = cublaslt.Lt(_library())
+    for size in gemm_probe.SIZES:
+        for _, out_f, in_f, t in gemm_probe.problems(size):
+            dy, x = (torch.empty(t, n, dtype=torch.bfloat16, device="meta") for n in (out_f, in_f))
+            p = gemm_probe.Problem(lt, dy, x, torch.empty(out_f, in_f, device="meta"))
+            p.close()
