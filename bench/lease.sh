@@ -52,8 +52,8 @@
 #             the candidate (backward_in_forward), so a default changed after the lease keeps its parity
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
-# folder in the tree with an earlier call's attention_best_<size>.txt and lt_ok, for a call without
-# the probes stage or the cuBLASLt check).
+# folder in the tree with an earlier call's attention_best_<size>.txt, for a call without the
+# probes stage).
 # Why one script: a lease is ~30 device-minutes with a ~3-minute start, and starts are refused or
 # machines taken back without notice (session 10 lost most of its lease that way), so one call has
 # to answer as much as it can and leave what it measured on disk even when a step is cut short.
@@ -118,13 +118,10 @@ user_path_u() {  # user_path_u SIZE MAX_S
 # [tokens, vocab] gradient kept, 103 MB less per sequence, so larger micro batches fit
 BIF=model.cross_entropy=backward_in_forward
 
-# lt_ok: whether cuBLASLt's GELU epilogues agreed with their twins on this GPU (bench/gpu_agreement.py
-# --parts lt writes lt_ok): this call's or an earlier one's ($LEASE_BEST), else checked now (~30 s)
+# lt_ok: whether cuBLASLt's GELU epilogues (the shipped gelu_impl since session 16) agree with their
+# twins on this call's GPU (bench/gpu_agreement.py --parts lt writes lt_ok; ~20 s, once per call: an
+# earlier call's file says nothing about this machine)
 lt_ok() {
-    local d
-    for d in "$OUT/lt" "${LEASE_BEST:-}"; do
-        [[ -n $d && -e $d/lt_ok ]] && return 0
-    done
     if [[ ! -e $OUT/lt_check.log ]]; then
         mkdir -p "$OUT/lt"
         step lt_check 90 python bench/gpu_agreement.py --parts lt --out "$OUT/lt"
