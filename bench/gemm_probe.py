@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hpcmeg.model import cublaslt  # noqa: E402
 
 V = 50304
-# layers, hidden, tokens per micro batch (the user path's micro batch x 1024)
+# hidden size, tokens per micro batch (the user path's micro batch x 1024)
 SIZES = {"124M": (768, 12 * 1024), "355M": (1024, 12 * 1024), "1.3B": (2048, 8 * 1024)}
 _EPILOGUE_DEFAULT = 1
 # cublasLtMatmulAlgoConfigAttributes_t: id, tile, split-K, reduction scheme (int32 / uint32 each)
@@ -44,10 +44,14 @@ def problems(size: str) -> list[tuple[str, int, int, int]]:
             ("lm_head", V, d, t)]
 
 
-def _config(lt: cublaslt.Lt, algo) -> dict:
+def _config_getter(lt: cublaslt.Lt):
     fn = lt.lib.cublasLtMatmulAlgoConfigGetAttribute
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
     fn.restype = ctypes.c_int
+    return fn
+
+
+def _config(fn, algo) -> dict:
     out = {}
     for name, attr in _CONFIG.items():
         v, written = ctypes.c_int32(0), ctypes.c_size_t(0)
@@ -118,7 +122,7 @@ def main() -> None:
     if lt is None:
         raise SystemExit("gemm_probe: no usable libcublasLt in this process")
     dev = torch.device("cuda", torch.cuda.current_device())
-    handle = lt.handle(dev.index)
+    handle, get_config = lt.handle(dev.index), _config_getter(lt)
     path = os.path.join(a.out, f"gemm_probe{'_' + a.tag if a.tag else ''}.json")
     report = dict(env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(dev)), rows=[])
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -135,7 +139,7 @@ def main() -> None:
             p = Problem(lt, dy, x, m)
             try:
                 for i, r in enumerate(p.algorithms(handle, a.n)):
-                    e = dict(rank=i, waves=round(r.waves_count, 3), workspace=r.workspace_size, **_config(lt, r.algo))
+                    e = dict(rank=i, waves=round(r.waves_count, 3), workspace=r.workspace_size, **_config(get_config, r.algo))
                     try:
                         ws = torch.empty(max(r.workspace_size, 1), dtype=torch.uint8, device=dev)
                         m.zero_()
@@ -153,7 +157,6 @@ def main() -> None:
                 row["best"] = dict(rank=best["rank"], ms=best["ms"], x_torch=round(row["torch_ms"] / best["ms"], 3))
             print(json.dumps({k: v for k, v in row.items() if k != "algos"}), flush=True)
             report["rows"].append(row)
-            del dy, x, ref, m
         with open(path + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
         os.replace(path + ".tmp", path)
