@@ -8,7 +8,8 @@ re-reads each row, from L2 only while the rows in flight fit it (one row per pro
 64 registers: 4 per SM, 528 rows of 100 KB, ~53 MB against the H200's 50 MB L2). The launches trade
 rows in flight against bytes in flight: prefetch (two chunks per program in flight, fewer programs
 per SM by registers), a reversed second sweep (the chunks read last re-read first), wider chunks,
-more warps, a persistent grid. Session 12 timed persistent grids alone (no faster).
+more warps, a persistent grid; and the whole row in registers (whole=1: bf16 pairs as int32, 32
+warps, one read and one write, no second sweep). Session 12 timed persistent grids alone (no faster).
 Time: triton.testing.do_bench_cudagraph (median of CUDA-graph replays); each call overwrites the
 logits with their gradient, which stays finite, so replays are alike.
 Usage: python bench/ce_probe.py [--rows 12288,4096] [--launches "default reverse=1 prefetch=1+reverse=1"]
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hpcmeg.model import triton_ce  # noqa: E402
 
 V = 50304  # GPT-2's vocabulary padded as Megatron pads it
-LAUNCHES = ("default reverse=1 prefetch=1 prefetch=1+reverse=1 warps=16+prefetch=1+reverse=1 "
+LAUNCHES = ("default whole=1 reverse=1 prefetch=1 prefetch=1+reverse=1 warps=16+prefetch=1+reverse=1 "
             "block=8192+warps=16+prefetch=1+reverse=1 block=2048+warps=4+reverse=1 per_sm=2+prefetch=1+reverse=1")
 
 

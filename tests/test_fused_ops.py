@@ -101,10 +101,15 @@ for dt in (torch.float32, torch.bfloat16):
     # default's bits; another chunk size sums in another order (within rounding)
     for launch in (triton_ce.CELaunch(prefetch=1), triton_ce.CELaunch(reverse=1, programs=2),
                    triton_ce.CELaunch(prefetch=1, reverse=1, programs=2),
-                   triton_ce.CELaunch(block=1024, warps=4, prefetch=1, reverse=1, programs=2)):
+                   triton_ce.CELaunch(block=1024, warps=4, prefetch=1, reverse=1, programs=2),
+                   triton_ce.CELaunch(whole=1)):  # bf16: the row in registers as int32 pairs; fp32: chunked
         c = full.clone()
         lc = triton_ce.ce_forward_grad_(c[:, :9000], labels, launch)
-        if launch.block == triton_ce.BLOCK:
+        if launch.whole:  # another order of the row's sums: within rounding; the rest of the row untouched
+            assert torch.equal(c[:, 9000:], full[:, 9000:])
+            torch.testing.assert_close(lc, gl, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(c, a, **tol)
+        elif launch.block == triton_ce.BLOCK:
             assert torch.equal(lc, gl) and torch.equal(c, a), launch
         else:
             torch.testing.assert_close(lc, gl, rtol=1e-6, atol=1e-6)
@@ -134,12 +139,28 @@ def test_triton_ce_grad_kernel_compiles_for_hopper():
         k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel, types, dict(V=50304, BLOCK=block, **flags),
                                num_warps=warps)
         assert k.metadata.shared <= 227 * 1024
+    # the whole-row launch: GPT-2's padded vocabulary as 25,152 int32 pairs in one 32,768-lane block
+    types = dict(pairs_ptr="*i32", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32")
+    compile_for_hopper(triton_ce._ce_fwd_grad_whole_kernel, types, dict(V2=50304 // 2, VB=32768), num_warps=32)
+
+
+def test_ce_whole_row_launch_falls_back_where_it_does_not_fit():
+    """CELaunch(whole=1) takes the chunked kernel for rows it cannot hold as int32 pairs."""
+    from hpcmeg.model import triton_ce
+    x = torch.zeros(4, 100, dtype=torch.bfloat16)
+    assert triton_ce._whole_fits(x) and triton_ce._whole_fits(x[:, :50])
+    assert not triton_ce._whole_fits(x[:, :99])          # odd width
+    assert not triton_ce._whole_fits(x[:, 1:51])         # offset by one logit
+    assert not triton_ce._whole_fits(x.float())          # fp32
+    assert not triton_ce._whole_fits(torch.zeros(2, 2 * triton_ce.WHOLE_MAX_PAIRS + 2, dtype=torch.bfloat16))
 
 
 def test_ce_launch_from_env(monkeypatch):
     from hpcmeg.model import triton_ce
     monkeypatch.setenv(triton_ce.LAUNCH_ENV, "block=8192+warps=16,prefetch=1")
     assert triton_ce.launch_from_env() == triton_ce.CELaunch(block=8192, warps=16, prefetch=1)
+    monkeypatch.setenv(triton_ce.LAUNCH_ENV, "whole=1")
+    assert triton_ce.launch_from_env().whole == 1
     monkeypatch.setenv(triton_ce.LAUNCH_ENV, "default")
     assert triton_ce.launch_from_env() == triton_ce.DEFAULT_LAUNCH
     for bad in ("blocks=4096", "block=3000", "warps=x"):
