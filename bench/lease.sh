@@ -2,7 +2,7 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: quick u124):
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: ce gemm u124):
 #     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -14,14 +14,18 @@
 #             reversed second sweep, chunk and warps; never timed yet: 0.95 ms per 124M micro batch on the
 #             H200, ~4 % of it, about 1.9x its one-read-one-write floor; writes ce_best.txt, which u124
 #             then times in the user path when it is not the default) (~90 s)
+#     ce      the CE kernel's launches alone (bench/ce_probe.py at micro 12's and 16's rows), among them
+#             the whole row in registers (whole=1, session 17: one read and one write of the logits)
 #     u124 | u355 | u1.3B
 #             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped (session 16's
-#             defaults: triton_bits, gelu_impl cublaslt, Triton attention on Hopper), then (124M,
-#             355M) micro batch 16 x accumulation 12 (124M: 9.20 GB on the H100 against the anchor's
-#             9.19, while the anchor took 10.4 GB on the H200 in session 13), the Triton attention at
-#             attention_best_<size>.txt when the probes found other tiles best, (124M) the CE probe's
-#             best launch, and the A/B rows of the new defaults (cuDNN attention; gelu_impl triton),
-#             as far as the budget goes (the probes' files from this call, or copied into $OUT beforehand)
+#             defaults: triton_bits, gelu_impl cublaslt, Triton attention on Hopper), then the probes'
+#             winners where they are not the defaults: the CE launch (ce_best.txt; 124M, 355M), the
+#             weight-gradient GEMM rule (wgrad_best_<size>.txt, $HPCMEG_WGRAD_ALGO), both, both at
+#             micro batch 16 x 12; the Triton attention at attention_best_<size>.txt; plain micro 16
+#             (124M: 9.20 GB on the H100 against the anchor's 9.19, while the anchor took 10.4 GB on
+#             the H200 in session 13); the A/B rows of session 16's defaults (cuDNN attention;
+#             gelu_impl triton), as far as the budget goes (the probes' files from this call, else
+#             from $LEASE_BEST)
 #     b124 | b355
 #             model.cross_entropy backward_in_forward (the LM head's backward GEMMs in its forward, no
 #             [tokens, vocab] gradient kept): session 16 measured it 4 % slower at 124M micro 16 on
@@ -30,7 +34,9 @@
 #             micro 16) say whether that holds on this GPU; pbif profiles it
 #     gemm    the weight-gradient GEMMs (bench/gemm_probe.py): torch's addmm into the fp32 main grad, as
 #             the model runs it, against each algorithm of cuBLASLt's heuristic list for the same
-#             problem (124M, 355M, 1.3B; the split-K reduce after them is 1.8 % of the 124M step) (~100 s)
+#             problem and each rule on that list (hpcmeg/model/cublaslt_wgrad.py), at $GEMM_SIZES
+#             (default 124M,355M,1.3B; the split-K reduce after them is 1.8 % of the 124M step);
+#             writes wgrad_best_<size>.txt, which the u stages then time (~40 s a size)
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
 #             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
@@ -92,25 +98,34 @@ user_path() {
 }
 
 # u124 | u355 | u1.3B: the shipped defaults against the anchor, then micro 16 and the A/B rows
-best_attention() {  # best_attention SIZE: the probes' best Triton tiles (this call's, then an earlier call's)
-    local attn=default d
+best_file() {  # best_file NAME [DEFAULT]: a probe's pick from this call's $OUT, else $LEASE_BEST, else DEFAULT
+    local d
     for d in "$OUT" "${LEASE_BEST:-}"; do
-        [[ -n $d && $attn == default && -s $d/attention_best_$1.txt ]] && attn=$(cat "$d/attention_best_$1.txt")
+        [[ -n $d && -s $d/$1 ]] && { cat "$d/$1"; return; }
     done
-    echo "$attn"
+    echo "${2:-default}"
+}
+
+best_attention() {  # best_attention SIZE: the probes' best Triton tiles (this call's, then an earlier call's)
+    best_file "attention_best_$1.txt"
 }
 
 user_path_u() {  # user_path_u SIZE MAX_S
-    local size=$1 max=$2 attn items ce
+    local size=$1 max=$2 attn items ce wg both=""
     attn=$(best_attention "$size")
+    ce=$(best_file ce_best.txt)                   # the ce stage's CE launch, if it won
+    wg=$(best_file "wgrad_best_$size.txt" torch)  # the gemm stage's weight-gradient rule, if one won
+    [[ $size == 124M || $size == 355M ]] || ce=default  # (the CE probe timed 124M's and 355M's rows)
     # rows in order of what they decide, so --budget-s drops the least important: the anchor, the
-    # shipped defaults, micro batch 16 x 12 (124M, 355M), the probes' tiles and CE launch where they
-    # are not the defaults, then the A/B rows of session 16's defaults
+    # shipped defaults, each probe winner alone and together (at micro 12, then micro 16 x 12 for
+    # 124M and 355M), the probes' tiles, plain micro 16, then the A/B rows of session 16's defaults
     items="nano hpcmeg"
-    [[ $size != 1.3B ]] && items="$items hpcmeg:mb=16"
+    [[ $ce != default ]] && items="$items hpcmeg:env=HPCMEG_CE_LAUNCH:$ce" && both="HPCMEG_CE_LAUNCH:$ce"
+    [[ $wg != torch ]] && items="$items hpcmeg:env=HPCMEG_WGRAD_ALGO:$wg" && both="${both:+$both|}HPCMEG_WGRAD_ALGO:$wg"
+    [[ $ce != default && $wg != torch ]] && items="$items hpcmeg:env=$both"
+    [[ $size != 1.3B && -n $both ]] && items="$items hpcmeg:mb=16,env=$both"
     [[ $attn != default ]] && items="$items hpcmeg:env=HPCMEG_ATTENTION_BLOCKS:$attn"
-    ce=$(cat "$OUT/ce_best.txt" 2>/dev/null || echo default)  # the quick stage's CE launch, if it won
-    [[ $size == 124M && $ce != default ]] && items="$items hpcmeg:env=HPCMEG_CE_LAUNCH:$ce"
+    [[ $size != 1.3B ]] && items="$items hpcmeg:mb=16"
     user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=triton"
 }
 
@@ -129,11 +144,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- quick u124
+[[ $# -eq 0 ]] && set -- ce gemm u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | gemm | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, gemm, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -154,7 +169,8 @@ for stage in "$@"; do
                 --bits "bits_loop=1 bits_loop=1+bits_rows=128+bits_warps=8 bits_loop=1+bits_rows=32 bits_warps=8"
             step ce_probe 90 python bench/ce_probe.py --rows 12288,4096 --out "$OUT"
             ;;
-        gemm) step gemm_probe 150 python bench/gemm_probe.py --out "$OUT" --tag lease ;;
+        ce) step ce_probe 100 python bench/ce_probe.py --rows 12288,16384 --out "$OUT" ;;
+        gemm) step gemm_probe 150 python bench/gemm_probe.py --sizes "${GEMM_SIZES:-124M,355M,1.3B}" --out "$OUT" --tag lease ;;
         u124 | u355 | u1.3B)  # the shipped gelu_impl cublaslt checked against its twins on this GPU first
             lt_ok || echo "== cuBLASLt's epilogues did NOT agree with their twins here (see lt_check.log)" | tee -a "$OUT/lease.log"
             size=${stage#u}

@@ -110,33 +110,39 @@ def test_lease_script_items(tmp_path, monkeypatch):
     (best / "attention_best_124M.txt").write_text(spec)
     (best / "attention_best_355M.txt").write_text("default")
     (best / "lt_ok").write_text("agreed\n")  # an earlier call's cuBLASLt check: says nothing about this GPU
-    (best / "ce_best.txt").write_text("nothing")  # not read from LEASE_BEST: only this call's quick stage
+    (best / "ce_best.txt").write_text("whole=1")  # an earlier call's probe winners
+    (best / "wgrad_best_124M.txt").write_text("splitk=1")
+    (best / "wgrad_best_355M.txt").write_text("torch")
     r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
-                            "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
+                            "GEMM_SIZES": "124M", "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
     assert r.returncode == 0, r.stderr
     assert [p.name for p in out.iterdir()] == ["lease.tgz"]
     with tarfile.open(out / "lease.tgz") as t:
         assert {"gemm_probe.log", "user_path_124M.log", "user_path_124M_bif.log", "user_path_355M.log"} <= set(t.getnames())
         assert "lt_check.log" in t.getnames()  # checked once per call, whatever LEASE_BEST holds
         logged = t.extractfile("lease.log").read().decode()
+    assert "gemm_probe.py --sizes 124M " in logged
     items, bif, u355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
-    # u124: the anchor, the shipped defaults, micro 16, the probe's tiles (LEASE_BEST), then the A/B
-    # rows of session 16's defaults (cuDNN attention, the Triton GELU)
-    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 6, items
+    # u124: the anchor, the shipped defaults, the CE launch, the weight-gradient rule, both, both at
+    # micro 16, the probe's tiles, plain micro 16, then the A/B rows of session 16's defaults (cuDNN
+    # attention, the Triton GELU)
+    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 10, items
     got = [user_path.parse_item(i, "124M")[1] for i in items[2:]]
-    assert [(o["mb"], o["gbs"]) for o in got] == [(16, 192), (12, 192), (12, 192), (12, 192)]
-    assert [o["set"] for o in got] == [[], [], ["model.attention_backend=cudnn"], ["model.gelu_impl=triton"]]
-    o = got[1]
-    assert o["env"] == {"HPCMEG_ATTENTION_BLOCKS": spec} and not got[0].get("env")
+    assert [o["mb"] for o in got] == [12, 12, 12, 16, 12, 16, 12, 12]
+    ce, wg = {"HPCMEG_CE_LAUNCH": "whole=1"}, {"HPCMEG_WGRAD_ALGO": "splitk=1"}
+    assert [o.get("env", {}) for o in got] == [ce, wg, {**ce, **wg}, {**ce, **wg}, {"HPCMEG_ATTENTION_BLOCKS": spec},
+                                              {}, {}, {}]
+    assert [o["set"] for o in got][-2:] == [["model.attention_backend=cudnn"], ["model.gelu_impl=triton"]]
+    attn_env = got[4]["env"]
     # b124: backward_in_forward at micro 12, 16 and 24, then plain micro 16
     bif_set = "model.cross_entropy=backward_in_forward"
     assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 6, bif
     got = [user_path.parse_item(i, "124M")[1] for i in bif[2:]]
     assert [(o2["mb"], o2["set"]) for o2 in got] == [(12, [bif_set]), (16, [bif_set]), (24, [bif_set]), (16, [])]
-    # u355: the probe's tiles are the defaults there: no tiles row
-    assert u355 == ["nano", "hpcmeg", "hpcmeg:mb=16", "hpcmeg:set=model.attention_backend=cudnn",
-                    "hpcmeg:set=model.gelu_impl=triton"], u355
+    # u355: the CE launch alone (no weight-gradient rule won there), the probe's tiles are the defaults
+    assert u355 == ["nano", "hpcmeg", "hpcmeg:env=HPCMEG_CE_LAUNCH:whole=1", "hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:whole=1",
+                    "hpcmeg:mb=16", "hpcmeg:set=model.attention_backend=cudnn", "hpcmeg:set=model.gelu_impl=triton"], u355
     # without an earlier check the u stage checks cuBLASLt's epilogues first and says when they failed
     # (no GPU here); the rows are the shipped ones either way
     out2, best2 = tmp_path / "out2", tmp_path / "best2"
@@ -151,7 +157,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     assert "did NOT agree" in logged
     assert logged.split("--items ")[1].split("\n", 1)[0].split() == [
         "nano", "hpcmeg", "hpcmeg:set=model.attention_backend=cudnn", "hpcmeg:set=model.gelu_impl=triton"]
-    monkeypatch.setenv(triton_attention.BLOCKS_ENV, o["env"][triton_attention.BLOCKS_ENV])
+    monkeypatch.setenv(triton_attention.BLOCKS_ENV, attn_env[triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()
     assert (b.heavy_first, b.dkv_m, b.fwd_m) == (1, 64, triton_attention.DEFAULT_BLOCKS.fwd_m)
 

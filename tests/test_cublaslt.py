@@ -157,3 +157,49 @@ def test_the_library_accepts_the_gemm_probes_descriptors():
             dy, x = (torch.empty(t, n, dtype=torch.bfloat16, device="meta") for n in (out_f, in_f))
             p = gemm_probe.Problem(lt, dy, x, torch.empty(out_f, in_f, device="meta"))
             p.close()
+
+
+def test_wgrad_rules_parse_and_pick():
+    """hpcmeg/model/cublaslt_wgrad.py: $HPCMEG_WGRAD_ALGO's rules, and which entry of a heuristic list
+    each picks (the first that matches, else the heuristic's first choice)."""
+    from hpcmeg.model import cublaslt_wgrad as cw
+    assert cw.parse_rule(None) is None and cw.parse_rule("") is None and cw.parse_rule("torch") is None
+    assert cw.parse_rule("rank=2") == ("rank", 2) and cw.parse_rule("reduction=1") == ("reduction", 1)
+    for bad in ("rank", "rank=x", "fastest=1", "splitK=1"):
+        with pytest.raises(ValueError, match="HPCMEG_WGRAD_ALGO"):
+            cw.parse_rule(bad)
+    lst = [dict(splitk=3, reduction=4), dict(splitk=1, reduction=0), dict(splitk=2, reduction=1)]
+    assert cw.pick(lst, ("rank", 2)) == 2 and cw.pick(lst, ("rank", 7)) == 0
+    assert cw.pick(lst, ("splitk", 1)) == 1 and cw.pick(lst, ("reduction", 1)) == 2
+    assert cw.pick(lst, ("splitk", 5)) == 0 and cw.pick([], ("rank", 0)) is None
+
+
+def test_wgrad_rule_is_ignored_off_cuda(monkeypatch):
+    """The CPU twin of hpcmeg::wgrad_accumulate_ does not read the rule (no cuBLASLt there)."""
+    from hpcmeg.model import wgrad  # noqa: F401
+    monkeypatch.setenv("HPCMEG_WGRAD_ALGO", "not a rule")
+    flat, dy, x = torch.zeros(12), torch.randn(5, 3), torch.randn(5, 4)
+    torch.ops.hpcmeg.wgrad_accumulate_(flat, dy, x, 0)
+    torch.testing.assert_close(flat.view(3, 4), dy.t() @ x)
+
+
+def test_gemm_probe_rule_totals():
+    """bench/gemm_probe.py: a rule's cost is torch's where its pick disagreed or failed; the LM head
+    apart from a layer's four GEMMs."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import gemm_probe
+
+    def row(gemm, torch_ms, *algos):
+        return dict(gemm=gemm, torch_ms=torch_ms, algos=[dict(rank=i, splitk=s, reduction=r, ms=ms, rel_diff=d)
+                                                         for i, (s, r, ms, d) in enumerate(algos)])
+    rows = [row("qkv", 1.0, (3, 4, 1.0, 0), (1, 0, 0.8, 0)),
+            row("fc1", 2.0, (3, 4, 2.0, 0), (1, 0, 1.5, 0.5)),  # no split disagrees here: torch's time
+            row("lm_head", 4.0, (2, 4, 4.0, 0), (1, 0, 3.0, 0))]
+    assert gemm_probe.rules_of(rows) == ["rank=0", "rank=1", "reduction=0", "reduction=4", "splitk=1", "splitk=2",
+                                         "splitk=3"]
+    t = gemm_probe.rule_totals(rows)
+    assert t["torch"] == dict(layer_ms=3.0, lm_head_ms=4.0)
+    assert t["splitk=1"] == dict(layer_ms=2.8, lm_head_ms=3.0)
+    assert t["splitk=3"] == dict(layer_ms=3.0, lm_head_ms=4.0)  # lm_head has no split 3: its first choice
