@@ -26,6 +26,11 @@
 #             the H200 in session 13); the A/B rows of session 16's defaults (cuDNN attention;
 #             gelu_impl triton), as far as the budget goes (the probes' files from this call, else
 #             from $LEASE_BEST)
+#     m124    micro batch 16 at 124M within the anchor's memory (session 17, H100: micro 16 1.312x at
+#             9.27 GB against the anchor's 9.19): nano; micro 16 with the CE launch $M124_CE (default
+#             the ce stage's fastest on the H100, 14 % under the default launch), then with
+#             backward_in_forward at 8192-token chunks ($HPCMEG_CE_CHUNK_TOKENS; 0.8 GB less) and at
+#             4096; micro 12 with the launch; as shipped
 #     b124 | b355
 #             model.cross_entropy backward_in_forward (the LM head's backward GEMMs in its forward, no
 #             [tokens, vocab] gradient kept): session 16 measured it 4 % slower at 124M micro 16 on
@@ -147,8 +152,8 @@ lt_ok() {
 [[ $# -eq 0 ]] && set -- ce gemm u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | u124 | u355 | u1.3B | m124 | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, u124, u355, u1.3B, m124, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -176,6 +181,12 @@ for stage in "$@"; do
             size=${stage#u}
             [[ $size == 1.3B ]] || size=${size}M
             user_path_u "$size" 520 ;;
+        m124)  # micro 16 within the anchor's memory: the CE launch the ce stage found fastest, alone and
+            # with backward_in_forward at 8192- and 4096-token chunks, then micro 12 with and without it
+            ce=${M124_CE:-block=8192+warps=16+prefetch=1+reverse=1}
+            user_path 124M 520 124M_m16 "nano hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:$ce \
+hpcmeg:mb=16,set=$BIF,env=HPCMEG_CE_LAUNCH:$ce|HPCMEG_CE_CHUNK_TOKENS:8192 hpcmeg:env=HPCMEG_CE_LAUNCH:$ce \
+hpcmeg:mb=16,set=$BIF,env=HPCMEG_CE_LAUNCH:$ce hpcmeg" ;;
         b124) user_path 124M 480 124M_bif "nano hpcmeg hpcmeg:set=$BIF hpcmeg:mb=16,set=$BIF hpcmeg:mb=24,set=$BIF hpcmeg:mb=16" ;;
         b355) user_path 355M 520 355M_bif "nano hpcmeg hpcmeg:set=$BIF hpcmeg:mb=16,set=$BIF hpcmeg:mb=16" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,ltstep,model,dropout --out "$OUT" ;;
