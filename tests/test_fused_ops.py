@@ -101,15 +101,10 @@ for dt in (torch.float32, torch.bfloat16):
     # default's bits; another chunk size sums in another order (within rounding)
     for launch in (triton_ce.CELaunch(prefetch=1), triton_ce.CELaunch(reverse=1, programs=2),
                    triton_ce.CELaunch(prefetch=1, reverse=1, programs=2),
-                   triton_ce.CELaunch(block=1024, warps=4, prefetch=1, reverse=1, programs=2),
-                   triton_ce.CELaunch(whole=1)):  # bf16: the row in registers as int32 pairs; fp32: chunked
+                   triton_ce.CELaunch(block=1024, warps=4, prefetch=1, reverse=1, programs=2)):
         c = full.clone()
         lc = triton_ce.ce_forward_grad_(c[:, :9000], labels, launch)
-        if launch.whole:  # another order of the row's sums: within rounding; the rest of the row untouched
-            assert torch.equal(c[:, 9000:], full[:, 9000:])
-            torch.testing.assert_close(lc, gl, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(c, a, **tol)
-        elif launch.block == triton_ce.BLOCK:
+        if launch.block == triton_ce.BLOCK:
             assert torch.equal(lc, gl) and torch.equal(c, a), launch
         else:
             torch.testing.assert_close(lc, gl, rtol=1e-6, atol=1e-6)
@@ -139,28 +134,38 @@ def test_triton_ce_grad_kernel_compiles_for_hopper():
         k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel, types, dict(V=50304, BLOCK=block, **flags),
                                num_warps=warps)
         assert k.metadata.shared <= 227 * 1024
-    # the whole-row launch: GPT-2's padded vocabulary as 25,152 int32 pairs in one 32,768-lane block
-    types = dict(pairs_ptr="*i32", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32")
-    compile_for_hopper(triton_ce._ce_fwd_grad_whole_kernel, types, dict(V2=50304 // 2, VB=32768), num_warps=32)
 
 
-def test_ce_whole_row_launch_falls_back_where_it_does_not_fit():
-    """CELaunch(whole=1) takes the chunked kernel for rows it cannot hold as int32 pairs."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_triton_ce_grad_kernel_reads_the_target_before_its_barriers(prefetch):
+    """The grad-in-forward CE kernel overwrites each row in its second sweep, one element per
+    thread, while every thread reads the row's target logit: that read must come before the row's
+    reductions, whose CTA barriers then order it before any write. Checked in the sm90 PTX (as a
+    launch specializes it: 16-byte aligned pointers, the row stride a multiple of 16): the one
+    unpredicated scalar bf16 load (the target; the chunk loads are predicated by the row's end)
+    comes before the first bar.sync, and no store comes before that barrier."""
+    pytest.importorskip("triton")
+    import re
+
+    from helpers import compile_for_hopper
+
     from hpcmeg.model import triton_ce
-    x = torch.zeros(4, 100, dtype=torch.bfloat16)
-    assert triton_ce._whole_fits(x) and triton_ce._whole_fits(x[:, :50])
-    assert not triton_ce._whole_fits(x[:, :99])          # odd width
-    assert not triton_ce._whole_fits(x[:, 1:51])         # offset by one logit
-    assert not triton_ce._whole_fits(x.float())          # fp32
-    assert not triton_ce._whole_fits(torch.zeros(2, 2 * triton_ce.WHOLE_MAX_PAIRS + 2, dtype=torch.bfloat16))
+    types = dict(logits_ptr="*bf16", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32", n_rows="i32")
+    k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel, types,
+                           dict(V=50304, BLOCK=triton_ce.BLOCK, PREFETCH=prefetch, REVERSE=False, LOOP=False),
+                           num_warps=8)
+    ptx = k.asm["ptx"].splitlines()
+    target = [i for i, line in enumerate(ptx) if re.match(r"\s*ld\.global\.b16 ", line)]
+    barriers = [i for i, line in enumerate(ptx) if "bar.sync" in line]
+    stores = [i for i, line in enumerate(ptx) if "st.global" in line]  # the loss's and the logits'
+    assert len(target) == 1 and barriers and stores, (target, barriers[:3])
+    assert target[0] < barriers[0] < min(stores)
 
 
 def test_ce_launch_from_env(monkeypatch):
     from hpcmeg.model import triton_ce
     monkeypatch.setenv(triton_ce.LAUNCH_ENV, "block=8192+warps=16,prefetch=1")
     assert triton_ce.launch_from_env() == triton_ce.CELaunch(block=8192, warps=16, prefetch=1)
-    monkeypatch.setenv(triton_ce.LAUNCH_ENV, "whole=1")
-    assert triton_ce.launch_from_env().whole == 1
     monkeypatch.setenv(triton_ce.LAUNCH_ENV, "default")
     assert triton_ce.launch_from_env() == triton_ce.DEFAULT_LAUNCH
     for bad in ("blocks=4096", "block=3000", "warps=x"):

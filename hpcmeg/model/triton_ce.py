@@ -19,8 +19,7 @@ Contract
   gradient softmax - onehot(label) (logits' dtype): the forward of fused.py's "grad_in_forward" CE,
   whose backward then needs no pass over [N, V] at all. Custom op hpcmeg::cross_entropy_grad_
   (mutates logits); twin reference_grad_. Its launch (CELaunch: chunk size, warps, a persistent grid,
-  prefetch, a reversed second sweep, or the whole row held in registers) defaults to the one
-  measured in the user path; $HPCMEG_CE_LAUNCH
+  prefetch, a reversed second sweep) defaults to the one measured in the user path; $HPCMEG_CE_LAUNCH
   picks another for a run and bench/ce_probe.py times them (every launch computes the same values;
   bit for bit at the default chunk size and warps).
 Needs the `triton` package (present wherever CUDA torch is); imported when this module is.
@@ -117,12 +116,19 @@ def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, n_rows, V:
 def _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, row, stride_row, V: tl.constexpr, BLOCK: tl.constexpr,
                      PREFETCH: tl.constexpr, REVERSE: tl.constexpr):
     base = logits_ptr + row * stride_row
+    # the target logit is read BEFORE the row's reductions: every thread reads it, and one thread's
+    # second sweep overwrites it; the reductions' CTA barriers (bar.sync) order all those reads
+    # before any of the sweep's writes. Read after them (until session 17), a warp that reached the
+    # sweep first could overwrite it under another's read: a wrong loss for that token (its
+    # gradient, from lse and the label alone, unaffected). Seen on an H100: one cold-cache call of
+    # bench/ce_probe.py gave losses that no later call repeated; tests/test_fused_ops.py checks
+    # the order in the compiled PTX.
+    label = tl.load(labels_ptr + row)
+    target = tl.load(base + label).to(tl.float32)
     if PREFETCH:
         lse = _row_lse_prefetch(base, V, BLOCK)
     else:
         lse = _row_lse(base, V, BLOCK)
-    label = tl.load(labels_ptr + row)
-    target = tl.load(base + label).to(tl.float32)
     tl.store(loss_ptr + row, lse - target)
     cols = tl.arange(0, BLOCK)
     NB: tl.constexpr = (V + BLOCK - 1) // BLOCK
@@ -131,57 +137,6 @@ def _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, row, stride_row, V: tl.co
         x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
         g = tl.exp(x - lse) - tl.where(c == label, 1.0, 0.0)
         tl.store(base + c, g.to(logits_ptr.dtype.element_ty), mask=c < V)
-
-
-# ---- the whole-row launch (CELaunch.whole): one row per program, held in registers ---------------
-# bf16 logits read as int32 pairs (one register holds two logits: a 50,304-column row is 25,152
-# int32 in a 32,768-lane block, 32 per thread at 32 warps), so the second sweep needs no second read
-# of the row at all: one read and one write of [N, V], the kernel's floor. The pairs are unpacked to
-# fp32 by shifts (a bf16 is the top half of an fp32) and the gradient packed back the same way.
-
-_NEG_INF_PAIR = tl.constexpr(-8323200)  # int32 0xFF80FF80: two bf16 -inf (masked lanes: exp(-inf - m) = 0)
-
-
-@triton.jit
-def _pair_lo(v):  # the low bf16 of each int32 pair (the even column), as fp32
-    return (v << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pair_hi(v):  # the high bf16 (the odd column), as fp32
-    return (v & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pair_pack(lo, hi):  # two fp32 rounded to bf16 (nearest even, as .to(bf16) elsewhere), one int32
-    lo16 = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 65535
-    hi16 = hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
-    return lo16 | hi16
-
-
-@triton.jit
-def _ce_fwd_grad_whole_kernel(pairs_ptr, labels_ptr, loss_ptr, stride_row, V2: tl.constexpr, VB: tl.constexpr):
-    """_ce_fwd_grad_kernel's values for bf16 logits viewed as int32 pairs [N, V2 = V / 2] (row stride
-    in pairs), the whole row in one block of VB >= V2 lanes: lse from the registers, then the gradient
-    from the same registers, no re-read."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, VB)
-    v = tl.load(pairs_ptr + row * stride_row + cols, mask=cols < V2, other=_NEG_INF_PAIR)
-    lo, hi = _pair_lo(v), _pair_hi(v)
-    m = tl.maximum(tl.max(lo, axis=0), tl.max(hi, axis=0))
-    lse = m + tl.log(tl.sum(tl.exp(lo - m) + tl.exp(hi - m), axis=0))
-    label = tl.load(labels_ptr + row)
-    t = tl.load(pairs_ptr + row * stride_row + label // 2)
-    tl.store(loss_ptr + row, lse - tl.where(label % 2 == 0, _pair_lo(t), _pair_hi(t)))
-    g_lo = tl.exp(_pair_lo(v) - lse) - tl.where(cols * 2 == label, 1.0, 0.0)
-    g_hi = tl.exp(_pair_hi(v) - lse) - tl.where(cols * 2 + 1 == label, 1.0, 0.0)
-    # the row's offset computed again, in int32 (the caller keeps N * stride < 2^31): the load's
-    # 64-bit pointers, reused here, stay live across both reductions and spill (ptxas, sm90, 32
-    # warps: 64 registers and 144 bytes of stack with them, none this way)
-    tl.store(pairs_ptr + tl.program_id(0) * stride_row + cols, _pair_pack(g_lo, g_hi), mask=cols < V2)
-
-
-WHOLE_MAX_PAIRS = 32768  # a row of at most 65,536 bf16 logits: 32 registers a thread at 32 warps
 
 
 @dataclass(frozen=True)
@@ -195,9 +150,6 @@ class CELaunch:
     prefetch: int = 0        # 1: the first sweep keeps two chunks in flight
     reverse: int = 0         # 1: the second sweep runs from the row's end
     programs: int = 0        # > 0: exactly this grid (tests: several rows per program)
-    whole: int = 0           # 1: the whole row in registers (_ce_fwd_grad_whole_kernel; bf16 rows of at
-                             # most 65,536 even columns, else the chunked kernel): no re-read; ignores
-                             # block/warps/per_sm/prefetch/reverse/programs
 
 
 DEFAULT_LAUNCH = CELaunch()
@@ -259,26 +211,12 @@ def ce_forward_grad_(logits: torch.Tensor, labels: torch.Tensor, launch: CELaunc
     launch = launch_from_env() if launch is None else launch
     n, v = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    if n and launch.whole and _whole_fits(logits):
-        pairs = logits.view(torch.int32)  # [N, V / 2]: two bf16 logits per element
-        vb = triton.next_power_of_2(v // 2)
-        _ce_fwd_grad_whole_kernel[(n,)](pairs, labels.contiguous(), loss, pairs.stride(0), v // 2, VB=vb,
-                                        num_warps=min(32, max(4, vb // 1024)))  # <= 32 pairs a thread
-    elif n:
+    if n:
         grid = launch.programs or (min(n, launch.per_sm * _sm_count(logits.device)) if launch.per_sm else n)
         _ce_fwd_grad_kernel[(grid,)](logits, labels.contiguous(), loss, logits.stride(0), n, v, BLOCK=launch.block,
                                      PREFETCH=bool(launch.prefetch), REVERSE=bool(launch.reverse), LOOP=grid < n,
                                      num_warps=launch.warps)
     return loss
-
-
-def _whole_fits(logits: torch.Tensor) -> bool:
-    # bf16 pairs that are whole int32s (even width, stride and offset), a row that fits the registers,
-    # and every pair's offset below 2^31 (the kernel's store addresses are int32)
-    n, v = logits.shape
-    return (logits.dtype == torch.bfloat16 and v % 2 == 0 and logits.stride(0) % 2 == 0
-            and logits.storage_offset() % 2 == 0 and v // 2 <= WHOLE_MAX_PAIRS
-            and n * logits.stride(0) // 2 < 2**31)
 
 
 def _sm_count(device: torch.device) -> int:
