@@ -9,19 +9,20 @@ so the heuristic cuts K to fill 132 SMs and sums the pieces in a second kernel. 
 algorithm of the heuristic's list (another split, a stream-K one) is faster, the model can ask for
 it by a rule on that list (the list is deterministic for a problem, so the choice and the
 numerics are too, which bit-exact resume needs; timing inside the run would not be).
+Measured (session 17, H100, 124M; bench/results/gemm_probe_h100_s17.json): torch's choice was
+the fastest or within 3 % for each GEMM (there the heuristic does not split K for qkv, fc1, fc2),
+so the model keeps torch's addmm.
 Time: triton.testing.do_bench_cudagraph (median of CUDA-graph replays; beta 1 keeps adding into
 the same fp32 output, which stays finite).
 Usage: python bench/gemm_probe.py [--sizes 124M,355M,1.3B] [--n 16] [--out DIR] [--tag TAG]
 Writes <out>/gemm_probe[_<tag>].json after each size: per problem torch's ms, then each
 algorithm's ms, its configuration (id, tile, split-K, reduction scheme; waves and workspace from
-the heuristic) and its largest difference from torch's result relative to the largest value; per
-rule (hpcmeg/model/cublaslt_wgrad.py) a layer's four GEMMs and the LM head's with the algorithms
-it picks; and <out>/wgrad_best_<size>.txt: the rule >= 2 % faster than torch on a layer's GEMMs
-(with 1 / layers of the LM head's), else 'torch', for $HPCMEG_WGRAD_ALGO in the user path.
+the heuristic) and its largest difference from torch's result relative to the largest value.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -29,52 +30,81 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hpcmeg.model import cublaslt, cublaslt_wgrad  # noqa: E402
+from hpcmeg.model import cublaslt  # noqa: E402
 
 V = 50304
 # hidden size, tokens per micro batch (the user path's micro batch x 1024)
 SIZES = {"124M": (768, 12 * 1024), "355M": (1024, 12 * 1024), "1.3B": (2048, 8 * 1024)}
+_EPILOGUE_DEFAULT = 1
+# cublasLtMatmulAlgoConfigAttributes_t: id, tile, split-K, reduction scheme (int32 / uint32 each)
+_CONFIG = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3}
 
 
 def problems(size: str) -> list[tuple[str, int, int, int]]:
-    """(name, out, in, tokens) of each weight gradient main[out, in] += dy[T, out]^T x[T, in]; every
-    layer runs each once per micro batch (the LM head once per model)."""
+    """(name, out, in, tokens) of each weight gradient main[out, in] += dy[T, out]^T x[T, in]."""
     d, t = SIZES[size]
     return [("qkv", 3 * d, d, t), ("dense", d, d, t), ("fc1", 4 * d, d, t), ("fc2", d, 4 * d, t),
             ("lm_head", V, d, t)]
 
 
-Problem = cublaslt_wgrad.WgradGemm  # the model's own descriptors (tests/test_cublaslt.py checks them)
+def _config_getter(lt: cublaslt.Lt):
+    fn = lt.lib.cublasLtMatmulAlgoConfigGetAttribute
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+    fn.restype = ctypes.c_int
+    return fn
 
 
-def rules_of(rows: list[dict]) -> list[str]:
-    """The rules worth timing for these problems: each rank of the lists, each split-K and each
-    reduction scheme seen."""
-    seen = {f"rank={e['rank']}" for r in rows for e in r["algos"]}
-    for kind in ("splitk", "reduction"):
-        seen |= {f"{kind}={e[kind]}" for r in rows for e in r["algos"] if isinstance(e.get(kind), int)}
-    return sorted(seen, key=lambda s: (s.split("=")[0], int(s.split("=")[1])))
-
-
-def rule_totals(rows: list[dict]) -> dict:
-    """Per rule: the ms of one micro batch's weight-gradient GEMMs of one layer (qkv, dense, fc1, fc2)
-    with the algorithm the rule picks in each list (torch's where the pick failed or disagreed), and
-    torch's; the LM head's apart (once per model, not per layer)."""
+def _config(fn, algo) -> dict:
     out = {}
-    for rule in ["torch"] + rules_of(rows):
-        layer = head = 0.0
-        for r in rows:
-            ms = r["torch_ms"]
-            if rule != "torch":
-                i = cublaslt_wgrad.pick(r["algos"], cublaslt_wgrad.parse_rule(rule))
-                e = r["algos"][i] if i is not None else {}
-                ms = e["ms"] if "ms" in e and e["rel_diff"] < 1e-3 else ms
-            if r["gemm"] == "lm_head":
-                head += ms
-            else:
-                layer += ms
-        out[rule] = dict(layer_ms=round(layer, 4), lm_head_ms=round(head, 4))
+    for name, attr in _CONFIG.items():
+        v, written = ctypes.c_int32(0), ctypes.c_size_t(0)
+        st = fn(ctypes.addressof(algo), attr, ctypes.byref(v), ctypes.sizeof(v), ctypes.byref(written))
+        out[name] = v.value if st == 0 else f"status {st}"
     return out
+
+
+class Problem:
+    """main[out, in] (fp32, row-major) += dy[T, out]^T x[T, in] as one column-major cuBLASLt call:
+    D[in, out] = A[in, T] op(B) with A = x (col-major [in, T]), B = dy (col-major [out, T],
+    transposed), C = D = main (col-major [in, out]); bf16 A/B, fp32 C/D, fp32 compute, beta 1."""
+
+    def __init__(self, lt: cublaslt.Lt, dy: torch.Tensor, x: torch.Tensor, main: torch.Tensor):
+        self.lt, self.dy, self.x, self.main = lt, dy, x, main
+        (t, out_f), in_f = dy.shape, x.shape[1]
+        ab = cublaslt._CUDA_TYPE[dy.dtype]
+        self.la = lt.layout(ab, in_f, t, in_f)
+        self.lb = lt.layout(ab, out_f, t, out_f)
+        self.lc = lt.layout(cublaslt._R_32F, in_f, out_f, in_f)
+        self.desc = ctypes.c_void_p()
+        lt.check(lt.lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), cublaslt._COMPUTE_32F, cublaslt._R_32F),
+                 "matmul desc")
+        lt._set(self.desc, cublaslt._DESC_TRANSA, ctypes.c_int32(cublaslt._OP_N))
+        lt._set(self.desc, cublaslt._DESC_TRANSB, ctypes.c_int32(cublaslt._OP_T))
+        lt._set(self.desc, cublaslt._DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_DEFAULT))
+
+    def algorithms(self, handle, n: int) -> list:
+        pref = self.lt.preference(*cublaslt._alignment(self.x, self.dy, self.main))
+        res, count = (cublaslt._HeuristicResult * n)(), ctypes.c_int(0)
+        try:
+            self.lt.check(self.lt.lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, self.la, self.lb, self.lc,
+                                                                     self.lc, pref, n, res, ctypes.byref(count)),
+                          "heuristic")
+        finally:
+            self.lt.lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [res[i] for i in range(count.value) if res[i].state == 0]
+
+    def run(self, handle, r, ws: torch.Tensor) -> None:
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(1.0)
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        self.lt.check(self.lt.lib.cublasLtMatmul(
+            handle, self.desc, ctypes.byref(alpha), self.x.data_ptr(), self.la, self.dy.data_ptr(), self.lb,
+            ctypes.byref(beta), self.main.data_ptr(), self.lc, self.main.data_ptr(), self.lc,
+            ctypes.byref(r.algo), ws.data_ptr(), r.workspace_size, stream), "matmul")
+
+    def close(self) -> None:
+        self.lt.lib.cublasLtMatmulDescDestroy(self.desc)
+        for lay in (self.la, self.lb, self.lc):
+            self.lt.lib.cublasLtMatrixLayoutDestroy(lay)
 
 
 def torch_wgrad(main: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -95,7 +125,7 @@ def main() -> None:
     if lt is None:
         raise SystemExit("gemm_probe: no usable libcublasLt in this process")
     dev = torch.device("cuda", torch.cuda.current_device())
-    handle = lt.handle(dev.index)
+    handle, get_config = lt.handle(dev.index), _config_getter(lt)
     path = os.path.join(a.out, f"gemm_probe{'_' + a.tag if a.tag else ''}.json")
     report = dict(env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(dev)), rows=[])
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -112,8 +142,7 @@ def main() -> None:
             p = Problem(lt, dy, x, m)
             try:
                 for i, r in enumerate(p.algorithms(handle, a.n)):
-                    e = dict(rank=i, waves=round(r.waves_count, 3), workspace=r.workspace_size,
-                             **cublaslt_wgrad.algo_config(lt, r))
+                    e = dict(rank=i, waves=round(r.waves_count, 3), workspace=r.workspace_size, **_config(get_config, r.algo))
                     try:
                         ws = torch.empty(max(r.workspace_size, 1), dtype=torch.uint8, device=dev)
                         m.zero_()
@@ -131,18 +160,6 @@ def main() -> None:
                 row["best"] = dict(rank=best["rank"], ms=best["ms"], x_torch=round(row["torch_ms"] / best["ms"], 3))
             print(json.dumps({k: v for k, v in row.items() if k != "algos"}), flush=True)
             report["rows"].append(row)
-        rows = [r for r in report["rows"] if r["size"] == size]
-        totals = rule_totals(rows)
-        report.setdefault("rules", {})[size] = totals
-        # the rule for the user path ($HPCMEG_WGRAD_ALGO): the fastest on a layer's four GEMMs plus
-        # the LM head's share (1 / layers of it), if >= 2 % faster than torch's
-        layers = {"124M": 12, "355M": 24, "1.3B": 24}[size]
-        cost = {k: v["layer_ms"] + v["lm_head_ms"] / layers for k, v in totals.items()}
-        best = min(cost, key=cost.get)
-        pick = best if best != "torch" and cost[best] < 0.98 * cost["torch"] else "torch"
-        print(json.dumps(dict(size=size, rules={k: round(v, 4) for k, v in cost.items()}, pick=pick)), flush=True)
-        with open(os.path.join(a.out, f"wgrad_best_{size}.txt"), "w") as f:
-            f.write(pick)
         with open(path + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
         os.replace(path + ".tmp", path)

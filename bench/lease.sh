@@ -2,7 +2,7 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: ce gemm u124):
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: quick u124):
 #     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -11,26 +11,21 @@
 #     quick   the probes' short form: default tiles and heavy_first at 124M and 355M only, the keep-bits
 #             kernel's launch variants (one program per row block, taller tiles, more warps), agreement
 #             with the twin at the default tiles; the CE kernel's launches (bench/ce_probe.py: prefetch,
-#             reversed second sweep, chunk and warps; never timed yet: 0.95 ms per 124M micro batch on the
-#             H200, ~4 % of it, about 1.9x its one-read-one-write floor; writes ce_best.txt, which u124
-#             then times in the user path when it is not the default) (~90 s)
-#     ce      the CE kernel's launches alone (bench/ce_probe.py at micro 12's and 16's rows), among them
-#             the whole row in registers (whole=1, session 17: one read and one write of the logits)
+#             reversed second sweep, chunk and warps: 0.95 ms per 124M micro batch on the H200, ~4 %
+#             of it, about 1.9x its one-read-one-write floor; writes ce_best.txt, which the u stages
+#             then time in the user path when it is not the default) (~90 s)
+#     ce      the CE kernel's launches alone (bench/ce_probe.py at micro 12's and 16's rows; session 17,
+#             H100: block=8192+warps=16+prefetch=1+reverse=1 14 % under the default launch, +0.2 %
+#             tokens/s in the 124M user path, within its noise) (~40 s)
 #     u124 | u355 | u1.3B
 #             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped (session 16's
 #             defaults: triton_bits, gelu_impl cublaslt, Triton attention on Hopper), then the probes'
-#             winners where they are not the defaults: the CE launch (ce_best.txt; 124M, 355M), the
-#             weight-gradient GEMM rule (wgrad_best_<size>.txt, $HPCMEG_WGRAD_ALGO), both, both at
-#             micro batch 16 x 12; the Triton attention at attention_best_<size>.txt; plain micro 16
+#             winners where they are not the defaults: the CE launch (ce_best.txt; 124M, 355M) at
+#             micro batch 12 and 16 x 12; the Triton attention at attention_best_<size>.txt; plain micro 16
 #             (124M: 9.20 GB on the H100 against the anchor's 9.19, while the anchor took 10.4 GB on
 #             the H200 in session 13); the A/B rows of session 16's defaults (cuDNN attention;
 #             gelu_impl triton), as far as the budget goes (the probes' files from this call, else
 #             from $LEASE_BEST)
-#     m124    micro batch 16 at 124M within the anchor's memory (session 17, H100: micro 16 1.312x at
-#             9.27 GB against the anchor's 9.19): nano; micro 16 with the CE launch $M124_CE (default
-#             the ce stage's fastest on the H100, 14 % under the default launch), then with
-#             backward_in_forward at 8192-token chunks ($HPCMEG_CE_CHUNK_TOKENS; 0.8 GB less) and at
-#             4096; micro 12 with the launch; as shipped
 #     b124 | b355
 #             model.cross_entropy backward_in_forward (the LM head's backward GEMMs in its forward, no
 #             [tokens, vocab] gradient kept): session 16 measured it 4 % slower at 124M micro 16 on
@@ -39,9 +34,8 @@
 #             micro 16) say whether that holds on this GPU; pbif profiles it
 #     gemm    the weight-gradient GEMMs (bench/gemm_probe.py): torch's addmm into the fp32 main grad, as
 #             the model runs it, against each algorithm of cuBLASLt's heuristic list for the same
-#             problem and each rule on that list (hpcmeg/model/cublaslt_wgrad.py), at $GEMM_SIZES
-#             (default 124M,355M,1.3B; the split-K reduce after them is 1.8 % of the 124M step);
-#             writes wgrad_best_<size>.txt, which the u stages then time (~40 s a size)
+#             problem, at $GEMM_SIZES (default 124M,355M,1.3B; ~50 s a size). Session 17, H100, 124M:
+#             torch's choice (split-K + its reduce) was the fastest but for 3 % on the smallest GEMM
 #     checks  the fused model on the GPU against the plain one and TrainStep eager / compiled / CUDA
 #             graphs; the keep-masks (bool and packed) against their twins bit for bit, their cost in
 #             the compiled bias-dropout-add + LayerNorm, triton_bits' training curve against triton's
@@ -116,19 +110,16 @@ best_attention() {  # best_attention SIZE: the probes' best Triton tiles (this c
 }
 
 user_path_u() {  # user_path_u SIZE MAX_S
-    local size=$1 max=$2 attn items ce wg both=""
+    local size=$1 max=$2 attn items ce
     attn=$(best_attention "$size")
-    ce=$(best_file ce_best.txt)                   # the ce stage's CE launch, if it won
-    wg=$(best_file "wgrad_best_$size.txt" torch)  # the gemm stage's weight-gradient rule, if one won
+    ce=$(best_file ce_best.txt)  # the ce stage's CE launch, if it won
     [[ $size == 124M || $size == 355M ]] || ce=default  # (the CE probe timed 124M's and 355M's rows)
     # rows in order of what they decide, so --budget-s drops the least important: the anchor, the
-    # shipped defaults, each probe winner alone and together (at micro 12, then micro 16 x 12 for
-    # 124M and 355M), the probes' tiles, plain micro 16, then the A/B rows of session 16's defaults
+    # shipped defaults, the CE launch where it is not the default (at micro 12, then micro 16 x 12
+    # for 124M and 355M), the probes' tiles, plain micro 16, then the A/B rows of session 16's defaults
     items="nano hpcmeg"
-    [[ $ce != default ]] && items="$items hpcmeg:env=HPCMEG_CE_LAUNCH:$ce" && both="HPCMEG_CE_LAUNCH:$ce"
-    [[ $wg != torch ]] && items="$items hpcmeg:env=HPCMEG_WGRAD_ALGO:$wg" && both="${both:+$both|}HPCMEG_WGRAD_ALGO:$wg"
-    [[ $ce != default && $wg != torch ]] && items="$items hpcmeg:env=$both"
-    [[ $size != 1.3B && -n $both ]] && items="$items hpcmeg:mb=16,env=$both"
+    [[ $ce != default ]] && items="$items hpcmeg:env=HPCMEG_CE_LAUNCH:$ce"
+    [[ $ce != default && $size != 1.3B ]] && items="$items hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:$ce"
     [[ $attn != default ]] && items="$items hpcmeg:env=HPCMEG_ATTENTION_BLOCKS:$attn"
     [[ $size != 1.3B ]] && items="$items hpcmeg:mb=16"
     user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=triton"
@@ -149,11 +140,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- ce gemm u124
+[[ $# -eq 0 ]] && set -- quick u124
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | u124 | u355 | u1.3B | m124 | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, u124, u355, u1.3B, m124, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -181,12 +172,6 @@ for stage in "$@"; do
             size=${stage#u}
             [[ $size == 1.3B ]] || size=${size}M
             user_path_u "$size" 520 ;;
-        m124)  # micro 16 within the anchor's memory: the CE launch the ce stage found fastest, alone and
-            # with backward_in_forward at 8192- and 4096-token chunks, then micro 12 with and without it
-            ce=${M124_CE:-block=8192+warps=16+prefetch=1+reverse=1}
-            user_path 124M 520 124M_m16 "nano hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:$ce \
-hpcmeg:mb=16,set=$BIF,env=HPCMEG_CE_LAUNCH:$ce|HPCMEG_CE_CHUNK_TOKENS:8192 hpcmeg:env=HPCMEG_CE_LAUNCH:$ce \
-hpcmeg:mb=16,set=$BIF,env=HPCMEG_CE_LAUNCH:$ce hpcmeg" ;;
         b124) user_path 124M 480 124M_bif "nano hpcmeg hpcmeg:set=$BIF hpcmeg:mb=16,set=$BIF hpcmeg:mb=24,set=$BIF hpcmeg:mb=16" ;;
         b355) user_path 355M 520 355M_bif "nano hpcmeg hpcmeg:set=$BIF hpcmeg:mb=16,set=$BIF hpcmeg:mb=16" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,ltstep,model,dropout --out "$OUT" ;;

@@ -131,19 +131,3 @@ def test_recipe_key_reaches_the_trainer(tmp_path_factory):
         losses[ce] = [e["loss"] for e in read_metrics(f"{run_dir(r)}/metrics.jsonl")["train"]]
     assert len(losses["grad_in_forward"]) == 4
     assert losses["backward_in_forward"] == pytest.approx(losses["grad_in_forward"], rel=1e-5)
-
-
-def test_chunk_tokens_from_the_environment(monkeypatch):
-    """$HPCMEG_CE_CHUNK_TOKENS (a bench knob) sets backward_in_forward's chunk when the caller gives
-    none: the same values; a bad value is one clear error."""
-    from hpcmeg.model import fused_ce
-    hidden, weight, labels, w = _inputs()
-    ref = _grads("backward_in_forward", hidden, weight, labels, w, loss_weights=w, chunk_tokens=16)
-    monkeypatch.setenv(fused_ce.CHUNK_ENV, "16")
-    assert fused_ce._chunk_tokens_from_env() == 16
-    for a, b in zip(_grads("backward_in_forward", hidden, weight, labels, w, loss_weights=w), ref):
-        assert torch.equal(a, b)
-    for bad in ("0", "-4", "4k"):
-        monkeypatch.setenv(fused_ce.CHUNK_ENV, bad)
-        with pytest.raises(ValueError, match="HPCMEG_CE_CHUNK_TOKENS"):
-            fused_ce._chunk_tokens_from_env()

@@ -110,9 +110,8 @@ def test_lease_script_items(tmp_path, monkeypatch):
     (best / "attention_best_124M.txt").write_text(spec)
     (best / "attention_best_355M.txt").write_text("default")
     (best / "lt_ok").write_text("agreed\n")  # an earlier call's cuBLASLt check: says nothing about this GPU
-    (best / "ce_best.txt").write_text("whole=1")  # an earlier call's probe winners
-    (best / "wgrad_best_124M.txt").write_text("splitk=1")
-    (best / "wgrad_best_355M.txt").write_text("torch")
+    ce = "block=8192+warps=16+prefetch=1+reverse=1"
+    (best / "ce_best.txt").write_text(ce)  # an earlier call's ce stage found a faster CE launch
     r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "GEMM_SIZES": "124M", "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
@@ -124,24 +123,22 @@ def test_lease_script_items(tmp_path, monkeypatch):
         logged = t.extractfile("lease.log").read().decode()
     assert "gemm_probe.py --sizes 124M " in logged
     items, bif, u355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
-    # u124: the anchor, the shipped defaults, the CE launch, the weight-gradient rule, both, both at
-    # micro 16, the probe's tiles, plain micro 16, then the A/B rows of session 16's defaults (cuDNN
-    # attention, the Triton GELU)
-    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 10, items
+    # u124: the anchor, the shipped defaults, the CE launch at micro 12 and 16, the probe's tiles,
+    # plain micro 16, then the A/B rows of session 16's defaults (cuDNN attention, the Triton GELU)
+    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 8, items
     got = [user_path.parse_item(i, "124M")[1] for i in items[2:]]
-    assert [o["mb"] for o in got] == [12, 12, 12, 16, 12, 16, 12, 12]
-    ce, wg = {"HPCMEG_CE_LAUNCH": "whole=1"}, {"HPCMEG_WGRAD_ALGO": "splitk=1"}
-    assert [o.get("env", {}) for o in got] == [ce, wg, {**ce, **wg}, {**ce, **wg}, {"HPCMEG_ATTENTION_BLOCKS": spec},
-                                              {}, {}, {}]
+    assert [o["mb"] for o in got] == [12, 16, 12, 16, 12, 12]
+    assert [o.get("env", {}) for o in got] == [{"HPCMEG_CE_LAUNCH": ce}, {"HPCMEG_CE_LAUNCH": ce},
+                                              {"HPCMEG_ATTENTION_BLOCKS": spec}, {}, {}, {}]
     assert [o["set"] for o in got][-2:] == [["model.attention_backend=cudnn"], ["model.gelu_impl=triton"]]
-    attn_env = got[4]["env"]
+    attn_env = got[2]["env"]
     # b124: backward_in_forward at micro 12, 16 and 24, then plain micro 16
     bif_set = "model.cross_entropy=backward_in_forward"
     assert bif[:2] == ["nano", "hpcmeg"] and len(bif) == 6, bif
     got = [user_path.parse_item(i, "124M")[1] for i in bif[2:]]
     assert [(o2["mb"], o2["set"]) for o2 in got] == [(12, [bif_set]), (16, [bif_set]), (24, [bif_set]), (16, [])]
-    # u355: the CE launch alone (no weight-gradient rule won there), the probe's tiles are the defaults
-    assert u355 == ["nano", "hpcmeg", "hpcmeg:env=HPCMEG_CE_LAUNCH:whole=1", "hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:whole=1",
+    # u355: the CE launch too; the probe's tiles are the defaults there: no tiles row
+    assert u355 == ["nano", "hpcmeg", f"hpcmeg:env=HPCMEG_CE_LAUNCH:{ce}", f"hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:{ce}",
                     "hpcmeg:mb=16", "hpcmeg:set=model.attention_backend=cudnn", "hpcmeg:set=model.gelu_impl=triton"], u355
     # without an earlier check the u stage checks cuBLASLt's epilogues first and says when they failed
     # (no GPU here); the rows are the shipped ones either way

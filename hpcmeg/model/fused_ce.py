@@ -27,7 +27,6 @@ Everything here also runs on CPU in fp32 (tests/test_fused_ops.py compares it wi
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -216,27 +215,13 @@ class _LinearCEBackwardInForward(torch.autograd.Function):
         return d_hidden, (d_weight[0] if d_weight else None), None, None, None, None, None
 
 
-CHUNK_ENV = "HPCMEG_CE_CHUNK_TOKENS"
-
-
-def _chunk_tokens_from_env() -> int:
-    spec = os.environ.get(CHUNK_ENV, "") or "4096"
-    if not spec.isdigit() or int(spec) < 1:
-        raise ValueError(f"${CHUNK_ENV}={spec!r}: want a positive number of tokens")
-    return int(spec)
-
-
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         impl: str = "fused", chunk_tokens: int | None = None, sink=None,
+                         impl: str = "fused", chunk_tokens: int = 4096, sink=None,
                          loss_weights: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [b, s, h], weight [V, h], labels [b, s] -> per-token loss float32 [b, s]. sink (flat,
     offset), impl 'grad_in_forward' or 'backward_in_forward' only: the weight's gradient is added
     into the main grad there (wgrad.py) and autograd gets none. loss_weights [b, s] (impl
-    'backward_in_forward'): d total / d loss, which the caller must backpropagate exactly.
-    chunk_tokens ('chunked', 'backward_in_forward'): tokens per chunk; None: $HPCMEG_CE_CHUNK_TOKENS,
-    else 4096 (a bench knob: a larger chunk keeps more of [N, V] at once, in fewer, larger GEMMs)."""
-    if chunk_tokens is None:
-        chunk_tokens = _chunk_tokens_from_env()
+    'backward_in_forward'): d total / d loss, which the caller must backpropagate exactly."""
     if sink is not None and impl not in ("grad_in_forward", "backward_in_forward"):
         raise ValueError(f"linear_cross_entropy: a main-grad sink needs impl 'grad_in_forward' or "
                          f"'backward_in_forward', not {impl!r}")

@@ -25,9 +25,7 @@ Contract:
     embedding's accumulation (index_add_ on CUDA and CPU alike; on CUDA its fp32 atomic adds order
     repeated ids' rows as they come, as Inductor's embedding backward already did).
   torch.ops.hpcmeg.wgrad_accumulate_(flat, dy [.., out], x [.., in], offset) -> None: the accumulation;
-    on CUDA one GEMM with beta = 1 (out_dtype=fp32 when flat is fp32 and dy/x are not; with
-    $HPCMEG_WGRAD_ALGO set, that GEMM through cuBLASLt with the algorithm its rule picks,
-    hpcmeg/model/cublaslt_wgrad.py, torch's addmm where it cannot); on CPU (the
+    on CUDA one GEMM with beta = 1 (out_dtype=fp32 when flat is fp32 and dy/x are not); on CPU (the
     plain twin) the product in the operands' dtype, converted, then added. The op mutates `flat`
     only, so torch.compile keeps it inside the compiled backward (a backward mutation of a forward
     input that needs no grad; the buffer is a module buffer, so CUDA graphs treat it as a static
@@ -38,8 +36,6 @@ gradient to bf16 first: they agree to bf16 rounding of each micro batch's gradie
 With fp32 operands both paths compute the same mm and agree exactly.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn as nn
@@ -54,23 +50,11 @@ def wgrad_accumulate_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, off
     main = flat[offset:offset + out_f * in_f].view(out_f, in_f)
     dy2, x2 = dy.reshape(-1, out_f), x.reshape(-1, in_f)
     if flat.is_cuda and dy.dtype != flat.dtype:  # C += A^T B in the GEMM's epilogue, C fp32
-        if not _lt_accumulate(main, dy2, x2):
-            torch.addmm(main, dy2.t(), x2, out_dtype=flat.dtype, out=main)
+        torch.addmm(main, dy2.t(), x2, out_dtype=flat.dtype, out=main)
     elif flat.is_cuda:
         main.addmm_(dy2.t(), x2)
     else:  # the plain twin: the unfused path's product, then its add
         main.add_(torch.mm(dy2.t(), x2).to(flat.dtype))
-
-
-def _lt_accumulate(main, dy2, x2) -> bool:
-    """main += dy2^T x2 through cuBLASLt when $HPCMEG_WGRAD_ALGO names an algorithm rule
-    (hpcmeg/model/cublaslt_wgrad.py; bench/gemm_probe.py finds one); False: not done. The env is read
-    per call, host work only (CUDA graphs replay the captured choice)."""
-    if not os.environ.get("HPCMEG_WGRAD_ALGO"):
-        return False
-    from hpcmeg.model import cublaslt_wgrad  # imports Triton (via cuBLASLt's module): CUDA runs only
-    rule = cublaslt_wgrad.rule_from_env()
-    return rule is not None and cublaslt_wgrad.accumulate(main, dy2, x2, rule)
 
 
 @wgrad_accumulate_.register_fake
