@@ -226,6 +226,9 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
         refuse("data.json_keys", "give at least one JSON key holding the text, e.g. [text]")
     if ok("model.hidden_size", "model.num_attention_heads") and m.hidden_size % m.num_attention_heads:
         refuse("model.hidden_size", f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    if ok("model.recompute_gelu_layers", "model.num_layers") and m.recompute_gelu_layers > m.num_layers:
+        refuse("model.recompute_gelu_layers", f"{m.recompute_gelu_layers} exceeds model.num_layers={m.num_layers}; "
+               "use at most num_layers")
     if ok("data.seq_length", "model.max_position_embeddings") and r.data.seq_length > m.max_position_embeddings:
         refuse("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
     # the parallel layout: sizes, then its fit to the batch and the model (hpcmeg/parallel/dims.py, the one

@@ -152,6 +152,11 @@ class ModelConfig:
     hpcmeg/model/cublaslt.py, 0.9 % faster on an H100 at 124M; the backward as triton's; the triton
     path, with a warning, where cuBLASLt cannot take the shape), triton (the MLP's GELU forward and
     backward with its bias gradient, one pass each, hpcmeg/model/triton_gelu.py) or inductor (F.gelu)."""
+    recompute_gelu_layers: int = ranged(0, ge=0)
+    """Fused path: the first this many layers (of each pipeline stage) keep their MLP's
+    pre-activation but not its GELU output, which the backward recomputes (the Triton GELU in those
+    layers): 2 x ffn bytes per token less per layer (124M at micro batch 16: 100 MB a layer) for one
+    GELU pass each in the backward; for a micro batch that would not fit otherwise. At most num_layers."""
     cross_entropy: str = "grad_in_forward"
     """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): grad_in_forward (bf16
     logits; the forward's Triton kernel turns them into their gradient in place, so the backward

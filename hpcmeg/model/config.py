@@ -106,6 +106,13 @@ class GPTConfig:
     and backward (with its bias gradient) are hpcmeg/model/triton_gelu.py's kernels (exp2-based
     tanh; one pass each); 'inductor': F.gelu."""
 
+    recompute_gelu_layers: int = 0
+    """Fused path only. The first this many layers of each pipeline stage keep their MLP's
+    pre-activation but not its GELU output, which the backward recomputes with the same kernel
+    (fused._MLPRecomputeGelu; the Triton GELU in those layers, not cuBLASLt's epilogue): 2 x ffn
+    bytes per token less per layer (124M at micro batch 16: 100 MB a layer) for one GELU pass per
+    layer in the backward. For a micro batch that would not fit otherwise. 0: none."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "max_position_embeddings", "padded_vocab_size"):
@@ -126,6 +133,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.layernorm_impl={self.layernorm_impl!r}: use one of {KERNEL_IMPLS}")
         if self.gelu_impl not in GELU_IMPLS:
             raise ValueError(f"GPTConfig.gelu_impl={self.gelu_impl!r}: use one of {GELU_IMPLS}")
+        if not 0 <= self.recompute_gelu_layers <= self.num_layers:
+            raise ValueError(f"GPTConfig.recompute_gelu_layers={self.recompute_gelu_layers} must be in "
+                             f"[0, num_layers={self.num_layers}]")
         if self.fused_ce not in CE_IMPLS:
             raise ValueError(f"GPTConfig.fused_ce={self.fused_ce!r}: use one of {CE_IMPLS}")
 

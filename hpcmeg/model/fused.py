@@ -159,36 +159,65 @@ class _MLPCublasLt(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, h, g = ctx.saved_tensors
-        flat1, off1, flat2, off2 = ctx.sinks
-        dy = dy.contiguous()
-        # fc2's input gradient, then the Triton GELU backward with fc1's bias gradient: cuBLASLt's
-        # DGELU_BGRAD epilogue (linear_dgelu_bgrad) measured 2.1x slower than the two on an H100
-        # (0.362 vs 0.174 ms at 124M's shape, gpu_agreement --parts lt, session 15)
-        dh, db1 = torch.ops.hpcmeg.gelu_tanh_backward(dy.matmul(w2), h)
-        dw2 = None
-        if flat2 is not None:
-            torch.ops.hpcmeg.wgrad_accumulate_(flat2, dy, g, off2)
-        else:
-            dw2 = dy.t().matmul(g)
-        dx = dh.matmul(w1)
-        dw1 = None
-        if flat1 is not None:
-            torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
-        else:
-            dw1 = dh.t().matmul(x)
-        return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None
+        return _mlp_backward(dy, x, w1, w2, h, g, *ctx.sinks)
+
+
+class _MLPRecomputeGelu(torch.autograd.Function):
+    """GELU(x W1^T + b1) W2^T that keeps the pre-activation h but not the GELU output g: the
+    backward recomputes g = GELU(h) for fc2's weight gradient with the forward's own kernel
+    (hpcmeg::gelu_tanh, the same bits). Per layer it saves 2 * ffn bytes per token less (bf16; 100 MB
+    at 124M, micro batch 16) for one more GELU pass in the backward, and its forward is the GEMM +
+    GELU kernel ('triton''s), not cuBLASLt's epilogue, so that the recomputed g is the forward's.
+    GPTConfig.recompute_gelu_layers picks the layers. x [M, K] (2-D), sinks as _MLPCublasLt."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2):
+        h = F.linear(x, w1, b1).contiguous()
+        ctx.save_for_backward(x, w1, w2, h)
+        ctx.sinks = (flat1, off1, flat2, off2)
+        return F.linear(torch.ops.hpcmeg.gelu_tanh(h), w2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, w2, h = ctx.saved_tensors
+        # gelu_tanh_recompute, not gelu_tanh: the same kernel, but an op torch.compile does not merge
+        # with the forward's call (which would save g again)
+        return _mlp_backward(dy, x, w1, w2, h, torch.ops.hpcmeg.gelu_tanh_recompute(h), *ctx.sinks)
+
+
+def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2):
+    """The MLP's gradients from the saved x, h, g (the two MLP functions above)."""
+    dy = dy.contiguous()
+    # fc2's input gradient, then the Triton GELU backward with fc1's bias gradient: cuBLASLt's
+    # DGELU_BGRAD epilogue (linear_dgelu_bgrad) measured 2.1x slower than the two on an H100
+    # (0.362 vs 0.174 ms at 124M's shape, gpu_agreement --parts lt, session 15)
+    dh, db1 = torch.ops.hpcmeg.gelu_tanh_backward(dy.matmul(w2), h)
+    dw2 = None
+    if flat2 is not None:
+        torch.ops.hpcmeg.wgrad_accumulate_(flat2, dy, g, off2)
+    else:
+        dw2 = dy.t().matmul(g)
+    dx = dh.matmul(w1)
+    dw1 = None
+    if flat1 is not None:
+        torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
+    else:
+        dw1 = dh.t().matmul(x)
+    return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None
 
 
 def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, sink1=None, sink2=None,
-        gelu_impl: str = "triton") -> torch.Tensor:
+        gelu_impl: str = "triton", recompute_gelu: bool = False) -> torch.Tensor:
     """The MLP without its output bias, GELU(x W1^T + b1) W2^T; sink1/sink2: the weights' main-grad
-    sinks (wgrad.py) or None. gelu_impl 'cublaslt' (with grad): _MLPCublasLt; else linear_bias_gelu
+    sinks (wgrad.py) or None. With grad: recompute_gelu, _MLPRecomputeGelu (the Triton GELU, its
+    output recomputed in the backward); gelu_impl 'cublaslt', _MLPCublasLt; else linear_bias_gelu
     with gelu_impl, then fc2's linear."""
-    if gelu_impl == "cublaslt" and torch.is_grad_enabled():
+    if (recompute_gelu or gelu_impl == "cublaslt") and torch.is_grad_enabled():
         x, w1, b1, w2 = autocast_cast(x, w1, b1, w2)
         f1, o1 = sink1 if sink1 is not None else (None, 0)
         f2, o2 = sink2 if sink2 is not None else (None, 0)
-        out = _MLPCublasLt.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, f2, o2)
+        fn = _MLPRecomputeGelu if recompute_gelu else _MLPCublasLt
+        out = fn.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, f2, o2)
         return out.view(*x.shape[:-1], w2.shape[0])
     impl = "triton" if gelu_impl == "cublaslt" else gelu_impl  # no grad: the Triton GELU forward
     return wgrad.linear(linear_bias_gelu(x, w1, b1, sink1, impl), w2, None, sink2)

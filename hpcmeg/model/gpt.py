@@ -99,11 +99,13 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, recompute_gelu: bool = False):
         super().__init__()
         self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
         self.dense_4h_to_h = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
         self.ops, self.gelu_kw = _ops_for(cfg, "gelu_impl")
+        if cfg.fused and recompute_gelu:  # (the plain twin saves what autograd saves)
+            self.gelu_kw = {**self.gelu_kw, "recompute_gelu": True}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, h] -> (the output without its bias [b, s, h], the output bias [h])."""
@@ -114,12 +116,12 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, recompute_gelu: bool = False):
         super().__init__()
         self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.self_attention = SelfAttention(cfg)
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, recompute_gelu)
         self.p, self.eps = cfg.hidden_dropout, cfg.layernorm_epsilon
         self.ops, self.drop_kw = _ops_for(cfg, "dropout_impl")
         _, self.ln_kw = _ops_for(cfg, "layernorm_impl")
@@ -153,7 +155,8 @@ class TransformerLayer(nn.Module):
 class Encoder(nn.Module):
     def __init__(self, cfg: GPTConfig, n_layers: int, final_layernorm: bool = True):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(n_layers))
+        # the first cfg.recompute_gelu_layers of this stage recompute their GELU output in the backward
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i < cfg.recompute_gelu_layers) for i in range(n_layers))
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if final_layernorm else None
         self.ops, self.ln_kw = _ops_for(cfg, "layernorm_impl")
         self.eps = cfg.layernorm_epsilon

@@ -103,7 +103,8 @@ def gpt_config(recipe: Recipe, derived: Derived, device: torch.device):
                      fused_ce=model_cfg.cross_entropy,
                      attention_backend=attention_backend_for(model_cfg.attention_backend, device,
                                                              recipe.train.precision),
-                     layernorm_impl=model_cfg.layernorm_impl, gelu_impl=model_cfg.gelu_impl)
+                     layernorm_impl=model_cfg.layernorm_impl, gelu_impl=model_cfg.gelu_impl,
+                     recompute_gelu_layers=model_cfg.recompute_gelu_layers)
 
 
 def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
