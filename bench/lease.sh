@@ -22,8 +22,9 @@
 #             defaults: triton_bits, gelu_impl cublaslt, Triton attention on Hopper), then the probes'
 #             winners where they are not the defaults: the CE launch (ce_best.txt; 124M, 355M) at
 #             micro batch 12 and 16 x 12; the Triton attention at attention_best_<size>.txt; plain micro 16
-#             (124M: 9.20 GB on the H100 against the anchor's 9.19, while the anchor took 10.4 GB on
-#             the H200 in session 13); the A/B rows of session 16's defaults (cuDNN attention;
+#             (124M: 9.27 GB on the H100 against the anchor's 9.19, session 17, while the anchor took
+#             10.4 GB on the H200 in session 13) and (124M) micro 16 with model.recompute_gelu_layers
+#             1 and 2 (100 MB less each, for one GELU pass a layer); the A/B rows of session 16's defaults (cuDNN attention;
 #             gelu_impl triton), as far as the budget goes (the probes' files from this call, else
 #             from $LEASE_BEST)
 #     b124 | b355
@@ -122,6 +123,9 @@ user_path_u() {  # user_path_u SIZE MAX_S
     [[ $ce != default && $size != 1.3B ]] && items="$items hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:$ce"
     [[ $attn != default ]] && items="$items hpcmeg:env=HPCMEG_ATTENTION_BLOCKS:$attn"
     [[ $size != 1.3B ]] && items="$items hpcmeg:mb=16"
+    # micro 16 within the anchor's memory (124M, session 17: 9.27 GB against 9.19): one and two
+    # layers' GELU outputs recomputed in the backward (100 MB less each)
+    [[ $size == 124M ]] && items="$items hpcmeg:mb=16,set=model.recompute_gelu_layers=1 hpcmeg:mb=16,set=model.recompute_gelu_layers=2"
     user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=triton"
 }
 

@@ -124,13 +124,15 @@ def test_lease_script_items(tmp_path, monkeypatch):
     assert "gemm_probe.py --sizes 124M " in logged
     items, bif, u355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
     # u124: the anchor, the shipped defaults, the CE launch at micro 12 and 16, the probe's tiles,
-    # plain micro 16, then the A/B rows of session 16's defaults (cuDNN attention, the Triton GELU)
-    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 8, items
+    # plain micro 16, micro 16 with one and two layers' GELU recomputed, then the A/B rows of
+    # session 16's defaults (cuDNN attention, the Triton GELU)
+    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 10, items
     got = [user_path.parse_item(i, "124M")[1] for i in items[2:]]
-    assert [o["mb"] for o in got] == [12, 16, 12, 16, 12, 12]
+    assert [o["mb"] for o in got] == [12, 16, 12, 16, 16, 16, 12, 12]
     assert [o.get("env", {}) for o in got] == [{"HPCMEG_CE_LAUNCH": ce}, {"HPCMEG_CE_LAUNCH": ce},
-                                              {"HPCMEG_ATTENTION_BLOCKS": spec}, {}, {}, {}]
-    assert [o["set"] for o in got][-2:] == [["model.attention_backend=cudnn"], ["model.gelu_impl=triton"]]
+                                              {"HPCMEG_ATTENTION_BLOCKS": spec}, {}, {}, {}, {}, {}]
+    assert [o["set"] for o in got][-4:] == [["model.recompute_gelu_layers=1"], ["model.recompute_gelu_layers=2"],
+                                            ["model.attention_backend=cudnn"], ["model.gelu_impl=triton"]]
     attn_env = got[2]["env"]
     # b124: backward_in_forward at micro 12, 16 and 24, then plain micro 16
     bif_set = "model.cross_entropy=backward_in_forward"

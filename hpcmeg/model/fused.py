@@ -150,10 +150,10 @@ class _MLPCublasLt(torch.autograd.Function):
     flattens), sinks as in wgrad._LinearSink."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2):
+    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared):
         g, h = torch.ops.hpcmeg.linear_gelu_aux(x, w1, b1)
         ctx.save_for_backward(x, w1, w2, h, g)
-        ctx.sinks = (flat1, off1, flat2, off2)
+        ctx.sinks = _sinks(flat1, off1, flat2, off2, shared)
         return F.linear(g, w2)
 
     @staticmethod
@@ -171,10 +171,10 @@ class _MLPRecomputeGelu(torch.autograd.Function):
     GPTConfig.recompute_gelu_layers picks the layers. x [M, K] (2-D), sinks as _MLPCublasLt."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2):
+    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared):
         h = F.linear(x, w1, b1).contiguous()
         ctx.save_for_backward(x, w1, w2, h)
-        ctx.sinks = (flat1, off1, flat2, off2)
+        ctx.sinks = _sinks(flat1, off1, flat2, off2, shared)
         return F.linear(torch.ops.hpcmeg.gelu_tanh(h), w2)
 
     @staticmethod
@@ -185,8 +185,15 @@ class _MLPRecomputeGelu(torch.autograd.Function):
         return _mlp_backward(dy, x, w1, w2, h, torch.ops.hpcmeg.gelu_tanh_recompute(h), *ctx.sinks)
 
 
+def _sinks(flat1, off1, flat2, off2, shared: bool) -> tuple:
+    # shared: both weights' main grads live in flat1 (one ParamAndGradBuffer), given once: Dynamo
+    # does not trace an autograd.Function.apply that gets the same tensor twice (a graph break)
+    return flat1, off1, (flat1 if shared else flat2), off2
+
+
 def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2):
-    """The MLP's gradients from the saved x, h, g (the two MLP functions above)."""
+    """The MLP's gradients from the saved x, h, g (the two MLP functions above); one gradient per
+    input of their forward (x, w1, b1, w2, then None for the sinks and the flag)."""
     dy = dy.contiguous()
     # fc2's input gradient, then the Triton GELU backward with fc1's bias gradient: cuBLASLt's
     # DGELU_BGRAD epilogue (linear_dgelu_bgrad) measured 2.1x slower than the two on an H100
@@ -203,7 +210,7 @@ def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2):
         torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
     else:
         dw1 = dh.t().matmul(x)
-    return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None
+    return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None, None
 
 
 def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, sink1=None, sink2=None,
@@ -217,7 +224,8 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, s
         f1, o1 = sink1 if sink1 is not None else (None, 0)
         f2, o2 = sink2 if sink2 is not None else (None, 0)
         fn = _MLPRecomputeGelu if recompute_gelu else _MLPCublasLt
-        out = fn.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, f2, o2)
+        shared = f1 is not None and f2 is f1  # one buffer: passed once (see _sinks)
+        out = fn.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, None if shared else f2, o2, shared)
         return out.view(*x.shape[:-1], w2.shape[0])
     impl = "triton" if gelu_impl == "cublaslt" else gelu_impl  # no grad: the Triton GELU forward
     return wgrad.linear(linear_bias_gelu(x, w1, b1, sink1, impl), w2, None, sink2)
