@@ -2,8 +2,9 @@
 torch.compile without a graph break, for the shipped kernels and the opt-in ones. A graph break
 splits the step into several compiled graphs and CUDA graphs with eager Python between them:
 session 17 found one in every MLP (the cuBLASLt MLP's autograd.Function got the one main-grad
-buffer twice, which Dynamo does not trace). Dynamo decides breaks before any backend, so the test
-compiles with backend 'eager'."""
+buffer twice, which Dynamo does not trace; on CPU with train.gradient_accumulation_fusion=on and
+train.compile=on, `hpcmeg train` then failed: "a sunk weight got a .grad"). Dynamo decides breaks
+before any backend, so the test compiles with backend 'eager'."""
 from __future__ import annotations
 
 import pytest
