@@ -131,3 +131,57 @@ def test_recipe_key_reaches_the_trainer(tmp_path_factory):
         losses[ce] = [e["loss"] for e in read_metrics(f"{run_dir(r)}/metrics.jsonl")["train"]]
     assert len(losses["grad_in_forward"]) == 4
     assert losses["backward_in_forward"] == pytest.approx(losses["grad_in_forward"], rel=1e-5)
+
+
+def test_the_compiled_sunk_model_makes_no_copy_of_the_main_grad_buffer():
+    """The sunk fused model with backward_in_forward under torch.compile (Inductor, on CPU): no
+    temporary of the main-grad buffer's size. When d hidden was complete in the forward, nothing of
+    the model's backward depended on the incoming gradient, AOTAutograd's partitioner moved all of
+    it into the forward graph, and Inductor cloned the whole buffer there (0.5 GB at 124M), kept the
+    clone until the backward and copied it back, per micro batch (session 17). The layers' weight
+    gradients are in the generated code as the buffer's in-place accumulations."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hpcmeg.model.config import GPTConfig
+    from hpcmeg.model.gpt import GPT
+    from hpcmeg.train.optim import build_optimizer
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                    max_position_embeddings=64, padded_vocab_size=128, fused=True, fused_ce="backward_in_forward")
+    m = GPT(cfg, init_seed=3)
+    buf, _ = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+    tok = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(m)
+
+    def step():
+        loss = compiled(tok, tok, loss_weights=torch.full((2, 64), 1 / 128))
+        (loss / 128).sum().backward()
+
+    _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    n = buf.grad_data.numel()
+    assert f"(({n}, ), (1, ), torch.float32)" not in code  # no buffer-sized temporary
+    assert code.count("wgrad_accumulate_.default(") >= 8 and "main_grad_add_.default(" in code
+    assert buf.grad_data.abs().sum() > 0
+
+
+def test_through_the_main_grad_sinks_as_grad_in_forward():
+    """TrainStep with wgrad fusion: backward_in_forward's main grads (the tied weight's LM-head part
+    summed over chunks in the forward, added in the backward) are grad_in_forward's."""
+    from hpcmeg.model.config import GPTConfig
+    from hpcmeg.model.gpt import GPT
+    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.step import TrainStep
+    tok = torch.randint(0, 128, (2, 65), generator=torch.Generator().manual_seed(0))
+    mbs = [(tok[:, :-1].contiguous(), tok[:, 1:].contiguous())] * 2
+    main = {}
+    for impl in ("grad_in_forward", "backward_in_forward"):
+        cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                        max_position_embeddings=64, padded_vocab_size=128, fused=True, fused_ce=impl,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+        m = GPT(cfg, init_seed=3)
+        buf, opt = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+        TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
+        main[impl] = buf.grad_data.clone()
+    torch.testing.assert_close(main["backward_in_forward"], main["grad_in_forward"], atol=1e-6, rtol=1e-5)
+    assert main["grad_in_forward"].abs().sum() > 0

@@ -17,9 +17,11 @@ Implementations (GPTConfig.fused_ce):
     (recomputes them in backward: ~1/3 more LM-head FLOPs, for the least memory).
   * 'backward_in_forward': 'grad_in_forward' whose forward also runs the LM head's backward GEMMs,
     chunk by chunk of tokens, with the per-token loss weights the caller will backpropagate
-    (TrainStep passes its factor x loss mask as `loss_weights`); keeps d hidden [N, h] instead of
-    G [N, V] (at 124M 38 MB instead of 2.47 GB per micro batch of 24), same FLOPs. Without
-    loss_weights, or without grad, it is 'grad_in_forward'.
+    (TrainStep passes its factor x loss mask as `loss_weights`); keeps G @ W [N, h] instead of
+    G [N, V] (at 124M 38 MB instead of 2.47 GB per micro batch of 24; with a main-grad sink also the
+    LM head's fp32 d W [V, h], 154 MB, added into the main grad in the backward), same FLOPs. The
+    backward forms d hidden from the incoming gradient, so the model's backward stays in
+    torch.compile's backward graph. Without loss_weights, or without grad, it is 'grad_in_forward'.
 With a main-grad sink (wgrad.py; 'grad_in_forward' only) the weight's gradient is added into the
 fp32 main grad by the backward's GEMM and autograd gets none (the tied word embedding sunk).
 Everything here also runs on CPU in fp32 (tests/test_fused_ops.py compares it with ops.py).
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcmeg.model import ops
+from hpcmeg.model import wgrad  # noqa: F401  (registers hpcmeg::wgrad_accumulate_ and main_grad_add_)
 from hpcmeg.model.ops import cross_entropy_with_lse
 
 # Import-time fact, never mutated: whether Triton imports (then hpcmeg/model/triton_ce.py registers
@@ -183,36 +186,54 @@ class _LinearCEBackwardInForward(torch.autograd.Function):
 
     g [N] is d total / d loss_n, which the caller promises to backpropagate (TrainStep: its factor x
     loss mask), so each chunk's G = softmax - onehot (written over its logits) goes straight into
-    d hidden = g * (G @ W) and d W = G^T @ (g * hidden) (into the main grad with a sink, as the
-    other function's backward adds it) and is freed: the saved state is d hidden, not [N, V]. Same
-    GEMMs and roundings as _LinearCEGradInForward, split along the tokens (d W summed per chunk)."""
+    G @ W and d W = G^T @ (g * hidden) (with a sink: into a local fp32 [V, h] that the backward adds
+    into the main grad) and is freed: the saved state is G @ W, not [N, V]; the backward forms
+    d hidden = g * (G @ W) from its incoming gradient. Same GEMMs and roundings as
+    _LinearCEGradInForward, split along the tokens (d W summed per chunk)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, g, chunk: int, flat=None, offset=0):
         n = hidden.shape[0]
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        d_hidden = torch.empty_like(hidden)
-        d_weight = None if flat is not None else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        gw = torch.empty_like(hidden)  # G @ W per chunk: d hidden before the per-token scale
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # With a sink, the chunks' GEMMs accumulate d W into this fp32 buffer (beta 1) and the
+        # backward adds it into the main grad, and d hidden = g * (G @ W) is formed in the backward
+        # from the incoming gradient (the same values: the caller promises it equals g). Session 17
+        # (Inductor's code on CPU): with d hidden complete in the forward, nothing of the model's
+        # backward depended on the incoming gradient, so AOTAutograd's partitioner moved all of it
+        # into the forward graph, and there the main grad's mutations made it clone the whole
+        # buffer (0.5 GB at 124M) per micro batch, keep the clone and copy it back.
+        local_sink = None if flat is None else d_weight.view(-1)
         gf = g.reshape(-1, 1).float()
         for i in range(0, n, chunk):
             h, gc = hidden[i:i + chunk], gf[i:i + chunk]
             G = h @ weight.t()  # [chunk, V], becomes softmax - onehot in place
             loss[i:i + chunk] = _ce_grad_(G, labels[i:i + chunk])
-            d_hidden[i:i + chunk], dw = _lm_head_grads(G, h, weight, gc, flat, offset)
-            if dw is not None:
-                d_weight += dw.float()
-        ctx.save_for_backward(d_hidden, gf, *(() if d_weight is None else (d_weight.to(weight.dtype),)))
+            gw[i:i + chunk] = G @ weight
+            hg = (h.float() * gc).to(h.dtype)
+            if local_sink is not None:  # d W [V, h] += G^T (g * hidden), fp32 in the GEMM
+                torch.ops.hpcmeg.wgrad_accumulate_(local_sink, G, hg, 0)
+            else:
+                d_weight += (G.t() @ hg).float()
+        ctx.flat, ctx.offset = flat, offset
+        # without a sink autograd gets d W in the weight's dtype; with one, the fp32 sum goes to flat
+        ctx.save_for_backward(gw, gf, d_weight if flat is not None else d_weight.to(weight.dtype))
         return loss
 
     @staticmethod
     def backward(ctx, g_up):
-        d_hidden, gf, *d_weight = ctx.saved_tensors
+        gw, gf, d_weight = ctx.saved_tensors
         if not g_up.is_cuda and not torch.compiler.is_compiling():
             # the promise, checked where it costs no device sync (CPU: the tests)
             if not torch.equal(g_up.reshape(-1, 1).float(), gf):
                 raise RuntimeError("linear_cross_entropy 'backward_in_forward': the loss gradient differs from "
                                    "the loss_weights given to the forward")
-        return d_hidden, (d_weight[0] if d_weight else None), None, None, None, None, None
+        d_hidden = (gw.float() * g_up.reshape(-1, 1).float()).to(gw.dtype)  # as _lm_head_grads rounds it
+        if ctx.flat is not None:
+            torch.ops.hpcmeg.main_grad_add_(ctx.flat, d_weight, ctx.offset)
+            d_weight = None
+        return d_hidden, d_weight, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -24,6 +24,8 @@ Contract:
   torch.ops.hpcmeg.embedding_grad_accumulate_(flat, dy [.., h], ids [..], offset, rows) -> None: the
     embedding's accumulation (index_add_ on CUDA and CPU alike; on CUDA its fp32 atomic adds order
     repeated ids' rows as they come, as Inductor's embedding backward already did).
+  torch.ops.hpcmeg.main_grad_add_(flat, grad, offset) -> None: flat[offset : offset + grad.numel()] +=
+    grad (a gradient computed elsewhere, e.g. fused_ce's backward_in_forward, added in a backward).
   torch.ops.hpcmeg.wgrad_accumulate_(flat, dy [.., out], x [.., in], offset) -> None: the accumulation;
     on CUDA one GEMM with beta = 1 (out_dtype=fp32 when flat is fp32 and dy/x are not); on CPU (the
     plain twin) the product in the operands' dtype, converted, then added. The op mutates `flat`
@@ -59,6 +61,16 @@ def wgrad_accumulate_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, off
 
 @wgrad_accumulate_.register_fake
 def _(flat, dy, x, offset):
+    return None
+
+
+@torch.library.custom_op("hpcmeg::main_grad_add_", mutates_args=("flat",))
+def main_grad_add_(flat: torch.Tensor, grad: torch.Tensor, offset: int) -> None:
+    flat[offset:offset + grad.numel()].add_(grad.reshape(-1).to(flat.dtype))
+
+
+@main_grad_add_.register_fake
+def _(flat, grad, offset):
     return None
 
 
