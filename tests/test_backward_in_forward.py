@@ -133,7 +133,9 @@ def test_recipe_key_reaches_the_trainer(tmp_path_factory):
     assert losses["backward_in_forward"] == pytest.approx(losses["grad_in_forward"], rel=1e-5)
 
 
-def test_the_compiled_sunk_model_makes_no_copy_of_the_main_grad_buffer():
+@pytest.mark.parametrize("kw", [{"fused_ce": "backward_in_forward"}, {}, {"recompute_gelu_layers": 1}],
+                         ids=["backward_in_forward", "shipped", "recompute_gelu"])
+def test_the_compiled_sunk_model_makes_no_copy_of_the_main_grad_buffer(kw):
     """The sunk fused model with backward_in_forward under torch.compile (Inductor, on CPU): no
     temporary of the main-grad buffer's size. When d hidden was complete in the forward, nothing of
     the model's backward depended on the incoming gradient, AOTAutograd's partitioner moved all of
@@ -146,7 +148,7 @@ def test_the_compiled_sunk_model_makes_no_copy_of_the_main_grad_buffer():
     from hpcmeg.model.gpt import GPT
     from hpcmeg.train.optim import build_optimizer
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-                    max_position_embeddings=64, padded_vocab_size=128, fused=True, fused_ce="backward_in_forward")
+                    max_position_embeddings=64, padded_vocab_size=128, fused=True, **kw)
     m = GPT(cfg, init_seed=3)
     buf, _ = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
     tok = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -161,7 +163,8 @@ def test_the_compiled_sunk_model_makes_no_copy_of_the_main_grad_buffer():
     code = "\n".join(codes)
     n = buf.grad_data.numel()
     assert f"(({n}, ), (1, ), torch.float32)" not in code  # no buffer-sized temporary
-    assert code.count("wgrad_accumulate_.default(") >= 8 and "main_grad_add_.default(" in code
+    assert code.count("wgrad_accumulate_.default(") >= 8
+    assert ("main_grad_add_.default(" in code) == (kw.get("fused_ce") == "backward_in_forward")
     assert buf.grad_data.abs().sum() > 0
 
 
