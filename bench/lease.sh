@@ -29,8 +29,9 @@
 #             from $LEASE_BEST)
 #     b124 | b355
 #             model.cross_entropy backward_in_forward (the LM head's backward GEMMs in its forward, no
-#             [tokens, vocab] gradient kept): session 16 measured it 4 % slower at 124M micro 16 on
-#             the H100 (486.7K against 506.1K tokens/s) and no faster at micro 24; these rows (nano,
+#             [tokens, vocab] gradient kept): sessions 16 and 17 measured it 4 % slower at 124M micro
+#             16 on the H100, with a copy of the 0.5 GB main-grad buffer per micro batch that session
+#             17 found and removed afterwards (commit ebea1c3); these rows (nano,
 #             shipped, backward_in_forward at micro 12, 16 and 24 / at 355M micro 12 and 16, plain
 #             micro 16) say whether that holds on this GPU; pbif profiles it
 #     gemm    the weight-gradient GEMMs (bench/gemm_probe.py): torch's addmm into the fp32 main grad, as
