@@ -99,12 +99,12 @@ user_path() {
 }
 
 # u124 | u355 | u1.3B: the shipped defaults against the anchor, then micro 16 and the A/B rows
-best_file() {  # best_file NAME [DEFAULT]: a probe's pick from this call's $OUT, else $LEASE_BEST, else DEFAULT
+best_file() {  # best_file NAME: a probe's pick from this call's $OUT, else $LEASE_BEST, else 'default'
     local d
     for d in "$OUT" "${LEASE_BEST:-}"; do
         [[ -n $d && -s $d/$1 ]] && { cat "$d/$1"; return; }
     done
-    echo "${2:-default}"
+    echo default
 }
 
 best_attention() {  # best_attention SIZE: the probes' best Triton tiles (this call's, then an earlier call's)

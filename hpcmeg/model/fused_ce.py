@@ -109,16 +109,24 @@ def _ce_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ops.cross_entropy_grad_(logits, labels)  # no triton: the plain twin
 
 
-def _lm_head_grads(G, hidden, weight, g, flat=None, offset=0):
-    """The LM head's gradients from G = softmax - onehot [n, V] and the per-token scale g [n, 1]
-    fp32: (d hidden = g * (G @ W), d W = G^T (g * hidden)); with a sink (flat, offset) d W is added
-    into the main grad by the GEMM (fp32 C, beta 1) and None comes back."""
-    d_hidden = ((G @ weight).float() * g).to(hidden.dtype)
+def _scaled(gw, g):
+    """d hidden = g * (G @ W) from gw = G @ W (the operands' dtype) and g [n, 1] fp32, rounded once."""
+    return (gw.float() * g).to(gw.dtype)
+
+
+def _lm_head_wgrad(G, hidden, g, flat=None, offset=0):
+    """d W = G^T (g * hidden) [V, h] from G = softmax - onehot [n, V] and g [n, 1] fp32; with a sink
+    (flat, offset) it is added into flat by the GEMM (fp32 C, beta 1) and None comes back."""
     hg = (hidden.float() * g).to(hidden.dtype)
     if flat is not None:  # main[V, h] += G^T (g * hidden)
         torch.ops.hpcmeg.wgrad_accumulate_(flat, G, hg, offset)
-        return d_hidden, None
-    return d_hidden, G.t() @ hg
+        return None
+    return G.t() @ hg
+
+
+def _lm_head_grads(G, hidden, weight, g, flat=None, offset=0):
+    """The LM head's gradients (d hidden = g * (G @ W), d W as _lm_head_wgrad gives it)."""
+    return _scaled(G @ weight, g), _lm_head_wgrad(G, hidden, g, flat, offset)
 
 
 class _LinearCEGradInForward(torch.autograd.Function):
@@ -211,11 +219,9 @@ class _LinearCEBackwardInForward(torch.autograd.Function):
             G = h @ weight.t()  # [chunk, V], becomes softmax - onehot in place
             loss[i:i + chunk] = _ce_grad_(G, labels[i:i + chunk])
             gw[i:i + chunk] = G @ weight
-            hg = (h.float() * gc).to(h.dtype)
-            if local_sink is not None:  # d W [V, h] += G^T (g * hidden), fp32 in the GEMM
-                torch.ops.hpcmeg.wgrad_accumulate_(local_sink, G, hg, 0)
-            else:
-                d_weight += (G.t() @ hg).float()
+            dw = _lm_head_wgrad(G, h, gc, local_sink, 0)  # None with the local sink (added there)
+            if dw is not None:
+                d_weight += dw.float()
         ctx.flat, ctx.offset = flat, offset
         # without a sink autograd gets d W in the weight's dtype; with one, the fp32 sum goes to flat
         ctx.save_for_backward(gw, gf, d_weight if flat is not None else d_weight.to(weight.dtype))
@@ -229,7 +235,7 @@ class _LinearCEBackwardInForward(torch.autograd.Function):
             if not torch.equal(g_up.reshape(-1, 1).float(), gf):
                 raise RuntimeError("linear_cross_entropy 'backward_in_forward': the loss gradient differs from "
                                    "the loss_weights given to the forward")
-        d_hidden = (gw.float() * g_up.reshape(-1, 1).float()).to(gw.dtype)  # as _lm_head_grads rounds it
+        d_hidden = _scaled(gw, g_up.reshape(-1, 1).float())
         if ctx.flat is not None:
             torch.ops.hpcmeg.main_grad_add_(ctx.flat, d_weight, ctx.offset)
             d_weight = None
