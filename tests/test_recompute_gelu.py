@@ -103,6 +103,12 @@ def test_the_recompute_op():
     assert torch.equal(torch.ops.hpcmeg.gelu_tanh_recompute(h), torch.ops.hpcmeg.gelu_tanh(h))
 
 
+def test_the_start_line_names_it():
+    from hpcmeg.train.build import kernels_of
+    assert "recomputed" not in kernels_of(_cfg())
+    assert kernels_of(_cfg(recompute_gelu_layers=2)).endswith(", GELU recomputed in 2 layer(s)")
+
+
 def test_bounds(tmp_path):
     with pytest.raises(ValueError, match="recompute_gelu_layers"):
         dataclasses.replace(_cfg(), recompute_gelu_layers=3)
