@@ -2,7 +2,7 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: u124; session 17's untimed fixes: u124, then b124 in a second call):
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: p355 p1.3B, the profiles of the two targets session 18 missed):
 #     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -21,10 +21,11 @@
 #             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped (session 16's
 #             defaults: triton_bits, gelu_impl cublaslt, Triton attention on Hopper), then the probes'
 #             winners where they are not the defaults: the CE launch (ce_best.txt; 124M, 355M) at
-#             micro batch 12 and 16 x 12; the Triton attention at attention_best_<size>.txt; plain micro 16
-#             (124M: 9.27 GB on the H100 against the anchor's 9.19, session 17, while the anchor took
-#             10.4 GB on the H200 in session 13) and (124M) micro 16 with model.recompute_gelu_layers
-#             1 and 2 (100 MB less each, for one GELU pass a layer); the A/B rows of session 16's defaults (cuDNN attention;
+#             micro batch 12 and 16 x 12; the Triton attention at attention_best_<size>.txt; at 124M
+#             plain micro 16 (9.27 GB on the H100 against the anchor's 9.19) and micro 16 with
+#             model.recompute_gelu_layers 1 and 2 (100 MB less each, for one GELU pass a layer; session
+#             18: 1.305-1.308x at 9.10 GB), at 355M micro 16 with backward_in_forward (session 18:
+#             1.196x at 20.98 GB against 21.75); the A/B rows of session 16's defaults (cuDNN attention;
 #             gelu_impl triton), as far as the budget goes (the probes' files from this call, else
 #             from $LEASE_BEST)
 #     b124 | b355
@@ -48,6 +49,10 @@
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
 #             the two profiles side by side say which per-micro-batch work does not grow with its size)
+#     p355 | p1.3B
+#             where the 355M (micro 12, global 192) and 1.3B (micro 8, global 64) user paths' time goes,
+#             dropout 0.1, as shipped: the profiles of the two missed targets (session 18, H100: 1.196x
+#             and 1.124x; the last ones, session 10 on an H200, predate sessions 13-17's kernels)
 #     pbif    the same at micro 16 with model.cross_entropy backward_in_forward: where its 4 % goes
 #     pops    which host op launches each kernel and memset of the 124M step (bench/profile_step.py --ops
 #             --no-cudagraphs, global batch 24): the CUDA-graph profiles show a memset before every bias
@@ -123,10 +128,12 @@ user_path_u() {  # user_path_u SIZE MAX_S
     [[ $ce != default ]] && items="$items hpcmeg:env=HPCMEG_CE_LAUNCH:$ce"
     [[ $ce != default && $size != 1.3B ]] && items="$items hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:$ce"
     [[ $attn != default ]] && items="$items hpcmeg:env=HPCMEG_ATTENTION_BLOCKS:$attn"
-    [[ $size != 1.3B ]] && items="$items hpcmeg:mb=16"
-    # micro 16 within the anchor's memory (124M, session 17: 9.27 GB against 9.19): one and two
-    # layers' GELU outputs recomputed in the backward (100 MB less each)
-    [[ $size == 124M ]] && items="$items hpcmeg:mb=16,set=model.recompute_gelu_layers=1 hpcmeg:mb=16,set=model.recompute_gelu_layers=2"
+    # micro 16 within the anchor's memory (124M, plain: 9.27 GB against 9.19): one and two layers'
+    # GELU outputs recomputed in the backward, 100 MB less each (session 18: 1.308x / 1.305x at
+    # 9.10 GB); 355M: backward_in_forward (1.196x at 20.98 GB against 21.75; plain micro 16 would
+    # exceed it)
+    [[ $size == 124M ]] && items="$items hpcmeg:mb=16 hpcmeg:mb=16,set=model.recompute_gelu_layers=1 hpcmeg:mb=16,set=model.recompute_gelu_layers=2"
+    [[ $size == 355M ]] && items="$items hpcmeg:mb=16,set=$BIF"
     user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=triton"
 }
 
@@ -145,11 +152,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- u124
+[[ $# -eq 0 ]] && set -- p355 p1.3B
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -186,6 +193,12 @@ for stage in "$@"; do
         pops) step profile_124M_ops 180 env TORCH_LOGS=output_code python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 1 \
             --tok "$TOK" --tag lease_124M_ops --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
+        p355) step profile_355M 270 python bench/profile_step.py --targets trainer --size 355M --warm 3 --active 2 \
+            --tok "$TOK" --tag lease_355M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
+            --set train.global_batch_size=192 ;;
+        p1.3B) step profile_1.3B 270 python bench/profile_step.py --targets trainer --size 1.3B --warm 3 --active 2 \
+            --tok "$TOK" --tag lease_1.3B --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
+            --set train.micro_batch_size=8 --set train.global_batch_size=64 ;;
         pbif) step profile_124M_bif 180 python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_124M_bif --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 --set train.micro_batch_size=16 --set model.cross_entropy=backward_in_forward ;;

@@ -248,6 +248,8 @@ def main() -> None:
                     help="trainer target: compile without CUDA graphs, so that --ops can name the host op behind "
                          "every kernel and memset (a replayed graph hides them); the times are then not the user's")
     a = ap.parse_args()
+    if not torch.cuda.is_available():  # it profiles CUDA kernels; on a CPU it would train the model for real
+        sys.exit("bench/profile_step.py: no CUDA GPU here; run it on the GPU machine (bench/lease.sh p124 ...)")
     if a.no_cudagraphs:  # the trainer's TrainStep asks this function for its compile options
         import hpcmeg.train.step as step_mod
         with_graphs = step_mod.default_cuda_compile_options

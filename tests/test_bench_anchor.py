@@ -112,7 +112,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     (best / "lt_ok").write_text("agreed\n")  # an earlier call's cuBLASLt check: says nothing about this GPU
     ce = "block=8192+warps=16+prefetch=1+reverse=1"
     (best / "ce_best.txt").write_text(ce)  # an earlier call's ce stage found a faster CE launch
-    r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+    r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355", "p355", "p1.3B"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "GEMM_SIZES": "124M", "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
     assert r.returncode == 0, r.stderr
@@ -141,7 +141,13 @@ def test_lease_script_items(tmp_path, monkeypatch):
     assert [(o2["mb"], o2["set"]) for o2 in got] == [(12, [bif_set]), (16, [bif_set]), (24, [bif_set]), (16, [])]
     # u355: the CE launch too; the probe's tiles are the defaults there: no tiles row
     assert u355 == ["nano", "hpcmeg", f"hpcmeg:env=HPCMEG_CE_LAUNCH:{ce}", f"hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:{ce}",
-                    "hpcmeg:mb=16", "hpcmeg:set=model.attention_backend=cudnn", "hpcmeg:set=model.gelu_impl=triton"], u355
+                    f"hpcmeg:mb=16,set={bif_set}", "hpcmeg:set=model.attention_backend=cudnn",
+                    "hpcmeg:set=model.gelu_impl=triton"], u355
+    # the profiles of the two missed targets, each at its user path's micro and global batch
+    for size, mb_gbs in (("355M", "--set train.global_batch_size=192"),
+                         ("1.3B", "--set train.micro_batch_size=8 --set train.global_batch_size=64")):
+        cmd = logged.split(f"== profile_{size} ")[1].split("\n", 1)[0]
+        assert f"--size {size} " in cmd and "model.hidden_dropout=0.1" in cmd and cmd.endswith(mb_gbs), cmd
     # without an earlier check the u stage checks cuBLASLt's epilogues first and says when they failed
     # (no GPU here); the rows are the shipped ones either way
     out2, best2 = tmp_path / "out2", tmp_path / "best2"
