@@ -2,7 +2,7 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: p355 p1.3B, the profiles of the two targets session 18 missed):
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: mlpbwd d355; then d1.3B, then p355 / p1.3B, the profiles of the targets session 18 missed):
 #     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -49,6 +49,15 @@
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
 #             the two profiles side by side say which per-micro-batch work does not grow with its size)
+#     mlpbwd  the MLP backward's GELU (bench/mlp_bwd_probe.py, ~60 s): the shipped GEMM + Triton GELU
+#             backward + fc1 weight-gradient GEMM against gelu_impl cublaslt_dgelu (cuBLASLt's DGELU
+#             epilogue in fc2's input-gradient GEMM, the bias gradient by the BGRADB epilogue of fc1's
+#             weight-gradient GEMM) at 124M (micro 12 and 16), 355M and 1.3B, checked against the twin
+#     d124 | d355 | d1.3B
+#             the user path with gelu_impl cublaslt_dgelu beside the best rows so far: 124M micro 16 +
+#             recompute_gelu_layers 1 (session 18: 1.305-1.308x) with and without it, and micro 12
+#             with it; 355M micro 16 + backward_in_forward (1.196x) with and without it; 1.3B as
+#             shipped (1.124x) with and without it
 #     p355 | p1.3B
 #             where the 355M (micro 12, global 192) and 1.3B (micro 8, global 64) user paths' time goes,
 #             dropout 0.1, as shipped: the profiles of the two missed targets (session 18, H100: 1.196x
@@ -140,6 +149,8 @@ user_path_u() {  # user_path_u SIZE MAX_S
 # the LM head's backward in its forward (model.cross_entropy backward_in_forward, session 13): no
 # [tokens, vocab] gradient kept, 103 MB less per sequence, so larger micro batches fit
 BIF=model.cross_entropy=backward_in_forward
+DG=model.gelu_impl=cublaslt_dgelu  # no GELU pass in the MLP's backward either (hpcmeg/model/cublaslt.py)
+RG1=model.recompute_gelu_layers=1  # 124M micro 16 within the anchor's memory (session 18)
 
 # lt_ok: whether cuBLASLt's GELU epilogues (the shipped gelu_impl since session 16) agree with their
 # twins on this call's GPU (bench/gpu_agreement.py --parts lt writes lt_ok; ~20 s, once per call: an
@@ -152,11 +163,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- p355 p1.3B
+[[ $# -eq 0 ]] && set -- mlpbwd d355
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | mlpbwd | u124 | u355 | u1.3B | b124 | b355 | d124 | d355 | d1.3B | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, u124, u355, u1.3B, b124, b355, d124, d355, d1.3B, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -193,6 +204,10 @@ for stage in "$@"; do
         pops) step profile_124M_ops 180 env TORCH_LOGS=output_code python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 1 \
             --tok "$TOK" --tag lease_124M_ops --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
+        mlpbwd) step mlp_bwd_probe 100 python bench/mlp_bwd_probe.py --out "$OUT" --tag lease ;;
+        d124) user_path 124M 480 124M_dgelu "nano hpcmeg:mb=16,set=$RG1 hpcmeg:mb=16,set=$RG1|$DG hpcmeg:set=$DG" ;;
+        d355) user_path 355M 520 355M_dgelu "nano hpcmeg:mb=16,set=$BIF hpcmeg:mb=16,set=$BIF|$DG" ;;
+        d1.3B) user_path 1.3B 560 1.3B_dgelu "nano hpcmeg hpcmeg:set=$DG" ;;
         p355) step profile_355M 270 python bench/profile_step.py --targets trainer --size 355M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_355M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;

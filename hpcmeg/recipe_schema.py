@@ -394,7 +394,7 @@ CHOICES = {
     ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
     ("model", "dropout_impl"): ("triton", "triton_bits", "native"),
     ("model", "layernorm_impl"): ("triton", "inductor"),
-    ("model", "gelu_impl"): ("triton", "inductor", "cublaslt"),
+    ("model", "gelu_impl"): ("triton", "inductor", "cublaslt", "cublaslt_dgelu"),
     ("model", "cross_entropy"): ("fused", "grad_in_forward", "fused_inductor", "compiled", "chunked",
                                  "backward_in_forward"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),

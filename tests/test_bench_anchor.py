@@ -112,7 +112,8 @@ def test_lease_script_items(tmp_path, monkeypatch):
     (best / "lt_ok").write_text("agreed\n")  # an earlier call's cuBLASLt check: says nothing about this GPU
     ce = "block=8192+warps=16+prefetch=1+reverse=1"
     (best / "ce_best.txt").write_text(ce)  # an earlier call's ce stage found a faster CE launch
-    r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355", "p355", "p1.3B"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
+    r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355", "p355", "p1.3B", "mlpbwd", "d124", "d355",
+                        "d1.3B"], capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
                             "GEMM_SIZES": "124M", "CUDA_VISIBLE_DEVICES": ""})  # never a real run, even on a GPU machine
     assert r.returncode == 0, r.stderr
@@ -148,6 +149,15 @@ def test_lease_script_items(tmp_path, monkeypatch):
                          ("1.3B", "--set train.micro_batch_size=8 --set train.global_batch_size=64")):
         cmd = logged.split(f"== profile_{size} ")[1].split("\n", 1)[0]
         assert f"--size {size} " in cmd and "model.hidden_dropout=0.1" in cmd and cmd.endswith(mb_gbs), cmd
+    # gelu_impl cublaslt_dgelu: the probe, then the user path beside the best rows so far
+    assert "bench/mlp_bwd_probe.py --out" in logged
+    dg = "model.gelu_impl=cublaslt_dgelu"
+    d124, d355, d13 = ([user_path.parse_item(i, size)[1] for i in part.split("\n", 1)[0].split()[1:]]
+                       for part, size in zip(logged.split("--items ")[4:7], ("124M", "355M", "1.3B")))
+    assert [(o["mb"], o["set"]) for o in d124] == [(16, ["model.recompute_gelu_layers=1"]),
+                                                   (16, ["model.recompute_gelu_layers=1", dg]), (12, [dg])]
+    assert [(o["mb"], o["set"]) for o in d355] == [(16, [bif_set]), (16, [bif_set, dg])]
+    assert [(o["mb"], o["set"]) for o in d13] == [(8, []), (8, [dg])]
     # without an earlier check the u stage checks cuBLASLt's epilogues first and says when they failed
     # (no GPU here); the rows are the shipped ones either way
     out2, best2 = tmp_path / "out2", tmp_path / "best2"

@@ -43,6 +43,18 @@ def test_ops_opcheck_and_cpu_path():
     torch.library.opcheck(cublaslt.linear_dgelu_bgrad, (dy, w2, h))
     dh, db = torch.ops.hpcmeg.linear_dgelu_bgrad(dy, w2, h)
     assert dh.shape == (16, 24) and db.shape == (24,)
+    # gelu_impl 'cublaslt_dgelu''s two: dh alone, and fc1's weight gradient with its bias gradient
+    torch.library.opcheck(cublaslt.linear_dgelu, (dy, w2, h))
+    torch.testing.assert_close(torch.ops.hpcmeg.linear_dgelu(dy, w2, h), cublaslt.reference_dgelu(dy, w2, h))
+    torch.testing.assert_close(cublaslt.reference_dgelu(dy, w2, h), dh)
+    flat = torch.randn(3 + 24 * 8)  # the main grad of a [24, 8] weight at offset 3, already holding a sum
+    torch.library.opcheck(cublaslt.wgrad_bgrad_, (flat.clone(), dh, x, 3))
+    before = flat.clone()
+    db_f = torch.ops.hpcmeg.wgrad_bgrad_(flat, dh, x, 3)
+    assert db_f.dtype == torch.float32 and db_f.shape == (24,)
+    torch.testing.assert_close(db_f, dh.sum(0))
+    torch.testing.assert_close(flat[3:].view(24, 8), before[3:].view(24, 8) + dh.t() @ x)  # added, not set
+    assert torch.equal(flat[:3], before[:3])  # nothing outside the weight's slice
 
 
 def _cfg(**kw):
@@ -57,35 +69,38 @@ def test_model_mlp_matches_the_triton_gelu_path_eager_compiled_and_sunk():
     sinks (fc1's and fc2's weight gradients added into the buffer by _MLPCublasLt's backward)."""
     tok = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     grads = {}
-    for impl in ("triton", "cublaslt"):
+    impls = ("triton", "cublaslt", "cublaslt_dgelu")
+    for impl in impls:
         m = GPT(_cfg(gelu_impl=impl), init_seed=3)
         loss = m(tok, tok).mean()
         loss.backward()
         grads[impl] = (loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()})
-        if impl == "cublaslt":
+        if impl != "triton":
             m.zero_grad()
             lc = torch.compile(m)(tok, tok).mean()
             lc.backward()
             torch.testing.assert_close(lc, loss)
             for n, p in m.named_parameters():
                 torch.testing.assert_close(p.grad, grads[impl][1][n], atol=1e-5, rtol=1e-4, msg=n)
-    torch.testing.assert_close(grads["cublaslt"][0], grads["triton"][0])
-    for n, want in grads["triton"][1].items():
-        torch.testing.assert_close(grads["cublaslt"][1][n], want, atol=1e-5, rtol=1e-4, msg=n)
-    assert grads["cublaslt"][1]["encoder.layers.0.mlp.dense_h_to_4h.bias"].abs().sum() > 0
+    for impl in impls[1:]:
+        torch.testing.assert_close(grads[impl][0], grads["triton"][0])
+        for n, want in grads["triton"][1].items():
+            torch.testing.assert_close(grads[impl][1][n], want, atol=1e-5, rtol=1e-4, msg=f"{impl} {n}")
+        assert grads[impl][1]["encoder.layers.0.mlp.dense_h_to_4h.bias"].abs().sum() > 0
 
     from hpcmeg.train.optim import build_optimizer
     from hpcmeg.train.step import TrainStep
     mbs = [(tok[:, :-1].contiguous(), tok[:, 1:].contiguous())] * 2
     main = {}
-    for impl in ("triton", "cublaslt"):
+    for impl in impls:  # 'cublaslt_dgelu': fc1's bias gradient from wgrad_bgrad_, its weight's added into the buffer
         m = GPT(_cfg(gelu_impl=impl), init_seed=3)
         buf, opt = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
         assert buf.is_sunk(m.encoder.layers[0].mlp.dense_4h_to_h.weight)
         TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
         main[impl] = {n: buf.grad_data[slice(*buf.locate(p))].clone() for n, p in m.named_parameters()}
-    for n, want in main["triton"].items():
-        torch.testing.assert_close(main["cublaslt"][n], want, atol=1e-6, rtol=1e-4, msg=n)
+    for impl in impls[1:]:
+        for n, want in main["triton"].items():
+            torch.testing.assert_close(main[impl][n], want, atol=1e-6, rtol=1e-4, msg=f"{impl} {n}")
     with pytest.raises(ValueError, match="gelu_impl"):
         dataclasses.replace(_cfg(), gelu_impl="cublas")
 
@@ -106,8 +121,16 @@ def test_the_library_accepts_every_descriptor_the_gemms_build():
     for dims in ((k, n, k), (k, m_tok, k), (n, m_tok, n)):  # A (transposed W1), B (x), D / aux
         lt.lib.cublasLtMatrixLayoutDestroy(lt.layout(cublaslt._R_16BF, *dims))
     for trans, epi in (((cublaslt._OP_T, cublaslt._OP_N), cublaslt._EPILOGUE_GELU_AUX_BIAS),
-                       ((cublaslt._OP_N, cublaslt._OP_N), cublaslt._EPILOGUE_DGELU_BGRAD)):
+                       ((cublaslt._OP_N, cublaslt._OP_N), cublaslt._EPILOGUE_DGELU_BGRAD),
+                       ((cublaslt._OP_N, cublaslt._OP_N), cublaslt._EPILOGUE_DGELU)):
         lt.lib.cublasLtMatmulDescDestroy(lt.matmul_desc(*trans, epi, 1 << 20, 2 << 20, n))
+    lt.lib.cublasLtMatmulDescDestroy(lt.matmul_desc(cublaslt._OP_N, cublaslt._OP_N, cublaslt._EPILOGUE_DGELU, 0,
+                                                    2 << 20, n))  # no bias pointer: linear_dgelu's
+    # wgrad_bgrad_: fp32 D (the main grad), the BGRADB epilogue, a bias type named (here bf16 against
+    # fp32 D, the attribute's path; the op itself leaves D's type)
+    lt.lib.cublasLtMatrixLayoutDestroy(lt.layout(cublaslt._R_32F, k, n, k))
+    lt.lib.cublasLtMatmulDescDestroy(lt.matmul_desc(cublaslt._OP_N, cublaslt._OP_T, cublaslt._EPILOGUE_BGRADB,
+                                                    1 << 20, 0, 0, cublaslt._R_16BF))
     lt.lib.cublasLtMatmulPreferenceDestroy(lt.preference())
     lt.lib.cublasLtMatmulPreferenceDestroy(lt.preference(128, 256, 256))  # a buffer-view weight's alignment
     x = torch.empty(64, dtype=torch.bfloat16)

@@ -34,7 +34,7 @@ def _run(cfg, compiled=False):
     return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, sum(saved)
 
 
-@pytest.mark.parametrize("gelu_impl", ["triton", "cublaslt"])
+@pytest.mark.parametrize("gelu_impl", ["triton", "cublaslt", "cublaslt_dgelu"])
 def test_same_gradients_one_tensor_less_saved_per_layer(gelu_impl):
     loss, grads, saved = _run(_cfg(gelu_impl=gelu_impl))
     for k in (1, 2):

@@ -185,10 +185,11 @@ def test_tp2_dp2_with_distributed_optimizer_equals_one_process(dist_pool):
 def test_tp2_sp_with_gradient_accumulation_fusion_equals_one_process(dist_pool):
     """The weight-gradient sinks on TP shards (the layers keep calling linear on local weights; each
     shard's GEMM writes its own slice of the main grads), with sequence parallelism; then the same
-    with gelu_impl 'cublaslt' (its MLP function on the column / row shards of fc1 / fc2; the twins on
-    CPU) against the one-process default."""
+    with gelu_impl 'cublaslt' and 'cublaslt_dgelu' (its MLP function on the column / row shards of
+    fc1 / fc2, the latter's fc1 bias gradient from the shard's weight-gradient op; the twins on CPU)
+    against the one-process default."""
     ref_hist, ref_w = reference(3, MB, fused=True)
-    for gelu in ("triton", "cublaslt"):
+    for gelu in ("triton", "cublaslt", "cublaslt_dgelu"):
         for r in dist_pool(2).run(_train_case, 2, True, 3, False, False, True, gelu):
             assert [h[1] for h in r["hist"]] == pytest.approx([h[1] for h in ref_hist], rel=1e-5)
             assert_weights_close(r["weights"], ref_w, steps=3)

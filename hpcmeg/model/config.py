@@ -15,7 +15,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "cudnn", "flash", "flash_attn", "efficie
 CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked", "backward_in_forward")
 DROPOUT_IMPLS = ("triton", "triton_bits", "native")
 KERNEL_IMPLS = ("triton", "inductor")  # layernorm_impl
-GELU_IMPLS = ("triton", "inductor", "cublaslt")
+GELU_IMPLS = ("triton", "inductor", "cublaslt", "cublaslt_dgelu")
 
 
 @dataclass
@@ -104,7 +104,10 @@ class GPTConfig:
     2.1x slower); where no libcublasLt is loaded or its heuristic offers no algorithm for the shape,
     the 'triton' path with a warning (hpcmeg/model/cublaslt.py). 'triton': the MLP's GELU forward
     and backward (with its bias gradient) are hpcmeg/model/triton_gelu.py's kernels (exp2-based
-    tanh; one pass each); 'inductor': F.gelu."""
+    tanh; one pass each); 'inductor': F.gelu. 'cublaslt_dgelu' (opt-in, not yet timed on a GPU):
+    'cublaslt' with no GELU pass in the backward either: fc2's input-gradient GEMM applies gelu'
+    in its DGELU epilogue and fc1's weight-gradient GEMM sums fc1's bias gradient (BGRADB), as
+    Transformer Engine does (bench/mlp_bwd_probe.py times the two backwards)."""
 
     recompute_gelu_layers: int = 0
     """Fused path only. The first this many layers of each pipeline stage keep their MLP's

@@ -21,13 +21,23 @@ only; linear_dgelu_bgrad stays for bench/gpu_agreement.py --parts lt, which time
 In the 124M user path on an H100 (session 16, bench/results/user_path_h100_s16.md): +0.9 %
 tokens/s, so gelu_impl 'cublaslt' is the default; a library that does not load warns once and the
 MLP takes the 'triton' path.
+The backward without the GELU pass the other way (gelu_impl 'cublaslt_dgelu', opt-in, what
+Transformer Engine does): fc2's input-gradient GEMM with the DGELU epilogue alone (no bias
+gradient in it: linear_dgelu), and fc1's bias gradient summed by fc1's weight-gradient GEMM, which
+reads dh anyway, with the BGRADB epilogue into the fp32 main grad (wgrad_bgrad_). Against the
+shipped backward (GEMM, then the Triton pass reading dg and h and writing dh, ~109 us per layer
+call at 124M micro 16 on the H100, 5 % of the step: profile_h100_s17_124M_mb16_gbs192.md) it
+writes dh once from the GEMM; bench/mlp_bwd_probe.py times the two on the GPU (not yet measured).
 
 Layouts (cuBLASLt is column-major; a row-major [r, c] tensor is a column-major [c, r] one):
   forward  D[N, M] = op(A) B with A = W1 (row-major [N, K] = col-major [K, N], transposed),
            B = x (col-major [K, M]), bias [N] per row of D, aux = h like D;
   backward D[F, M] = A B with A = W2 (row-major [H, F] = col-major [F, H]), B = dy (col-major
-           [H, M]), aux = h (col-major [F, M]), bias gradient [F] (summed over D's columns).
-bf16/fp16 operands, fp32 accumulation and scale, beta = 0; the workspace is a torch allocation
+           [H, M]), aux = h (col-major [F, M]), bias gradient [F] (summed over D's columns);
+  wgrad    D[in, out] = A op(B) with A = x (col-major [in, T]), B = dy (col-major [out, T],
+           transposed), C = D = the fp32 main grad (row-major [out, in]), bias gradient [out] fp32
+           (summed over k = T).
+bf16/fp16 operands, fp32 accumulation and scale, beta = 0 (1 into the main grad); the workspace is a torch allocation
 (so CUDA graphs capture the calls: the graph pool owns it).
 
 Contract
@@ -35,7 +45,10 @@ Contract
       h = x W^T + b, g = gelu_tanh(h).
   linear_dgelu_bgrad(dy [M, H], w [H, F], h [M, F]) -> (dh [M, F], db [F]) in dy's dtype:
       dh = (dy W) * gelu'(h), db = sum over rows of dh (fp32 inside cuBLASLt, rounded once).
-  Both are torch custom ops (hpcmeg::linear_gelu_aux, hpcmeg::linear_dgelu_bgrad; no autograd:
+  linear_dgelu(dy, w, h) -> dh: linear_dgelu_bgrad's dh alone (the DGELU epilogue).
+  wgrad_bgrad_(flat, dy [.., out], x [.., in], offset) -> db [out] fp32: wgrad.wgrad_accumulate_ (the
+      fp32 main grad += dy^T x) and db = dy summed over rows, in one GEMM (the BGRADB epilogue).
+  All are torch custom ops (hpcmeg::linear_gelu_aux, hpcmeg::linear_dgelu_bgrad, ...; no autograd:
   fused.py's _MLPCublasLt wraps them): cuBLASLt on CUDA for bf16/fp16 when the library loads and
   its heuristic offers an algorithm for the epilogue (else a warning, once per problem or
   unusable library); otherwise
@@ -58,6 +71,7 @@ import warnings
 import torch
 
 from hpcmeg.model import triton_gelu  # noqa: F401  (registers hpcmeg::gelu_tanh[_backward], the fallback)
+from hpcmeg.model import wgrad  # noqa: F401  (registers hpcmeg::wgrad_accumulate_, wgrad_bgrad_'s fallback)
 from hpcmeg.model.triton_gelu import gelu_grad
 
 # cublasLt.h (CUDA 12 and 13 alike)
@@ -65,12 +79,13 @@ _OP_N, _OP_T = 0, 1
 _R_32F, _R_16F, _R_16BF = 0, 2, 14
 _COMPUTE_32F = 68
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
-_DESC_AUX_POINTER, _DESC_AUX_LD = 11, 12
-_EPILOGUE_GELU_AUX_BIAS, _EPILOGUE_DGELU_BGRAD = 164, 208
+_DESC_AUX_POINTER, _DESC_AUX_LD, _DESC_BIAS_DATA_TYPE = 11, 12, 26
+_EPILOGUE_GELU_AUX_BIAS, _EPILOGUE_DGELU, _EPILOGUE_DGELU_BGRAD, _EPILOGUE_BGRADB = 164, 192, 208, 512
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT_BYTES = (5, 6, 7, 8)  # A, B, C, D: the heuristic assumes 256 unless told
 WORKSPACE_BYTES = 32 * 1024 * 1024  # what Hopper wants (cuBLAS's own recommendation)
-_CUDA_TYPE = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
+_CUDA_TYPE = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}  # the operands' (A, B) types
+_ANY_TYPE = {**_CUDA_TYPE, torch.float32: _R_32F}  # D's and the bias's: fp32 for the main-grad GEMM
 LIB_ENV = "HPCMEG_CUBLASLT_LIB"  # a libcublasLt.so path: the tests' way to a library on a CPU machine
 
 
@@ -133,9 +148,10 @@ class Lt:
         return lay
 
     def matmul_desc(self, transa: int, transb: int, epilogue: int, bias_ptr: int, aux_ptr: int,
-                    aux_ld: int) -> ctypes.c_void_p:
+                    aux_ld: int, bias_type: int | None = None) -> ctypes.c_void_p:
         """A matmul descriptor (fp32 compute and scale) with the epilogue and its pointers set (the
-        bias / bias gradient and the aux matrix take D's type, cuBLASLt's default)."""
+        aux matrix takes D's type, cuBLASLt's default; so does the bias / bias gradient unless
+        bias_type names another)."""
         desc = ctypes.c_void_p()
         self.check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "matmul desc")
         try:
@@ -145,6 +161,8 @@ class Lt:
             self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
             self._set(desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux_ptr))
             self._set(desc, _DESC_AUX_LD, ctypes.c_int64(aux_ld))
+            if bias_type is not None:
+                self._set(desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int32(bias_type))
         except LtError:
             self.lib.cublasLtMatmulDescDestroy(desc)
             raise
@@ -169,17 +187,20 @@ class Lt:
 
     def gemm(self, device: torch.device, key: tuple, transa: int, transb: int, m: int, n: int, k: int,
              a: torch.Tensor, lda: int, b: torch.Tensor, ldb: int, d: torch.Tensor, ldd: int, epilogue: int,
-             bias: torch.Tensor, aux: torch.Tensor, aux_ld: int) -> bool:
-        """D[m, n] = op(A) op(B) with the epilogue (all column-major, A/B/D/aux of one 16-bit type);
+             bias: torch.Tensor | None, aux: torch.Tensor | None, aux_ld: int, beta: float = 0.0) -> bool:
+        """D[m, n] = op(A) op(B) + beta D with the epilogue (all column-major; A, B and aux of one
+        16-bit type, D of that type or fp32, C = D); bias / aux None where the epilogue takes none.
         False when the heuristic offers no algorithm (the caller falls back to its twin)."""
-        dt = _CUDA_TYPE[d.dtype]
         layouts, desc = [], None
         try:
-            for rows, cols, ld in (((k, m) if transa == _OP_T else (m, k)) + (lda,),
-                                   ((n, k) if transb == _OP_T else (k, n)) + (ldb,), (m, n, ldd)):
+            for dt, (rows, cols, ld) in ((_CUDA_TYPE[a.dtype], ((k, m) if transa == _OP_T else (m, k)) + (lda,)),
+                                         (_CUDA_TYPE[b.dtype], ((n, k) if transb == _OP_T else (k, n)) + (ldb,)),
+                                         (_ANY_TYPE[d.dtype], (m, n, ldd))):
                 layouts.append(self.layout(dt, rows, cols, ld))
             la, lb, ld_ = layouts
-            desc = self.matmul_desc(transa, transb, epilogue, bias.data_ptr(), aux.data_ptr(), aux_ld)
+            bias_type = _ANY_TYPE[bias.dtype] if bias is not None and bias.dtype != d.dtype else None
+            desc = self.matmul_desc(transa, transb, epilogue, 0 if bias is None else bias.data_ptr(),
+                                    0 if aux is None else aux.data_ptr(), aux_ld, bias_type)
             handle = self.handle(device.index)
             if key not in self._algos:  # the heuristic's first choice, once per problem
                 pref = self.preference(*_alignment(a, b, d))
@@ -199,10 +220,10 @@ class Lt:
                 return False
             res, ws_bytes = found
             ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=device)
-            alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+            alpha, beta_ = ctypes.c_float(1.0), ctypes.c_float(beta)
             stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
             self.check(self.lib.cublasLtMatmul(handle, desc, ctypes.byref(alpha), a.data_ptr(), la, b.data_ptr(), lb,
-                                               ctypes.byref(beta), d.data_ptr(), ld_, d.data_ptr(), ld_,
+                                               ctypes.byref(beta_), d.data_ptr(), ld_, d.data_ptr(), ld_,
                                                ctypes.byref(res.algo), ws.data_ptr(), ws_bytes, stream), "matmul")
             return True
         finally:
@@ -320,3 +341,58 @@ def linear_dgelu_bgrad(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> tu
 @linear_dgelu_bgrad.register_fake
 def _(dy, w, h):
     return dy.new_empty(dy.shape[0], w.shape[1]), dy.new_empty(w.shape[1])
+
+
+# ---- the backward without the GELU pass (gelu_impl 'cublaslt_dgelu') -------------------------
+
+def reference_dgelu(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dh = (dy W) * gelu'(h): reference_dgelu_bgrad's dh (the twin of linear_dgelu)."""
+    return reference_dgelu_bgrad(dy, w, h)[0]
+
+
+@torch.library.custom_op("hpcmeg::linear_dgelu", mutates_args=())
+def linear_dgelu(dy: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """(dy W) * gelu'(h) for dy [M, H], w [H, F], h [M, F]: one cuBLASLt GEMM with the DGELU epilogue
+    on CUDA (fc2's input gradient; the bias gradient comes from fc1's weight-gradient GEMM,
+    wgrad_bgrad_), else the GEMM and the Triton GELU backward (its twin on CPU)."""
+    lib = lt() if _use_lt(dy, w, h) else None
+    if lib is not None:
+        dy, w, h = dy.contiguous(), w.contiguous(), h.contiguous()
+        (m_tok, k), f = dy.shape, w.shape[1]
+        dh = dy.new_empty(m_tok, f)
+        key = ("dgelu", dy.device.index, dy.dtype, m_tok, f, k, _alignment(dy, w, h, dh))
+        if lib.gemm(dy.device, key, _OP_N, _OP_N, f, m_tok, k, w, f, dy, k, dh, f, _EPILOGUE_DGELU, None, h, f):
+            return dh
+    return torch.ops.hpcmeg.gelu_tanh_backward(dy @ w, h)[0]
+
+
+@linear_dgelu.register_fake
+def _(dy, w, h):
+    return dy.new_empty(dy.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("hpcmeg::wgrad_bgrad_", mutates_args=("flat",))
+def wgrad_bgrad_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, offset: int) -> torch.Tensor:
+    """wgrad.wgrad_accumulate_ (flat[offset : offset + out * in] viewed [out, in] += dy^T x, the fp32
+    main grad) that also returns the bias gradient db = dy summed over rows (fp32 [out]): on CUDA one
+    cuBLASLt GEMM with the BGRADB epilogue (the sum over the GEMM's k, the tokens, of B = dy, while
+    the GEMM reads dy anyway); else wgrad_accumulate_ and dy's fp32 row sum, its twin."""
+    out_f, in_f = dy.shape[-1], x.shape[-1]
+    dy2, x2 = dy.reshape(-1, out_f).contiguous(), x.reshape(-1, in_f).contiguous()
+    lib = lt() if flat.is_cuda and flat.dtype == torch.float32 and _use_lt(dy2, x2) else None
+    if lib is not None:
+        main, t = flat[offset:offset + out_f * in_f], dy2.shape[0]
+        db = torch.empty(out_f, dtype=torch.float32, device=dy.device)
+        key = ("wgrad_bgrad", dy.device.index, dy.dtype, t, out_f, in_f, _alignment(x2, dy2, main, db))
+        # main[out, in] row-major = D[in, out] column-major = A[in, T] op(B)[T, out], A = x (col-major
+        # [in, T]), B = dy (col-major [out, T], transposed), beta 1: bench/gemm_probe.py's Problem
+        if lib.gemm(dy.device, key, _OP_N, _OP_T, in_f, out_f, t, x2, in_f, dy2, out_f, main, in_f,
+                    _EPILOGUE_BGRADB, db, None, 0, beta=1.0):
+            return db
+    torch.ops.hpcmeg.wgrad_accumulate_(flat, dy2, x2, offset)
+    return dy2.float().sum(0)
+
+
+@wgrad_bgrad_.register_fake
+def _(flat, dy, x, offset):
+    return dy.new_empty(dy.shape[-1], dtype=torch.float32)

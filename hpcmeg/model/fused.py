@@ -35,7 +35,9 @@ What "fused" means here, op by op:
     482.7K tokens/s (+2.5 %).
   * mlp with gelu_impl 'cublaslt' (the default): no GELU forward pass, the GELU in fc1's cuBLASLt
     GEMM epilogue (hpcmeg/model/cublaslt.py); the backward is the Triton path's. +0.9 % tokens/s
-    in the 124M user path on an H100 (bench/results/user_path_h100_s16.md).
+    in the 124M user path on an H100 (bench/results/user_path_h100_s16.md). 'cublaslt_dgelu'
+    (opt-in, not yet timed): the backward's GELU in fc2's input-gradient GEMM's epilogue too, and
+    fc1's bias gradient in fc1's weight-gradient GEMM (no GELU pass in either direction).
   * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
 
 Everything here also runs on CPU in fp32 (tests compare it against ops.py within 1e-5).
@@ -150,16 +152,16 @@ class _MLPCublasLt(torch.autograd.Function):
     flattens), sinks as in wgrad._LinearSink."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared):
+    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared, dgelu):
         g, h = torch.ops.hpcmeg.linear_gelu_aux(x, w1, b1)
         ctx.save_for_backward(x, w1, w2, h, g)
-        ctx.sinks = _sinks(flat1, off1, flat2, off2, shared)
+        ctx.sinks, ctx.dgelu = _sinks(flat1, off1, flat2, off2, shared), dgelu
         return F.linear(g, w2)
 
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, h, g = ctx.saved_tensors
-        return _mlp_backward(dy, x, w1, w2, h, g, *ctx.sinks)
+        return _mlp_backward(dy, x, w1, w2, h, g, *ctx.sinks, ctx.dgelu)
 
 
 class _MLPRecomputeGelu(torch.autograd.Function):
@@ -171,10 +173,10 @@ class _MLPRecomputeGelu(torch.autograd.Function):
     GPTConfig.recompute_gelu_layers picks the layers. x [M, K] (2-D), sinks as _MLPCublasLt."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared):
+    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared, dgelu):
         h = F.linear(x, w1, b1).contiguous()
         ctx.save_for_backward(x, w1, w2, h)
-        ctx.sinks = _sinks(flat1, off1, flat2, off2, shared)
+        ctx.sinks, ctx.dgelu = _sinks(flat1, off1, flat2, off2, shared), dgelu
         return F.linear(torch.ops.hpcmeg.gelu_tanh(h), w2)
 
     @staticmethod
@@ -182,7 +184,7 @@ class _MLPRecomputeGelu(torch.autograd.Function):
         x, w1, w2, h = ctx.saved_tensors
         # gelu_tanh_recompute, not gelu_tanh: the same kernel, but an op torch.compile does not merge
         # with the forward's call (which would save g again)
-        return _mlp_backward(dy, x, w1, w2, h, torch.ops.hpcmeg.gelu_tanh_recompute(h), *ctx.sinks)
+        return _mlp_backward(dy, x, w1, w2, h, torch.ops.hpcmeg.gelu_tanh_recompute(h), *ctx.sinks, ctx.dgelu)
 
 
 def _sinks(flat1, off1, flat2, off2, shared: bool) -> tuple:
@@ -191,14 +193,20 @@ def _sinks(flat1, off1, flat2, off2, shared: bool) -> tuple:
     return flat1, off1, (flat1 if shared else flat2), off2
 
 
-def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2):
+def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2, dgelu: bool):
     """The MLP's gradients from the saved x, h, g (the two MLP functions above); one gradient per
-    input of their forward (x, w1, b1, w2, then None for the sinks and the flag)."""
+    input of their forward (x, w1, b1, w2, then None for the sinks and the two flags). dgelu
+    (gelu_impl 'cublaslt_dgelu'): dh from fc2's input-gradient GEMM's DGELU epilogue, fc1's bias
+    gradient from its weight-gradient GEMM (hpcmeg/model/cublaslt.py)."""
     dy = dy.contiguous()
-    # fc2's input gradient, then the Triton GELU backward with fc1's bias gradient: cuBLASLt's
-    # DGELU_BGRAD epilogue (linear_dgelu_bgrad) measured 2.1x slower than the two on an H100
-    # (0.362 vs 0.174 ms at 124M's shape, gpu_agreement --parts lt, session 15)
-    dh, db1 = torch.ops.hpcmeg.gelu_tanh_backward(dy.matmul(w2), h)
+    if dgelu:
+        dh = torch.ops.hpcmeg.linear_dgelu(dy, w2, h)
+        db1 = None  # from fc1's weight-gradient GEMM below
+    else:
+        # fc2's input gradient, then the Triton GELU backward with fc1's bias gradient: cuBLASLt's
+        # DGELU_BGRAD epilogue (linear_dgelu_bgrad) measured 2.1x slower than the two on an H100
+        # (0.362 vs 0.174 ms at 124M's shape, gpu_agreement --parts lt, session 15)
+        dh, db1 = torch.ops.hpcmeg.gelu_tanh_backward(dy.matmul(w2), h)
     dw2 = None
     if flat2 is not None:
         torch.ops.hpcmeg.wgrad_accumulate_(flat2, dy, g, off2)
@@ -206,28 +214,33 @@ def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2):
         dw2 = dy.t().matmul(g)
     dx = dh.matmul(w1)
     dw1 = None
-    if flat1 is not None:
+    if flat1 is not None and db1 is None:
+        db1 = torch.ops.hpcmeg.wgrad_bgrad_(flat1, dh, x, off1)
+    elif flat1 is not None:
         torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
     else:
         dw1 = dh.t().matmul(x)
-    return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None, None
+    if db1 is None:  # dgelu without a main-grad sink
+        db1 = dh.float().sum(0)
+    return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None, None, None
 
 
 def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, sink1=None, sink2=None,
         gelu_impl: str = "triton", recompute_gelu: bool = False) -> torch.Tensor:
     """The MLP without its output bias, GELU(x W1^T + b1) W2^T; sink1/sink2: the weights' main-grad
     sinks (wgrad.py) or None. With grad: recompute_gelu, _MLPRecomputeGelu (the Triton GELU, its
-    output recomputed in the backward); gelu_impl 'cublaslt', _MLPCublasLt; else linear_bias_gelu
+    output recomputed in the backward); gelu_impl 'cublaslt' / 'cublaslt_dgelu', _MLPCublasLt; else linear_bias_gelu
     with gelu_impl, then fc2's linear."""
-    if (recompute_gelu or gelu_impl == "cublaslt") and torch.is_grad_enabled():
+    if (recompute_gelu or gelu_impl in ("cublaslt", "cublaslt_dgelu")) and torch.is_grad_enabled():
         x, w1, b1, w2 = autocast_cast(x, w1, b1, w2)
         f1, o1 = sink1 if sink1 is not None else (None, 0)
         f2, o2 = sink2 if sink2 is not None else (None, 0)
         fn = _MLPRecomputeGelu if recompute_gelu else _MLPCublasLt
         shared = f1 is not None and f2 is f1  # one buffer: passed once (see _sinks)
-        out = fn.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, None if shared else f2, o2, shared)
+        out = fn.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, None if shared else f2, o2, shared,
+                       gelu_impl == "cublaslt_dgelu")
         return out.view(*x.shape[:-1], w2.shape[0])
-    impl = "triton" if gelu_impl == "cublaslt" else gelu_impl  # no grad: the Triton GELU forward
+    impl = "triton" if gelu_impl.startswith("cublaslt") else gelu_impl  # no grad: the Triton GELU forward
     return wgrad.linear(linear_bias_gelu(x, w1, b1, sink1, impl), w2, None, sink2)
 
 
