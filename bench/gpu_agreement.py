@@ -422,21 +422,24 @@ def lt_checks(rows, out_dir: str):
 
 
 def lt_step_checks(rows):
-    """The compiled, CUDA-graphed step with gelu_impl 'cublaslt' against 'triton' (bf16 parameters,
+    """The compiled, CUDA-graphed step with gelu_impl 'cublaslt' and 'cublaslt_dgelu' against 'triton' (bf16 parameters,
     main-grad sinks, 4 steps x 2 micro batches at a 124M-like width): the loss curves and parameters
     agree within bf16 noise, and Inductor skips no CUDA graph for the ctypes calls."""
     g = torch.Generator(device="cuda").manual_seed(7)
     d = torch.randint(0, 1024, (8, 1025), device="cuda", generator=g)
     mbs = [(d[:4, :-1], d[:4, 1:]), (d[4:, :-1], d[4:, 1:])]
-    a, pa, skips = _graphed_curve(mbs, hidden_dropout=0.0, attention_dropout=0.0, gelu_impl="cublaslt")
     b_, pb, _ = _graphed_curve(mbs, hidden_dropout=0.0, attention_dropout=0.0, gelu_impl="triton")
-    dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, b_))
-    dp = rel(pa, pb)
-    ok = dl < 1e-2 and dp < 1e-2 and skips == 0
-    rows.append(dict(check="gelu_impl cublaslt vs triton, compiled+CUDA graphs, 4 steps x 2 micro", loss_rel=dl,
-                     params_rel=dp, cudagraph_skips=skips, curves={"cublaslt": a, "triton": b_}, ok=ok))
-    print(f"cublaslt vs triton step: loss rel {dl:.2e} params rel {dp:.2e} skips {skips} {'ok' if ok else 'FAIL'}",
-          flush=True)
+    # 'cublaslt' (the default) and 'cublaslt_dgelu' (its backward's GELU and fc1's bias gradient in
+    # the GEMMs' epilogues too) against the Triton GELU
+    for impl in ("cublaslt", "cublaslt_dgelu"):
+        a, pa, skips = _graphed_curve(mbs, hidden_dropout=0.0, attention_dropout=0.0, gelu_impl=impl)
+        dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, b_))
+        dp = rel(pa, pb)
+        ok = dl < 1e-2 and dp < 1e-2 and skips == 0
+        rows.append(dict(check=f"gelu_impl {impl} vs triton, compiled+CUDA graphs, 4 steps x 2 micro", loss_rel=dl,
+                         params_rel=dp, cudagraph_skips=skips, curves={impl: a, "triton": b_}, ok=ok))
+        print(f"{impl} vs triton step: loss rel {dl:.2e} params rel {dp:.2e} skips {skips} {'ok' if ok else 'FAIL'}",
+              flush=True)
 
 
 def main():

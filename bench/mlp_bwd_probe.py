@@ -68,8 +68,12 @@ def probe(size: str, dev: torch.device, g: torch.Generator) -> dict:
                                   dw=_rel(flat.view(f, d), dh.double().t() @ x.double()))
         row[f"{name}_ms"] = round(do_bench_cudagraph(lambda: fn(dy, w2, h, x, flat), rep=100), 4)
     lib = cublaslt.lt()
-    used = {k[0]: v is not None for k, v in (lib._algos.items() if lib else []) if k[3:6] == (t, f, d)}
-    row["cublaslt_used"] = used  # False: the heuristic offered no algorithm, the op ran its fallback
+    # per problem key (name, and for wgrad_bgrad the bias gradient's type): False where the
+    # heuristic offered no algorithm and the op ran its fallback
+    used = row["cublaslt_used"] = {}
+    for k, v in (lib._algos.items() if lib else []):
+        if k[3:6] == (t, f, d):
+            used[f"{k[0]} {k[6]}" if k[0] == "wgrad_bgrad" else k[0]] = v is not None
     flat = torch.zeros(f * d, device=dev)
     dg = dy @ w2
     dh = torch.ops.hpcmeg.linear_dgelu(dy, w2, h)

@@ -212,9 +212,10 @@ class Lt:
                     self.lib.cublasLtMatmulPreferenceDestroy(pref)
                 ok = st == 0 and count.value > 0 and res.state == 0
                 self._algos[key] = (res, res.workspace_size) if ok else None
-                if not ok:  # said once per problem: the op then runs the Triton GELU path instead
+                if not ok:  # said once per problem: the op then runs its fallback (the Triton GELU path,
+                    # or for wgrad_bgrad_ its other bias type, then torch's GEMM and a sum)
                     warnings.warn(f"cuBLASLt offers no algorithm for {key} (status {st}, {count.value} found): "
-                                  "the GELU runs as its own pass", stacklevel=2)
+                                  "the op takes its fallback path (hpcmeg/model/cublaslt.py)", stacklevel=2)
             found = self._algos[key]
             if found is None:
                 return False
@@ -382,13 +383,16 @@ def wgrad_bgrad_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, offset: 
     lib = lt() if flat.is_cuda and flat.dtype == torch.float32 and _use_lt(dy2, x2) else None
     if lib is not None:
         main, t = flat[offset:offset + out_f * in_f], dy2.shape[0]
-        db = torch.empty(out_f, dtype=torch.float32, device=dy.device)
-        key = ("wgrad_bgrad", dy.device.index, dy.dtype, t, out_f, in_f, _alignment(x2, dy2, main, db))
-        # main[out, in] row-major = D[in, out] column-major = A[in, T] op(B)[T, out], A = x (col-major
-        # [in, T]), B = dy (col-major [out, T], transposed), beta 1: bench/gemm_probe.py's Problem
-        if lib.gemm(dy.device, key, _OP_N, _OP_T, in_f, out_f, t, x2, in_f, dy2, out_f, main, in_f,
-                    _EPILOGUE_BGRADB, db, None, 0, beta=1.0):
-            return db
+        # the bias gradient in fp32 (D's type), else in dy's type where the heuristic offers an
+        # algorithm only for that (cuBLASLt's documented support for BGRAD epilogues varies by version)
+        for bias_dtype in (torch.float32, dy.dtype):
+            db = torch.empty(out_f, dtype=bias_dtype, device=dy.device)
+            key = ("wgrad_bgrad", dy.device.index, dy.dtype, t, out_f, in_f, bias_dtype, _alignment(x2, dy2, main, db))
+            # main[out, in] row-major = D[in, out] column-major = A[in, T] op(B)[T, out], A = x (col-major
+            # [in, T]), B = dy (col-major [out, T], transposed), beta 1: bench/gemm_probe.py's Problem
+            if lib.gemm(dy.device, key, _OP_N, _OP_T, in_f, out_f, t, x2, in_f, dy2, out_f, main, in_f,
+                        _EPILOGUE_BGRADB, db, None, 0, beta=1.0):
+                return db.float()
     torch.ops.hpcmeg.wgrad_accumulate_(flat, dy2, x2, offset)
     return dy2.float().sum(0)
 
