@@ -95,7 +95,7 @@ def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HPCMEG_PEAK_TFLOPS": f"{peak / 1e12:.1f}", "PYTHONUNBUFFERED": "1", **o.get("env", {})}
-    t0 = time.time()
+    t0 = t0_epoch = time.time()
     log = os.path.join(data["out"], name + ".log")
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900).returncode
@@ -104,18 +104,27 @@ def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 
         with open(log) as f:
             raise RuntimeError(f"hpcmeg train exit {rc}: {f.read()[-600:]}")
     from hpcmeg.train.metrics import read_metrics
-    recs = read_metrics(os.path.join(data["out"], name, "metrics.jsonl"))["train"]
+    m = read_metrics(os.path.join(data["out"], name, "metrics.jsonl"))
+    recs = m["train"]
     timed = recs[1:]  # the first window holds compilation and CUDA-graph capture
     its = sum(r["iteration"] - p["iteration"] for p, r in zip(recs, recs[1:]))
     secs = sum(r["step_time_s"] * (r["iteration"] - p["iteration"]) for p, r in zip(recs, recs[1:]))
     toks = o["gbs"] * 1024 * its / secs
+    # where a row's wall time goes besides the timed steps (each lease call holds only a few rows):
+    # setup = the process's start to the trainer's start record (CUDA, data, model, optimizer);
+    # warm-up = the first window less its iterations at the timed step time (torch.compile, Triton
+    # kernels' compilation, CUDA-graph capture)
+    start_t = m["start"][0]["time"] if m["start"] else None
+    setup_s = round(start_t - t0_epoch, 1) if start_t is not None else None
+    warmup_s = round(recs[0]["step_time_s"] * recs[0]["iteration"] - recs[0]["iteration"] * secs / its, 1)
     n = _hpcmeg_params(L, D)
     return dict(tokens_per_s=round(toks), step_ms=round(1e3 * secs / its, 1), n_params=n,
                 mfu_pct=round(100 * toks * flops_per_token(n, L, D, 1024) / peak, 1),
                 peak_mem_GB=round(max(r["peak_mem_gib"] for r in recs) * 2**30 / 1e9, 2),
                 window_tokens_per_s=[round(r["tokens_per_s_per_gpu"]) for r in timed],
                 loss_last=round(recs[-1]["loss"], 3), wall_s=round(wall, 1),
-                first_window_s=round(recs[0]["step_time_s"] * recs[0]["iteration"], 1))
+                first_window_s=round(recs[0]["step_time_s"] * recs[0]["iteration"], 1), setup_s=setup_s,
+                warmup_s=warmup_s)
 
 
 def _hpcmeg_params(L: int, D: int) -> int:
