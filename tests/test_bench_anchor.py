@@ -156,7 +156,8 @@ def test_lease_script_items(tmp_path, monkeypatch):
                        for part, size in zip(logged.split("--items ")[4:7], ("124M", "355M", "1.3B")))
     assert [(o["mb"], o["set"]) for o in d124] == [(16, ["model.recompute_gelu_layers=1"]),
                                                    (16, ["model.recompute_gelu_layers=1", dg]), (12, [dg])]
-    assert [(o["mb"], o["set"]) for o in d355] == [(16, [bif_set]), (16, [bif_set, dg])]
+    assert [(o["mb"], o["set"]) for o in d355] == [(16, [bif_set]), (16, [bif_set, dg]), (16, [bif_set, dg])]
+    assert d355[2]["env"] == {"HPCMEG_CE_LAUNCH": ce} and not d355[1]["env"]
     assert [(o["mb"], o["set"]) for o in d13] == [(8, []), (8, [dg])]
     # without an earlier check the u stage checks cuBLASLt's epilogues first and says when they failed
     # (no GPU here); the rows are the shipped ones either way
