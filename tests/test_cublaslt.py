@@ -51,8 +51,11 @@ def test_ops_opcheck_and_cpu_path():
     torch.library.opcheck(cublaslt.wgrad_bgrad_, (flat.clone(), dh, x, 3))
     before = flat.clone()
     db_f = torch.ops.hpcmeg.wgrad_bgrad_(flat, dh, x, 3)
-    assert db_f.dtype == torch.float32 and db_f.shape == (24,)
+    assert db_f.dtype == dh.dtype and db_f.shape == (24,)
     torch.testing.assert_close(db_f, dh.sum(0))
+    dh16 = dh.bfloat16()  # bf16 gradients: the bias gradient summed in fp32, rounded once to bf16
+    assert torch.equal(torch.ops.hpcmeg.wgrad_bgrad_(flat.clone(), dh16, x.bfloat16(), 3),
+                       dh16.float().sum(0).bfloat16())
     torch.testing.assert_close(flat[3:].view(24, 8), before[3:].view(24, 8) + dh.t() @ x)  # added, not set
     assert torch.equal(flat[:3], before[:3])  # nothing outside the weight's slice
 

@@ -35,7 +35,7 @@ Layouts (cuBLASLt is column-major; a row-major [r, c] tensor is a column-major [
   backward D[F, M] = A B with A = W2 (row-major [H, F] = col-major [F, H]), B = dy (col-major
            [H, M]), aux = h (col-major [F, M]), bias gradient [F] (summed over D's columns);
   wgrad    D[in, out] = A op(B) with A = x (col-major [in, T]), B = dy (col-major [out, T],
-           transposed), C = D = the fp32 main grad (row-major [out, in]), bias gradient [out] fp32
+           transposed), C = D = the fp32 main grad (row-major [out, in]), bias gradient [out]
            (summed over k = T).
 bf16/fp16 operands, fp32 accumulation and scale, beta = 0 (1 into the main grad); the workspace is a torch allocation
 (so CUDA graphs capture the calls: the graph pool owns it).
@@ -46,8 +46,9 @@ Contract
   linear_dgelu_bgrad(dy [M, H], w [H, F], h [M, F]) -> (dh [M, F], db [F]) in dy's dtype:
       dh = (dy W) * gelu'(h), db = sum over rows of dh (fp32 inside cuBLASLt, rounded once).
   linear_dgelu(dy, w, h) -> dh: linear_dgelu_bgrad's dh alone (the DGELU epilogue).
-  wgrad_bgrad_(flat, dy [.., out], x [.., in], offset) -> db [out] fp32: wgrad.wgrad_accumulate_ (the
-      fp32 main grad += dy^T x) and db = dy summed over rows, in one GEMM (the BGRADB epilogue).
+  wgrad_bgrad_(flat, dy [.., out], x [.., in], offset) -> db [out] in dy's dtype: wgrad.wgrad_accumulate_
+      (the fp32 main grad += dy^T x) and db = dy summed over rows (fp32, rounded once), in one GEMM
+      (the BGRADB epilogue).
   All are torch custom ops (hpcmeg::linear_gelu_aux, hpcmeg::linear_dgelu_bgrad, ...; no autograd:
   fused.py's _MLPCublasLt wraps them): cuBLASLt on CUDA for bf16/fp16 when the library loads and
   its heuristic offers an algorithm for the epilogue (else a warning, once per problem or
@@ -158,9 +159,11 @@ class Lt:
             self._set(desc, _DESC_TRANSA, ctypes.c_int32(transa))
             self._set(desc, _DESC_TRANSB, ctypes.c_int32(transb))
             self._set(desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
-            self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
-            self._set(desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux_ptr))
-            self._set(desc, _DESC_AUX_LD, ctypes.c_int64(aux_ld))
+            if bias_ptr:  # an epilogue without a bias or an aux matrix gets neither attribute
+                self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias_ptr))
+            if aux_ptr:
+                self._set(desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux_ptr))
+                self._set(desc, _DESC_AUX_LD, ctypes.c_int64(aux_ld))
             if bias_type is not None:
                 self._set(desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int32(bias_type))
         except LtError:
@@ -375,28 +378,29 @@ def _(dy, w, h):
 @torch.library.custom_op("hpcmeg::wgrad_bgrad_", mutates_args=("flat",))
 def wgrad_bgrad_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, offset: int) -> torch.Tensor:
     """wgrad.wgrad_accumulate_ (flat[offset : offset + out * in] viewed [out, in] += dy^T x, the fp32
-    main grad) that also returns the bias gradient db = dy summed over rows (fp32 [out]): on CUDA one
-    cuBLASLt GEMM with the BGRADB epilogue (the sum over the GEMM's k, the tokens, of B = dy, while
-    the GEMM reads dy anyway); else wgrad_accumulate_ and dy's fp32 row sum, its twin."""
+    main grad) that also returns the bias gradient db = dy summed over rows ([out] in dy's dtype,
+    summed in fp32, rounded once): on CUDA one cuBLASLt GEMM with the BGRADB epilogue (the sum over
+    the GEMM's k, the tokens, of B = dy, while the GEMM reads dy anyway); else wgrad_accumulate_ and
+    dy's fp32 row sum, its twin."""
     out_f, in_f = dy.shape[-1], x.shape[-1]
     dy2, x2 = dy.reshape(-1, out_f).contiguous(), x.reshape(-1, in_f).contiguous()
     lib = lt() if flat.is_cuda and flat.dtype == torch.float32 and _use_lt(dy2, x2) else None
     if lib is not None:
         main, t = flat[offset:offset + out_f * in_f], dy2.shape[0]
-        # the bias gradient in fp32 (D's type), else in dy's type where the heuristic offers an
-        # algorithm only for that (cuBLASLt's documented support for BGRAD epilogues varies by version)
-        for bias_dtype in (torch.float32, dy.dtype):
+        # the bias gradient in dy's type (what Transformer Engine asks for beside an fp32 D), else in
+        # fp32 (D's type) where the heuristic offers an algorithm only for that
+        for bias_dtype in (dy.dtype, torch.float32):
             db = torch.empty(out_f, dtype=bias_dtype, device=dy.device)
             key = ("wgrad_bgrad", dy.device.index, dy.dtype, t, out_f, in_f, bias_dtype, _alignment(x2, dy2, main, db))
             # main[out, in] row-major = D[in, out] column-major = A[in, T] op(B)[T, out], A = x (col-major
             # [in, T]), B = dy (col-major [out, T], transposed), beta 1: bench/gemm_probe.py's Problem
             if lib.gemm(dy.device, key, _OP_N, _OP_T, in_f, out_f, t, x2, in_f, dy2, out_f, main, in_f,
                         _EPILOGUE_BGRADB, db, None, 0, beta=1.0):
-                return db.float()
+                return db.to(dy.dtype)
     torch.ops.hpcmeg.wgrad_accumulate_(flat, dy2, x2, offset)
-    return dy2.float().sum(0)
+    return dy2.float().sum(0).to(dy.dtype)
 
 
 @wgrad_bgrad_.register_fake
 def _(flat, dy, x, offset):
-    return dy.new_empty(dy.shape[-1], dtype=torch.float32)
+    return dy.new_empty(dy.shape[-1])
