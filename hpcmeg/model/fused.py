@@ -148,8 +148,9 @@ class _MLPCublasLt(torch.autograd.Function):
     """GELU(x W1^T + b1) W2^T with no GELU forward pass (gelu_impl 'cublaslt', hpcmeg/model/cublaslt.py):
     fc1's GEMM writes the GELU output g and the pre-activation h in its epilogue (on an H100 0.119
     against 0.142 ms for the GEMM + Triton GELU at 124M's shape); the backward is gelu_impl
-    'triton''s. Saves x, h and g, as _LinearBiasGelu + fc2's linear do. x [M, K] (2-D; mlp()
-    flattens), sinks as in wgrad._LinearSink."""
+    'triton''s, or with dgelu (gelu_impl 'cublaslt_dgelu') cuBLASLt's epilogues' (_mlp_backward).
+    Saves x, h and g, as _LinearBiasGelu + fc2's linear do. x [M, K] (2-D; mlp() flattens), sinks
+    as in wgrad._LinearSink."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared, dgelu):
@@ -200,8 +201,7 @@ def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2, dgelu: bool):
     gradient from its weight-gradient GEMM (hpcmeg/model/cublaslt.py)."""
     dy = dy.contiguous()
     if dgelu:
-        dh = torch.ops.hpcmeg.linear_dgelu(dy, w2, h)
-        db1 = None  # from fc1's weight-gradient GEMM below
+        dh = torch.ops.hpcmeg.linear_dgelu(dy, w2, h)  # fc1's bias gradient comes below
     else:
         # fc2's input gradient, then the Triton GELU backward with fc1's bias gradient: cuBLASLt's
         # DGELU_BGRAD epilogue (linear_dgelu_bgrad) measured 2.1x slower than the two on an H100
@@ -214,14 +214,14 @@ def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2, dgelu: bool):
         dw2 = dy.t().matmul(g)
     dx = dh.matmul(w1)
     dw1 = None
-    if flat1 is not None and db1 is None:
-        db1 = torch.ops.hpcmeg.wgrad_bgrad_(flat1, dh, x, off1)
-    elif flat1 is not None:
-        torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
-    else:
+    if flat1 is None:
         dw1 = dh.t().matmul(x)
-    if db1 is None:  # dgelu without a main-grad sink
-        db1 = dh.float().sum(0)
+        if dgelu:
+            db1 = dh.float().sum(0)
+    elif dgelu:  # fc1's weight gradient into the main grad, its bias gradient from the same GEMM
+        db1 = torch.ops.hpcmeg.wgrad_bgrad_(flat1, dh, x, off1)
+    else:
+        torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
     return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None, None, None
 
 
