@@ -70,8 +70,8 @@
 #             its log also holds Inductor's generated code (TORCH_LOGS=output_code), which says what the
 #             ~74 one-microsecond `triton_poi_fused__to_copy_1` casts per micro batch convert
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0), the
-#             shipped defaults, session 15's (triton dropout masks, Triton GELU, cuDNN attention) and
-#             the candidate (backward_in_forward), so a default changed after the lease keeps its parity
+#             shipped defaults, gelu_impl cublaslt_dgelu and backward_in_forward (the two opt-ins that
+#             could become defaults), so a default changed after the lease keeps its parity
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
 # folder in the tree with an earlier call's attention_best_<size>.txt, for a call without the
@@ -223,7 +223,7 @@ for stage in "$@"; do
             --tok "$TOK" --tag lease_124M_mb16 --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 --set train.micro_batch_size=16 ;;
         loss) step loss_parity 330 python bench/loss_parity.py --steps 400 --eval-interval 50 --tok "$TOK" --tag lease \
-            --out "$OUT" --hpcmeg-variants default,s15_defaults,candidate ;;
+            --out "$OUT" --hpcmeg-variants default,dgelu,candidate ;;
     esac
 done
 echo "== done after $((SECONDS - START)) s; results in $OUT/lease.tgz" | tee -a "$OUT/lease.log"

@@ -46,7 +46,9 @@ VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "a
             # defaults; "s15_defaults" is what shipped before them, "candidate" what is still opt-in
             # (session 16's loss_parity_h100_s16.json ran "candidate" with all four)
             "s15_defaults": ["model.dropout_impl=triton", "model.gelu_impl=triton", "model.attention_backend=cudnn"],
-            "candidate": ["model.cross_entropy=backward_in_forward"]}
+            "candidate": ["model.cross_entropy=backward_in_forward"],
+            # session 18's opt-in: the MLP backward's GELU and fc1's bias gradient in cuBLASLt epilogues
+            "dgelu": ["model.gelu_impl=cublaslt_dgelu"]}
 
 def run_hpcmeg(r) -> dict:
     times, trainer = tt.run_trainer(r)
