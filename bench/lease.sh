@@ -2,7 +2,7 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: mlpbwd d355; then d1.3B, then p355 / p1.3B, the profiles of the targets session 18 missed):
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: u1.3B, the one target still missed after session 19):
 #     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -19,15 +19,15 @@
 #             tokens/s in the 124M user path, within its noise) (~40 s)
 #     u124 | u355 | u1.3B
 #             the user path (bench/user_path.py) at that size: nano, hpcmeg as shipped (session 16's
-#             defaults: triton_bits, gelu_impl cublaslt, Triton attention on Hopper), then the probes'
+#             defaults: triton_bits, Triton attention on Hopper; session 19's gelu_impl cublaslt_dgelu), then the probes'
 #             winners where they are not the defaults: the CE launch (ce_best.txt; 124M, 355M) at
 #             micro batch 12 and 16 x 12; the Triton attention at attention_best_<size>.txt; at 124M
 #             plain micro 16 (9.27 GB on the H100 against the anchor's 9.19) and micro 16 with
 #             model.recompute_gelu_layers 1 and 2 (100 MB less each, for one GELU pass a layer; session
 #             18: 1.305-1.308x at 9.10 GB), at 355M micro 16 with backward_in_forward (session 18:
-#             1.196x at 20.98 GB against 21.75); the A/B rows of session 16's defaults (cuDNN attention;
-#             gelu_impl triton), as far as the budget goes (the probes' files from this call, else
-#             from $LEASE_BEST)
+#             1.196x at 20.98 GB against 21.75; session 19 with gelu_impl cublaslt_dgelu: 1.203x); the
+#             A/B rows of the defaults (cuDNN attention; gelu_impl cublaslt, session 18's; gelu_impl
+#             triton), as far as the budget goes (the probes' files from this call, else from $LEASE_BEST)
 #     b124 | b355
 #             model.cross_entropy backward_in_forward (the LM head's backward GEMMs in its forward, no
 #             [tokens, vocab] gradient kept): sessions 16 and 17 measured it 4 % slower at 124M micro
@@ -49,20 +49,15 @@
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
 #             the two profiles side by side say which per-micro-batch work does not grow with its size)
-#     mlpbwd  the MLP backward's GELU (bench/mlp_bwd_probe.py, ~60 s): the shipped GEMM + Triton GELU
+#     mlpbwd  the MLP backward's GELU (bench/mlp_bwd_probe.py, ~60 s): session 18's GEMM + Triton GELU
 #             backward + fc1 weight-gradient GEMM against gelu_impl cublaslt_dgelu (cuBLASLt's DGELU
 #             epilogue in fc2's input-gradient GEMM, the bias gradient by the BGRADB epilogue of fc1's
-#             weight-gradient GEMM) at 124M (micro 12 and 16), 355M and 1.3B, checked against the twin
-#     d124 | d355 | d1.3B
-#             the user path with gelu_impl cublaslt_dgelu beside the best rows so far: 124M micro 16 +
-#             recompute_gelu_layers 1 (session 18: 1.305-1.308x) with and without it, and micro 12
-#             with it; 355M micro 16 + backward_in_forward (1.196x) with and without it, then with
-#             it and session 17's CE launch L (0.4 % would reach 1.2x); 1.3B as shipped (1.124x) with
-#             and without it
+#             weight-gradient GEMM; the default since session 19: 1-6 % faster per MLP backward) at
+#             124M (micro 12 and 16), 355M and 1.3B, checked against the twin
 #     p355 | p1.3B
 #             where the 355M (micro 12, global 192) and 1.3B (micro 8, global 64) user paths' time goes,
-#             dropout 0.1, as shipped: the profiles of the two missed targets (session 18, H100: 1.196x
-#             and 1.124x; the last ones, session 10 on an H200, predate sessions 13-17's kernels)
+#             dropout 0.1, as shipped (session 19, H100, 1.3B: GEMMs 73 % of the GPU time, attention
+#             14 %: bench/results/profile_h100_s19_1.3B_gbs64.md)
 #     pbif    the same at micro 16 with model.cross_entropy backward_in_forward: where its 4 % goes
 #     pops    which host op launches each kernel and memset of the 124M step (bench/profile_step.py --ops
 #             --no-cudagraphs, global batch 24): the CUDA-graph profiles show a memset before every bias
@@ -70,8 +65,8 @@
 #             its log also holds Inductor's generated code (TORCH_LOGS=output_code), which says what the
 #             ~74 one-microsecond `triton_poi_fused__to_copy_1` casts per micro batch convert
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0), the
-#             shipped defaults, gelu_impl cublaslt_dgelu and backward_in_forward (the two opt-ins that
-#             could become defaults), so a default changed after the lease keeps its parity
+#             shipped defaults (gelu_impl cublaslt_dgelu since session 19), session 18's gelu_impl
+#             cublaslt and backward_in_forward (the opt-in that could become a default)
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
 # folder in the tree with an earlier call's attention_best_<size>.txt, for a call without the
@@ -144,15 +139,12 @@ user_path_u() {  # user_path_u SIZE MAX_S
     # exceed it)
     [[ $size == 124M ]] && items="$items hpcmeg:mb=16 hpcmeg:mb=16,set=model.recompute_gelu_layers=1 hpcmeg:mb=16,set=model.recompute_gelu_layers=2"
     [[ $size == 355M ]] && items="$items hpcmeg:mb=16,set=$BIF"
-    user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=triton"
+    user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=cublaslt hpcmeg:set=model.gelu_impl=triton"
 }
 
 # the LM head's backward in its forward (model.cross_entropy backward_in_forward, session 13): no
 # [tokens, vocab] gradient kept, 103 MB less per sequence, so larger micro batches fit
 BIF=model.cross_entropy=backward_in_forward
-DG=model.gelu_impl=cublaslt_dgelu  # no GELU pass in the MLP's backward either (hpcmeg/model/cublaslt.py)
-RG1=model.recompute_gelu_layers=1  # 124M micro 16 within the anchor's memory (session 18)
-CE_L=block=8192+warps=16+prefetch=1+reverse=1  # the CE launch 14 % under the default's kernel time (session 17)
 
 # lt_ok: whether cuBLASLt's GELU epilogues (the shipped gelu_impl since session 16) agree with their
 # twins on this call's GPU (bench/gpu_agreement.py --parts lt writes lt_ok; ~20 s, once per call: an
@@ -165,11 +157,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- mlpbwd d355
+[[ $# -eq 0 ]] && set -- u1.3B
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | mlpbwd | u124 | u355 | u1.3B | b124 | b355 | d124 | d355 | d1.3B | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, u124, u355, u1.3B, b124, b355, d124, d355, d1.3B, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | mlpbwd | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -207,9 +199,6 @@ for stage in "$@"; do
             --tok "$TOK" --tag lease_124M_ops --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
         mlpbwd) step mlp_bwd_probe 100 python bench/mlp_bwd_probe.py --out "$OUT" --tag lease ;;
-        d124) user_path 124M 480 124M_dgelu "nano hpcmeg:mb=16,set=$RG1 hpcmeg:mb=16,set=$RG1|$DG hpcmeg:set=$DG" ;;
-        d355) user_path 355M 520 355M_dgelu "nano hpcmeg:mb=16,set=$BIF hpcmeg:mb=16,set=$BIF|$DG hpcmeg:mb=16,set=$BIF|$DG,env=HPCMEG_CE_LAUNCH:$CE_L" ;;
-        d1.3B) user_path 1.3B 560 1.3B_dgelu "nano hpcmeg hpcmeg:set=$DG" ;;
         p355) step profile_355M 270 python bench/profile_step.py --targets trainer --size 355M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_355M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;
@@ -223,7 +212,7 @@ for stage in "$@"; do
             --tok "$TOK" --tag lease_124M_mb16 --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 --set train.micro_batch_size=16 ;;
         loss) step loss_parity 330 python bench/loss_parity.py --steps 400 --eval-interval 50 --tok "$TOK" --tag lease \
-            --out "$OUT" --hpcmeg-variants default,dgelu,candidate ;;
+            --out "$OUT" --hpcmeg-variants default,s18_gelu,candidate ;;
     esac
 done
 echo "== done after $((SECONDS - START)) s; results in $OUT/lease.tgz" | tee -a "$OUT/lease.log"

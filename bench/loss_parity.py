@@ -47,8 +47,9 @@ VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "a
             # (session 16's loss_parity_h100_s16.json ran "candidate" with all four)
             "s15_defaults": ["model.dropout_impl=triton", "model.gelu_impl=triton", "model.attention_backend=cudnn"],
             "candidate": ["model.cross_entropy=backward_in_forward"],
-            # session 18's opt-in: the MLP backward's GELU and fc1's bias gradient in cuBLASLt epilogues
-            "dgelu": ["model.gelu_impl=cublaslt_dgelu"]}
+            # session 19 made gelu_impl cublaslt_dgelu the default (loss_parity_h100_s19.json ran it as
+            # "dgelu", beside "default" = session 18's); "s18_gelu" is session 18's GELU (forward epilogue only)
+            "dgelu": ["model.gelu_impl=cublaslt_dgelu"], "s18_gelu": ["model.gelu_impl=cublaslt"]}
 
 def run_hpcmeg(r) -> dict:
     times, trainer = tt.run_trainer(r)

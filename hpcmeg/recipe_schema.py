@@ -147,11 +147,13 @@ class ModelConfig:
     layernorm_impl: str = "triton"
     """Fused path: triton (each LayerNorm backward, with the residual-gradient add, dropout mask and
     bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py) or inductor."""
-    gelu_impl: str = "cublaslt"
-    """Fused path: cublaslt (no GELU forward pass: cuBLASLt's GELU epilogue in fc1's GEMM,
-    hpcmeg/model/cublaslt.py, 0.9 % faster on an H100 at 124M; the backward as triton's; the triton
-    path, with a warning, where cuBLASLt cannot take the shape), triton (the MLP's GELU forward and
-    backward with its bias gradient, one pass each, hpcmeg/model/triton_gelu.py) or inductor (F.gelu)."""
+    gelu_impl: str = "cublaslt_dgelu"
+    """Fused path: cublaslt_dgelu (no GELU pass in either direction: cuBLASLt's GELU epilogue in
+    fc1's GEMM, its DGELU epilogue in fc2's input-gradient GEMM, fc1's bias gradient summed by fc1's
+    weight-gradient GEMM; hpcmeg/model/cublaslt.py; 0.4-1.2 % faster than cublaslt on an H100),
+    cublaslt (the forward epilogue only, the backward as triton's), triton (the MLP's GELU forward
+    and backward with its bias gradient, one pass each, hpcmeg/model/triton_gelu.py) or inductor
+    (F.gelu). The cuBLASLt ones take the triton path, with a warning, where cuBLASLt cannot."""
     recompute_gelu_layers: int = ranged(0, ge=0)
     """Fused path: the first this many layers (of each pipeline stage) keep their MLP's
     pre-activation but not its GELU output, which the backward recomputes (the Triton GELU in those

@@ -148,7 +148,7 @@ def test_the_library_accepts_every_descriptor_the_gemms_build():
 
 @pytest.mark.parametrize("kind", ["not_a_library", "lacks_the_symbols"])
 def test_an_unusable_library_warns_and_the_mlp_falls_back(kind, tmp_path, monkeypatch):
-    """gelu_impl 'cublaslt' is the default: a library that does not load (a stub, another CUDA
+    """gelu_impl 'cublaslt_dgelu' is the default: a library that does not load (a stub, another CUDA
     major's file) or lacks cuBLASLt's symbols must mean one warning and the Triton GELU path."""
     import ctypes.util
 

@@ -96,18 +96,19 @@ class GPTConfig:
     dropout mask and the bias gradient of the bias-dropout-add before it) is one pass of
     hpcmeg/model/triton_layernorm.py; 'inductor': autograd's formula, compiled by Inductor (a fused
     kernel, then column reductions that re-read its inputs). The forward is Inductor's either way."""
-    gelu_impl: str = "cublaslt"
-    """Fused path only. 'cublaslt' (the default): no GELU forward pass: fc1's GEMM applies the
-    GELU in its cuBLASLt epilogue (GELU_AUX_BIAS; 0.119 against 0.142 ms for GEMM + Triton GELU at
-    124M's shape on an H100; +0.9 % tokens/s in the 124M user path, bench/results/
-    user_path_h100_s16.md), the backward is 'triton''s (cuBLASLt's DGELU_BGRAD epilogue measured
-    2.1x slower); where no libcublasLt is loaded or its heuristic offers no algorithm for the shape,
-    the 'triton' path with a warning (hpcmeg/model/cublaslt.py). 'triton': the MLP's GELU forward
-    and backward (with its bias gradient) are hpcmeg/model/triton_gelu.py's kernels (exp2-based
-    tanh; one pass each); 'inductor': F.gelu. 'cublaslt_dgelu' (opt-in, not yet timed on a GPU):
-    'cublaslt' with no GELU pass in the backward either: fc2's input-gradient GEMM applies gelu'
-    in its DGELU epilogue and fc1's weight-gradient GEMM sums fc1's bias gradient (BGRADB), as
-    Transformer Engine does (bench/mlp_bwd_probe.py times the two backwards)."""
+    gelu_impl: str = "cublaslt_dgelu"
+    """Fused path only. 'cublaslt_dgelu' (the default since session 19): no GELU pass in either
+    direction, as Transformer Engine does it: fc1's GEMM applies the GELU in its cuBLASLt epilogue
+    (GELU_AUX_BIAS), fc2's input-gradient GEMM applies gelu' in its DGELU epilogue, and fc1's
+    weight-gradient GEMM sums fc1's bias gradient (BGRADB). On an H100 (bench/results/
+    user_path_h100_s19.md): +0.4 % tokens/s at 124M micro 16, +0.5 % at 355M, +1.2 % at 1.3B
+    against 'cublaslt'; loss parity with HF kept (largest gap 0.019 over 400 steps). 'cublaslt':
+    the forward epilogue only, the backward 'triton''s (cuBLASLt's combined DGELU_BGRAD epilogue
+    measured 2.1x slower than the GEMM + Triton pass; session 16's default). Where no libcublasLt
+    is loaded or its heuristic offers no algorithm for the shape, either takes the 'triton' path
+    with a warning (hpcmeg/model/cublaslt.py). 'triton': the MLP's GELU forward and backward (with
+    its bias gradient) are hpcmeg/model/triton_gelu.py's kernels (exp2-based tanh; one pass each);
+    'inductor': F.gelu."""
 
     recompute_gelu_layers: int = 0
     """Fused path only. The first this many layers of each pipeline stage keep their MLP's

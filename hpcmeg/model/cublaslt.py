@@ -19,15 +19,19 @@ the forward 0.119 ms against 0.142 for the GEMM + Triton GELU at 124M's [12288, 
 0.606 vs 0.253, 1.3B 0.950 vs 0.525). So the model (fused._MLPCublasLt) uses the forward epilogue
 only; linear_dgelu_bgrad stays for bench/gpu_agreement.py --parts lt, which times it on each GPU.
 In the 124M user path on an H100 (session 16, bench/results/user_path_h100_s16.md): +0.9 %
-tokens/s, so gelu_impl 'cublaslt' is the default; a library that does not load warns once and the
-MLP takes the 'triton' path.
-The backward without the GELU pass the other way (gelu_impl 'cublaslt_dgelu', opt-in, what
-Transformer Engine does): fc2's input-gradient GEMM with the DGELU epilogue alone (no bias
-gradient in it: linear_dgelu), and fc1's bias gradient summed by fc1's weight-gradient GEMM, which
-reads dh anyway, with the BGRADB epilogue into the fp32 main grad (wgrad_bgrad_). Against the
-shipped backward (GEMM, then the Triton pass reading dg and h and writing dh, ~109 us per layer
-call at 124M micro 16 on the H100, 5 % of the step: profile_h100_s17_124M_mb16_gbs192.md) it
-writes dh once from the GEMM; bench/mlp_bwd_probe.py times the two on the GPU (not yet measured).
+tokens/s, so gelu_impl 'cublaslt' became the default; a library that does not load warns once and
+the MLP takes the 'triton' path.
+The backward without the GELU pass the other way (gelu_impl 'cublaslt_dgelu', the default since
+session 19, what Transformer Engine does): fc2's input-gradient GEMM with the DGELU epilogue alone
+(no bias gradient in it: linear_dgelu), and fc1's bias gradient summed by fc1's weight-gradient
+GEMM, which reads dh anyway, with the BGRADB epilogue into the fp32 main grad (wgrad_bgrad_).
+Against the shipped backward (GEMM, then the Triton pass reading dg and h and writing dh) it
+writes dh once from the GEMM. Measured on an H100 (session 19, bench/results/
+mlp_bwd_probe_h100_s19.json): the MLP backward 0.260 against 0.269 ms at 124M (micro 12), 0.339
+against 0.361 (micro 16), 0.402 against 0.414 at 355M, 0.964 against 0.973 at 1.3B; in the user
+path +0.4 % (124M), +0.5 % (355M), +1.2 % (1.3B) tokens/s (bench/results/user_path_h100_s19.md).
+That cuBLASLt offers BGRADB beside an fp32 D only with an fp32 bias gradient (not dy's type, as
+Transformer Engine asks first); wgrad_bgrad_ tries both (the first quietly) and rounds the fp32 one.
 
 Layouts (cuBLASLt is column-major; a row-major [r, c] tensor is a column-major [c, r] one):
   forward  D[N, M] = op(A) B with A = W1 (row-major [N, K] = col-major [K, N], transposed),
@@ -190,10 +194,12 @@ class Lt:
 
     def gemm(self, device: torch.device, key: tuple, transa: int, transb: int, m: int, n: int, k: int,
              a: torch.Tensor, lda: int, b: torch.Tensor, ldb: int, d: torch.Tensor, ldd: int, epilogue: int,
-             bias: torch.Tensor | None, aux: torch.Tensor | None, aux_ld: int, beta: float = 0.0) -> bool:
+             bias: torch.Tensor | None, aux: torch.Tensor | None, aux_ld: int, beta: float = 0.0,
+             quiet: bool = False) -> bool:
         """D[m, n] = op(A) op(B) + beta D with the epilogue (all column-major; A, B and aux of one
         16-bit type, D of that type or fp32, C = D); bias / aux None where the epilogue takes none.
-        False when the heuristic offers no algorithm (the caller falls back to its twin)."""
+        False when the heuristic offers no algorithm (the caller falls back to its twin; a warning
+        once per problem unless quiet: the caller has another form of the call to try)."""
         layouts, desc = [], None
         try:
             for dt, (rows, cols, ld) in ((_CUDA_TYPE[a.dtype], ((k, m) if transa == _OP_T else (m, k)) + (lda,)),
@@ -215,8 +221,8 @@ class Lt:
                     self.lib.cublasLtMatmulPreferenceDestroy(pref)
                 ok = st == 0 and count.value > 0 and res.state == 0
                 self._algos[key] = (res, res.workspace_size) if ok else None
-                if not ok:  # said once per problem: the op then runs its fallback (the Triton GELU path,
-                    # or for wgrad_bgrad_ its other bias type, then torch's GEMM and a sum)
+                if not ok and not quiet:  # said once per problem: the op then runs its fallback (the
+                    # Triton GELU path, or for wgrad_bgrad_ torch's GEMM and a sum)
                     warnings.warn(f"cuBLASLt offers no algorithm for {key} (status {st}, {count.value} found): "
                                   "the op takes its fallback path (hpcmeg/model/cublaslt.py)", stacklevel=2)
             found = self._algos[key]
@@ -388,14 +394,15 @@ def wgrad_bgrad_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, offset: 
     if lib is not None:
         main, t = flat[offset:offset + out_f * in_f], dy2.shape[0]
         # the bias gradient in dy's type (what Transformer Engine asks for beside an fp32 D), else in
-        # fp32 (D's type) where the heuristic offers an algorithm only for that
+        # fp32 (D's type): the H100's cuBLASLt 13 offers an algorithm only for that (session 19), so
+        # the first try is quiet and only the last one's miss is said
         for bias_dtype in (dy.dtype, torch.float32):
             db = torch.empty(out_f, dtype=bias_dtype, device=dy.device)
             key = ("wgrad_bgrad", dy.device.index, dy.dtype, t, out_f, in_f, bias_dtype, _alignment(x2, dy2, main, db))
             # main[out, in] row-major = D[in, out] column-major = A[in, T] op(B)[T, out], A = x (col-major
             # [in, T]), B = dy (col-major [out, T], transposed), beta 1: bench/gemm_probe.py's Problem
             if lib.gemm(dy.device, key, _OP_N, _OP_T, in_f, out_f, t, x2, in_f, dy2, out_f, main, in_f,
-                        _EPILOGUE_BGRADB, db, None, 0, beta=1.0):
+                        _EPILOGUE_BGRADB, db, None, 0, beta=1.0, quiet=bias_dtype != torch.float32):
                 return db.to(dy.dtype)
     torch.ops.hpcmeg.wgrad_accumulate_(flat, dy2, x2, offset)
     return dy2.float().sum(0).to(dy.dtype)

@@ -33,11 +33,12 @@ What "fused" means here, op by op:
     vs Inductor's libdevice-tanh 45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
   * With both (bench/results/user_path_s9b_124M_kernels.md, 124M user path, one call): 494.6K vs
     482.7K tokens/s (+2.5 %).
-  * mlp with gelu_impl 'cublaslt' (the default): no GELU forward pass, the GELU in fc1's cuBLASLt
-    GEMM epilogue (hpcmeg/model/cublaslt.py); the backward is the Triton path's. +0.9 % tokens/s
-    in the 124M user path on an H100 (bench/results/user_path_h100_s16.md). 'cublaslt_dgelu'
-    (opt-in, not yet timed): the backward's GELU in fc2's input-gradient GEMM's epilogue too, and
-    fc1's bias gradient in fc1's weight-gradient GEMM (no GELU pass in either direction).
+  * mlp with gelu_impl 'cublaslt': no GELU forward pass, the GELU in fc1's cuBLASLt GEMM epilogue
+    (hpcmeg/model/cublaslt.py); the backward is the Triton path's. +0.9 % tokens/s in the 124M
+    user path on an H100 (bench/results/user_path_h100_s16.md). 'cublaslt_dgelu' (the default
+    since session 19): the backward's GELU in fc2's input-gradient GEMM's epilogue too, and fc1's
+    bias gradient in fc1's weight-gradient GEMM (no GELU pass in either direction): +0.4 to +1.2 %
+    tokens/s at 124M to 1.3B on an H100 (bench/results/user_path_h100_s19.md).
   * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
 
 Everything here also runs on CPU in fp32 (tests compare it against ops.py within 1e-5).
