@@ -442,15 +442,47 @@ def lt_step_checks(rows):
               flush=True)
 
 
+def bda_ln_checks(rows):
+    """layernorm_impl 'triton_forward' (hpcmeg/model/triton_bda_layernorm.py): the bias-dropout-add +
+    LayerNorm forward kernel against its twin in fp64 at the three sizes' shapes (bf16, packed keep
+    bits, p = 0.1), each timed against Inductor's compiled plain ops, what it replaces (CUDA-graph
+    replays). ~20 s."""
+    from hpcmeg.model import triton_bda_layernorm as bda
+    from hpcmeg.model import triton_dropout
+
+    def plain(x, bias, res, keep, scale, w, b):
+        branch = (x + bias.to(x.dtype)) * triton_dropout.unpack_bits(keep, list(x.shape)) * scale
+        out = res + branch
+        return out, torch.nn.functional.layer_norm(out, (out.shape[-1],), w, b, 1e-5)
+
+    compiled = torch.compile(plain)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for size, (n, h) in {"124M": (12288, 768), "355M": (12288, 1024), "1.3B": (8192, 2048)}.items():
+        x, res = (torch.randn(n, h, device="cuda", generator=g).bfloat16() for _ in range(2))
+        bias, w, b = (torch.randn(h, device="cuda", generator=g).bfloat16() for _ in range(3))
+        keep = torch.ops.hpcmeg.dropout_keep_bits(triton_dropout.draw_seed(x.device), [n, h], 0.1)
+        scale = triton_dropout.keep_scale(0.1)
+        out, y = torch.ops.hpcmeg.bda_layer_norm(x, bias, res, keep, scale, w, b, 1e-5)
+        ro, ry = bda.reference_forward(x.double(), bias.double(), res.double(), keep, scale, w.double(),
+                                       b.double(), 1e-5)
+        errs = dict(out=rel(out, ro), y=rel(y, ry))
+        times = dict(kernel=_graph_ms(lambda: torch.ops.hpcmeg.bda_layer_norm(x, bias, res, keep, scale, w, b, 1e-5)),
+                     inductor=_graph_ms(lambda: compiled(x, bias, res, keep, scale, w, b)))
+        ok = all(e < TOL for e in errs.values())
+        rows.append(dict(check=f"bias-dropout-add + LayerNorm forward kernel {size} [{n}, {h}]", rel_err=errs,
+                         ms=times, ok=ok))
+        print(f"bda_layer_norm {size}: errs {errs} ms {times} {'ok' if ok else 'FAIL'}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--parts", default="ops,model,dropout,wgrad,ce,kernels,lt,ltstep",
-                    help="comma list of ops, model, dropout, wgrad, ce, kernels, lt, ltstep, run in that order")
+                    help="comma list of ops, model, dropout, wgrad, ce, kernels, lt, ltstep, bdaln, run in that order")
     a = ap.parse_args()
     table = {"ops": op_checks, "model": model_checks, "dropout": dropout_and_accumulation_checks,
              "wgrad": wgrad_fusion_checks, "ce": ce_checks, "kernels": kernel_impl_checks,
-             "lt": lambda rows: lt_checks(rows, a.out), "ltstep": lt_step_checks}
+             "lt": lambda rows: lt_checks(rows, a.out), "ltstep": lt_step_checks, "bdaln": bda_ln_checks}
     parts = a.parts.split(",")  # run in the order given: a lease's timeout cuts the last ones
     unknown = [p for p in parts if p not in table]
     if unknown:

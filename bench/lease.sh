@@ -2,7 +2,7 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: u1.3B, the one target still missed after session 19):
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: bdaln u1.3B, the one target still missed after session 19):
 #     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -54,6 +54,10 @@
 #             epilogue in fc2's input-gradient GEMM, the bias gradient by the BGRADB epilogue of fc1's
 #             weight-gradient GEMM; the default since session 19: 1-6 % faster per MLP backward) at
 #             124M (micro 12 and 16), 355M and 1.3B, checked against the twin
+#     bdaln   the bias-dropout-add + LayerNorm forward kernel (layernorm_impl triton_forward, session 19,
+#             untimed so far) against its fp64 twin and timed against Inductor's compiled plain ops at
+#             the three sizes' shapes (bench/gpu_agreement.py --parts bdaln, ~30 s). Inductor's kernel
+#             reads each row twice above hidden 1024: 92 us per [8192, 2048] call at 1.3B on the H100
 #     p355 | p1.3B
 #             where the 355M (micro 12, global 192) and 1.3B (micro 8, global 64) user paths' time goes,
 #             dropout 0.1, as shipped (session 19, H100, 1.3B: GEMMs 73 % of the GPU time, attention
@@ -139,6 +143,9 @@ user_path_u() {  # user_path_u SIZE MAX_S
     # exceed it)
     [[ $size == 124M ]] && items="$items hpcmeg:mb=16 hpcmeg:mb=16,set=model.recompute_gelu_layers=1 hpcmeg:mb=16,set=model.recompute_gelu_layers=2"
     [[ $size == 355M ]] && items="$items hpcmeg:mb=16,set=$BIF"
+    # the bias-dropout-add + LayerNorm forward as one Triton row pass (session 19, untimed): for
+    # 1.3B's hidden 2048, where Inductor's kernel reads each row twice
+    items="$items hpcmeg:set=model.layernorm_impl=triton_forward"
     user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=cublaslt hpcmeg:set=model.gelu_impl=triton"
 }
 
@@ -157,11 +164,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- u1.3B
+[[ $# -eq 0 ]] && set -- bdaln u1.3B
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | mlpbwd | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | mlpbwd | bdaln | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, bdaln, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -199,6 +206,7 @@ for stage in "$@"; do
             --tok "$TOK" --tag lease_124M_ops --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
         mlpbwd) step mlp_bwd_probe 100 python bench/mlp_bwd_probe.py --out "$OUT" --tag lease ;;
+        bdaln) step bda_ln_check 90 python bench/gpu_agreement.py --parts bdaln --out "$OUT/bdaln" ;;
         p355) step profile_355M 270 python bench/profile_step.py --targets trainer --size 355M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_355M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;

@@ -146,7 +146,10 @@ class ModelConfig:
     (torch's dropout; Inductor draws inside its fused kernels). CPU always uses native."""
     layernorm_impl: str = "triton"
     """Fused path: triton (each LayerNorm backward, with the residual-gradient add, dropout mask and
-    bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py) or inductor."""
+    bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py), triton_forward
+    (triton, plus each bias-dropout-add + LayerNorm forward as one Triton row pass,
+    hpcmeg/model/triton_bda_layernorm.py: for hidden sizes above 1024, where Inductor's kernel reads
+    each row twice; opt-in, untimed) or inductor."""
     gelu_impl: str = "cublaslt_dgelu"
     """Fused path: cublaslt_dgelu (no GELU pass in either direction: cuBLASLt's GELU epilogue in
     fc1's GEMM, its DGELU epilogue in fc2's input-gradient GEMM, fc1's bias gradient summed by fc1's
@@ -395,7 +398,7 @@ CHOICES = {
     ("model", "fused"): ("auto", "on", "off"),
     ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
     ("model", "dropout_impl"): ("triton", "triton_bits", "native"),
-    ("model", "layernorm_impl"): ("triton", "inductor"),
+    ("model", "layernorm_impl"): ("triton", "triton_forward", "inductor"),
     ("model", "gelu_impl"): ("triton", "inductor", "cublaslt", "cublaslt_dgelu"),
     ("model", "cross_entropy"): ("fused", "grad_in_forward", "fused_inductor", "compiled", "chunked",
                                  "backward_in_forward"),

@@ -17,9 +17,10 @@ from hpcmeg.train.optim import build_optimizer
 
 @pytest.mark.parametrize("kw", [{}, {"attention_backend": "triton"}, {"gelu_impl": "triton"},
                                 {"recompute_gelu_layers": 1}, {"fused_ce": "backward_in_forward"},
-                                {"gelu_impl": "cublaslt"}],
+                                {"gelu_impl": "cublaslt", "hidden_dropout": 0.1},
+                                {"layernorm_impl": "triton_forward", "hidden_dropout": 0.1}],
                          ids=["shipped", "triton_attention", "triton_gelu", "recompute_gelu", "backward_in_forward",
-                              "cublaslt"])
+                              "cublaslt", "triton_forward"])
 def test_the_sunk_fused_model_has_no_graph_break(kw):
     from torch._dynamo.utils import counters
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math")
 CE_IMPLS = ("fused", "fused_inductor", "grad_in_forward", "compiled", "chunked", "backward_in_forward")
 DROPOUT_IMPLS = ("triton", "triton_bits", "native")
-KERNEL_IMPLS = ("triton", "inductor")  # layernorm_impl
+KERNEL_IMPLS = ("triton", "triton_forward", "inductor")  # layernorm_impl
 GELU_IMPLS = ("triton", "inductor", "cublaslt", "cublaslt_dgelu")
 
 
@@ -95,7 +95,11 @@ class GPTConfig:
     """Fused path only. 'triton': every LayerNorm's backward (with the residual-gradient add, the
     dropout mask and the bias gradient of the bias-dropout-add before it) is one pass of
     hpcmeg/model/triton_layernorm.py; 'inductor': autograd's formula, compiled by Inductor (a fused
-    kernel, then column reductions that re-read its inputs). The forward is Inductor's either way."""
+    kernel, then column reductions that re-read its inputs). The forward is Inductor's with both.
+    'triton_forward' (opt-in, untimed on a GPU): 'triton' with each bias-dropout-add + LayerNorm
+    forward as one Triton row pass too (hpcmeg/model/triton_bda_layernorm.py), where Inductor's
+    fused kernel re-reads each row above hidden 1024 (92 us per [8192, 2048] call on the H100, 3.7 %
+    of the 1.3B step: bench/results/profile_h100_s19_1.3B_gbs64.md)."""
     gelu_impl: str = "cublaslt_dgelu"
     """Fused path only. 'cublaslt_dgelu' (the default since session 19): no GELU pass in either
     direction, as Transformer Engine does it: fc1's GEMM applies the GELU in its cuBLASLt epilogue

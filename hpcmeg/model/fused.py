@@ -55,10 +55,10 @@ from hpcmeg.model import wgrad
 from hpcmeg.model.fused_ce import HAVE_TRITON_CE, autocast_cast, linear_cross_entropy  # noqa: F401  (the op set)
 
 # the custom ops these register (torch.ops.hpcmeg.flash_attention, .layer_norm_backward,
-# .gelu_tanh(_backward), .dropout_keep_mask) must exist before
+# .bda_layer_norm, .gelu_tanh(_backward), .dropout_keep_mask) must exist before
 # torch.compile traces the model; their CPU paths are the plain twins, so no triton needed
 from hpcmeg.model import triton_attention, triton_dropout
-from hpcmeg.model import cublaslt, triton_gelu, triton_layernorm  # noqa: F401
+from hpcmeg.model import cublaslt, triton_bda_layernorm, triton_gelu, triton_layernorm  # noqa: F401
 
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
 # imports (then the keep-mask op runs its kernel on CUDA).
@@ -98,7 +98,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
                layernorm_impl: str = "triton") -> torch.Tensor:
     """LayerNorm over the last dim; layernorm_impl 'triton': the backward in one Triton pass
     (hpcmeg/model/triton_layernorm.py), 'inductor': autograd's (Inductor's kernels when compiled)."""
-    if layernorm_impl == "triton" and torch.is_grad_enabled():
+    if layernorm_impl in ("triton", "triton_forward") and torch.is_grad_enabled():
         return _LayerNorm.apply(x, weight, bias, eps)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -283,18 +283,22 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     that, where it would materialise the zeros of an unused output."""
 
     @staticmethod
-    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True):
-        branch = x + bias.to(x.dtype)
-        if keep is not None:  # bool [..., H], or packed uint8 [..., H / 8] (saved packed: 1/8 the bytes)
-            mask = triton_dropout.unpack_bits(keep, list(x.shape)) if keep.dtype == torch.uint8 else keep
-            branch = branch * mask * scale
-        out = residual + branch
+    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True, fwd_kernel=False):
+        if fwd_kernel:  # layernorm_impl 'triton_forward': one Triton row pass (triton_bda_layernorm)
+            out, y = torch.ops.hpcmeg.bda_layer_norm(x, bias, residual, keep, scale, weight, ln_bias, eps)
+        else:
+            branch = x + bias.to(x.dtype)
+            if keep is not None:  # bool [..., H], or packed uint8 [..., H / 8] (saved packed: 1/8 the bytes)
+                mask = triton_dropout.unpack_bits(keep, list(x.shape)) if keep.dtype == torch.uint8 else keep
+                branch = branch * mask * scale
+            out = residual + branch
+            y = F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
         ctx.save_for_backward(out, weight, keep)
         ctx.scale, ctx.eps, ctx.out_grad = scale, eps, out_grad
         ctx.set_materialize_grads(False)
         if not out_grad:
             ctx.mark_non_differentiable(out)
-        return out, F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
+        return out, y
 
     @staticmethod
     def backward(ctx, d_out, dy):
@@ -308,14 +312,16 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         if keep is None:  # no dropout: the branch's gradient is the residual's
             d_x = d_res
         return (d_x.to(out.dtype), dbias.to(weight.dtype), d_res.to(out.dtype), None, None,
-                dw.to(weight.dtype), db.to(weight.dtype), None, None)
+                dw.to(weight.dtype), db.to(weight.dtype), None, None, None)
 
 
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton",
                                 layernorm_impl: str = "triton", out_grad: bool = True):
-    """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm.
+    """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm;
+    'triton_forward': the same with its forward as one Triton row pass (triton_bda_layernorm; not
+    under autocast, where F.layer_norm's fp32 output would differ from the kernel's x dtype).
     out_grad False: the caller uses the new residual only through its LayerNorm (it gets no gradient)."""
-    if layernorm_impl == "triton" and torch.is_grad_enabled() and bias is not None:
+    if layernorm_impl in ("triton", "triton_forward") and torch.is_grad_enabled() and bias is not None:
         keep, scale = None, 1.0
         if training and p > 0:
             if _mask_kernel_for(x, dropout_impl):
@@ -326,8 +332,10 @@ def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bi
                 scale = triton_dropout.keep_scale(p)
             else:
                 keep, scale = torch.rand_like(x, dtype=torch.float32) >= p, 1.0 / (1.0 - p)
+        fwd_kernel = (layernorm_impl == "triton_forward" and ln_bias is not None
+                      and not torch.is_autocast_enabled(x.device.type))
         return _BiasDropoutAddLayerNorm.apply(x, bias, residual, keep, scale,
-                                              ln_weight, ln_bias, eps, out_grad)
+                                              ln_weight, ln_bias, eps, out_grad, fwd_kernel)
     out = bias_dropout_add(x, bias, residual, p, training, dropout_impl)
     return out, F.layer_norm(out, (out.shape[-1],), ln_weight, ln_bias, eps)
 

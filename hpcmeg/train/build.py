@@ -68,11 +68,11 @@ def attention_backend_for(backend: str, device: torch.device, precision: str,
 
 def kernels_of(cfg) -> str:
     """The fused model's kernel choices in one phrase for the start line and record, e.g.
-    'attention triton, GELU cublaslt, dropout triton_bits, CE grad_in_forward' (what 'auto' resolved
-    to on this device; a cuBLASLt fallback at run time warns on its own)."""
+    'attention triton, GELU cublaslt_dgelu, LayerNorm triton, dropout triton_bits, CE grad_in_forward'
+    (what 'auto' resolved to on this device; a cuBLASLt fallback at run time warns on its own)."""
     recompute = f", GELU recomputed in {cfg.recompute_gelu_layers} layer(s)" if cfg.recompute_gelu_layers else ""
-    return (f"attention {cfg.attention_backend}, GELU {cfg.gelu_impl}, dropout {cfg.dropout_impl}, "
-            f"CE {cfg.fused_ce}{recompute}")
+    return (f"attention {cfg.attention_backend}, GELU {cfg.gelu_impl}, LayerNorm {cfg.layernorm_impl}, "
+            f"dropout {cfg.dropout_impl}, CE {cfg.fused_ce}{recompute}")
 
 
 def share_cpu_threads(env: DistEnv, device: torch.device) -> None:
