@@ -104,13 +104,7 @@ def _check(x, bias, residual, keep, weight, ln_bias) -> None:
     for name, t in (("bias", bias), ("weight", weight), ("ln_bias", ln_bias)):
         if t.shape != (h,):
             problems.append(f"{name} {tuple(t.shape)} must be [H] = [{h}]")
-    if keep is not None and keep.dtype == torch.uint8:  # packed: triton_dropout.pack_bits' layout
-        if h % 8 or keep.shape != (*x.shape[:-1], h // 8):
-            problems.append(f"packed keep {tuple(keep.shape)} must be [..., H / 8] of x's shape {tuple(x.shape)} "
-                            f"(H a multiple of 8)")
-    elif keep is not None and (keep.shape != x.shape or keep.dtype != torch.bool):
-        problems.append(f"keep {tuple(keep.shape)} {keep.dtype} must be bool of x's shape {tuple(x.shape)} "
-                        f"or uint8 bits [..., H / 8]")
+    problems += triton_layernorm.keep_problems(keep, x, "x")
     if problems:
         raise ValueError("bda_layer_norm: " + "; ".join(problems))
 

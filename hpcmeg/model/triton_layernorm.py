@@ -281,15 +281,23 @@ def _check(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, d_res: Optio
         problems.append(f"weight {tuple(weight.shape)} must be [H] = [{h}]")
     if d_res is not None and d_res.shape != dy.shape:
         problems.append(f"d_res {tuple(d_res.shape)} must be dy's shape {tuple(dy.shape)}")
-    if keep is not None and keep.dtype == torch.uint8:  # packed: triton_dropout.pack_bits' layout
-        if h % 8 or keep.shape != (*dy.shape[:-1], h // 8):
-            problems.append(f"packed keep {tuple(keep.shape)} must be [..., H / 8] of dy's shape {tuple(dy.shape)} "
-                            f"(H a multiple of 8)")
-    elif keep is not None and (keep.shape != dy.shape or keep.dtype != torch.bool):
-        problems.append(f"keep {tuple(keep.shape)} {keep.dtype} must be bool of dy's shape {tuple(dy.shape)} "
-                        f"or uint8 bits [..., H / 8]")
+    problems += keep_problems(keep, dy, "dy")
     if problems:
         raise ValueError("layer_norm_backward: " + "; ".join(problems))
+
+
+def keep_problems(keep: Optional[torch.Tensor], like: torch.Tensor, name: str) -> list[str]:
+    """What is wrong with a keep mask for rows shaped like `like` [..., H] (none: []): a bool mask of
+    like's shape, or uint8 bits [..., H / 8] packed as triton_dropout.pack_bits does."""
+    h = like.shape[-1] if like.dim() else 0
+    if keep is not None and keep.dtype == torch.uint8:
+        if h % 8 or keep.shape != (*like.shape[:-1], h // 8):
+            return [f"packed keep {tuple(keep.shape)} must be [..., H / 8] of {name}'s shape {tuple(like.shape)} "
+                    f"(H a multiple of 8)"]
+    elif keep is not None and (keep.shape != like.shape or keep.dtype != torch.bool):
+        return [f"keep {tuple(keep.shape)} {keep.dtype} must be bool of {name}'s shape {tuple(like.shape)} "
+                f"or uint8 bits [..., H / 8]"]
+    return []
 
 
 def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
