@@ -141,6 +141,35 @@ def test_residual_stream_dtype_under_autocast(fp32_res):
     assert seen == [(want, want)] and loss.dtype == torch.float32
 
 
+def test_init_on_threads_is_the_serial_init(monkeypatch):
+    """GPT.reset_parameters draws the parameters on several threads: every value is init_value's
+    for its (seed, name), the parameters stay leaves that require grad, and one thread gives the
+    same model."""
+    import concurrent.futures
+
+    import hpcmeg.model.gpt as gpt_module
+    from hpcmeg.model.init import init_value
+    pools = []
+
+    class Pool(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, workers):
+            pools.append(workers)
+            super().__init__(workers)
+
+    monkeypatch.setattr(gpt_module.concurrent.futures, "ThreadPoolExecutor", Pool)
+    monkeypatch.setattr(gpt_module.torch, "get_num_threads", lambda: 8)  # a CI machine may give 1
+    cfg = tiny(num_layers=4, vocab_size=100)
+    threaded = GPT(cfg, init_seed=7)
+    assert pools == [gpt_module.INIT_THREADS] and gpt_module.INIT_THREADS > 1
+    for name, p in threaded.named_parameters():
+        assert p.requires_grad and p.grad_fn is None, name
+        assert torch.equal(p, init_value(name, p.shape, cfg, 7)), name
+    monkeypatch.setattr(gpt_module, "INIT_THREADS", 1)
+    serial = GPT(cfg, init_seed=7).state_dict()
+    for name, t in threaded.state_dict().items():
+        assert torch.equal(t, serial[name]), name
+
+
 def test_init_is_the_same_whatever_the_layout():
     """Each parameter comes from its own (seed, global name) generator: a pipeline chunk holds exactly
     its layers of the whole model, real vocabulary rows ignore the padding, the head copy of a last
