@@ -217,14 +217,20 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layer_range = range(cfg.num_layers) if layers is None else layers
-        self.embedding = Embedding(cfg) if pre_process else None
-        self.encoder = Encoder(cfg, len(self.layer_range), final_layernorm=post_process)
-        self.head = LMHead(cfg) if post_process else None
-        self.word_embeddings_for_head = HeadWeight(cfg) if post_process and not pre_process else None
+        # the modules are built on the meta device, then given storage and reset_parameters' values:
+        # built for real, nn.Linear and nn.Embedding would first draw their own default init on the
+        # CPU, only to be overwritten (half of a 1.3B model's 19.5 s construction on a 2-core machine)
+        device = torch.empty(0).device  # the caller's default device: meta under torch.device("meta")
+        with torch.device("meta"):
+            self.embedding = Embedding(cfg) if pre_process else None
+            self.encoder = Encoder(cfg, len(self.layer_range), final_layernorm=post_process)
+            self.head = LMHead(cfg) if post_process else None
+            self.word_embeddings_for_head = HeadWeight(cfg) if post_process and not pre_process else None
         if init_seed is None:  # one draw from the global RNG keeps GPT(cfg) deterministic under manual_seed
             init_seed = int(torch.randint(0, 2 ** 62, (1,), device="cpu").item())
         self.init_seed = init_seed
-        if not any(p.is_meta for p in self.parameters()):
+        if device.type != "meta":
+            self.to_empty(device=device)
             self.reset_parameters()
 
     def global_name(self, name: str) -> str:
