@@ -41,8 +41,8 @@ from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.init import init_value
 
 
-# parameters initialised at once (GPT.reset_parameters): a constant, the host memory per rank it
-# may take is this many full parameter tensors
+# how many parameters GPT.reset_parameters draws at once, on as many threads: the extra host memory
+# per rank is at most this many full parameter tensors
 INIT_THREADS = 4
 
 
