@@ -115,7 +115,7 @@ def bda_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, 
     """The Triton kernel: (out, y), contract in the module docstring."""
     _check(x, bias, residual, keep, weight, ln_bias)
     h = x.shape[-1]
-    x2, res2 = x.contiguous().view(-1, h), residual.contiguous().view(-1, h)
+    x2, res2 = triton_layernorm._rows(x, h), triton_layernorm._rows(residual, h)
     n = x2.shape[0]
     out, y = torch.empty_like(x2).view(x.shape), torch.empty_like(x2).view(x.shape)
     if n == 0 or h == 0:
@@ -123,7 +123,7 @@ def bda_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, 
     p = plan(n, h, x.device, launch)
     has_keep = keep is not None
     bits = has_keep and keep.dtype == torch.uint8
-    keep2 = (keep.contiguous() if bits else keep.contiguous().view(-1, h).view(torch.uint8)) if has_keep else x2
+    keep2 = (keep.contiguous() if bits else triton_layernorm._rows(keep, h).view(torch.uint8)) if has_keep else x2
     with triton_layernorm._on(x.device):
         _bda_ln_fwd_kernel[(p.programs,)](
             x2, res2, keep2, bias.contiguous(), weight.contiguous(), ln_bias.contiguous(), out, y,
