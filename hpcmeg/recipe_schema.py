@@ -227,6 +227,10 @@ class TrainConfig:
     --gradient-accumulation-fusion; hpcmeg/model/wgrad.py): auto (on for a fused model on CUDA with
     bf16/fp16 parameters), on (any fused model: the CPU twin), off (gradients go through the buffer's
     grad_accumulation path)."""
+    optimizer_kernel: str = "auto"
+    """What runs AdamW's update of the fp32 masters (hpcmeg/train/optim.py): auto (compiled on CUDA,
+    plain elsewhere), compiled (torch.compile of the plain update), triton (a hand-written kernel,
+    hpcmeg/train/triton_adamw.py: the same results to the bit; CUDA only) or plain."""
     device: str = "auto"
     """auto (CUDA when available), cuda or cpu."""
     exit_duration_minutes: Optional[float] = ranged(None, gt=0, null="no limit")
@@ -407,6 +411,7 @@ CHOICES = {
     ("train", "compile"): ("auto", "on", "off"),
     ("train", "grad_accumulation"): ("bucketed", "per_param"),
     ("train", "gradient_accumulation_fusion"): ("auto", "on", "off"),
+    ("train", "optimizer_kernel"): ("auto", "compiled", "triton", "plain"),
     ("train", "device"): ("auto", "cuda", "cpu"),
     ("cluster", "executor"): ("slurm", "local"),
     ("container", "runtime"): ("apptainer", "pyxis", "none"),

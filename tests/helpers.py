@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import re
 import os
 import signal
 import socket
@@ -362,11 +363,33 @@ def run_in_triton_interpreter(script: str, expect: str = "ok", timeout: int = 30
     assert r.returncode == 0 and r.stdout.strip().endswith(expect), r.stdout[-1000:] + r.stderr[-3000:]
 
 
-def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+def ptxas_spill_bytes(compiled) -> int:
+    """Bytes of register spill stores + loads that sm90's ptxas (Triton's wheel's, -v) reports for a
+    compile_for_hopper result: 0 when every value stays in registers."""
+    import tempfile
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    assert found, r.stderr[-2000:]
+    return sum(int(a) + int(b) for a, b in found)
+
+
+def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                       aligned_ints: tuple = (), **options):
     """Compile a @triton.jit kernel for sm90 on this CPU machine (Triton's frontend, its MLIR passes
     and the ptxas its wheel ships) and return the CompiledKernel. Catches what Triton's interpreter
     accepts but its compiler rejects (a GPU call found one: returns of different shapes in constexpr
-    branches). types: every non-constexpr parameter's Triton type ('*bf16', 'i32', 'fp32', ...)."""
+    branches). types: every non-constexpr parameter's Triton type ('*bf16', 'i32', 'fp32', ...).
+    aligned_ints: integer parameters a real launch passes as multiples of 16 (Triton specializes
+    them so, which decides vector widths); options: more compile options (enable_fp_fusion=False)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
     import inspect
@@ -380,8 +403,8 @@ def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int = 4
     # pointers 16-byte aligned, as a launch with torch's allocations specializes them (without it
     # every load compiles to scalar accesses, which the GPU never runs)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n not in constexprs and types[n].startswith("*")}
+             if n not in constexprs and (types[n].startswith("*") or n in aligned_ints)}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, attrs=attrs,
                                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))

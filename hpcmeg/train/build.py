@@ -143,7 +143,8 @@ def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ct
     buffer, optimizer = rank_optimizer(
         model, plan, dims, ctx, param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, summed), lr=train.lr,
         weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-        accumulate=train.grad_accumulation, wgrad_fusion=wgrad_fusion(train.gradient_accumulation_fusion, model, pdt))
+        accumulate=train.grad_accumulation, wgrad_fusion=wgrad_fusion(train.gradient_accumulation_fusion, model, pdt),
+        update_kernel=train.optimizer_kernel)
     scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale) if train.precision == "fp16" else None
     return buffer, optimizer, scaler
 

@@ -1,0 +1,133 @@
+"""hpcmeg/train/triton_adamw.py (train.optimizer_kernel 'triton'): the AdamW update kernel against its
+plain twin (optim.adamw_master_update_) in Triton's CPU interpreter, on its own and inside FlatAdamW
+over a model's buffers for a few steps; the kernel compiled for sm90 (vector loads, IEEE division,
+no contracted multiply-adds); how the update kernel is chosen, and the recipe key.
+
+Two interpreter artifacts are allowed for, neither of which the GPU has: the interpreter converts
+fp32 to bf16 by truncation (the GPU's cvt.rn rounds to nearest even), so the bf16 parameter copy may
+be one bf16 ulp off; and the twin on CPU divides by a 0-d tensor as a multiply by its reciprocal, so
+a master weight may be one fp32 ulp off. exp_avg and exp_avg_sq must match to the bit.
+The GPU comparison (to the bit, both on CUDA) is bench/gpu_agreement.py --parts adamw.
+"""
+
+import re
+
+import pytest
+import torch
+
+from hpcmeg.train import optim
+from hpcmeg.train import triton_adamw as ta
+from helpers import run_in_triton_interpreter
+
+_KERNEL_CHECK = r"""
+import torch
+from hpcmeg.train.optim import adamw_master_update_
+from hpcmeg.train.triton_adamw import Launch, adamw_update_
+
+def close(a, b, ulps, scale):  # |a - b| <= ulps units in the last place of a's dtype at scale's magnitude
+    eps = torch.finfo(a.dtype).eps
+    return bool(((a.double() - b.double()).abs() <= ulps * eps * scale.double().abs()).all())
+
+g = torch.Generator().manual_seed(0)
+n_checks = 0
+for n, launch in ((5000, Launch(block=1024, warps=4)), (4096, Launch()), (77, Launch(block=128, warps=1))):
+    for gdt in (torch.float32, torch.bfloat16):
+        for pdt in (torch.bfloat16, torch.float32):
+            master = torch.randn(n, generator=g)
+            m = torch.randn(n, generator=g) * 1e-2
+            v = torch.rand(n, generator=g) * 1e-4
+            grad = (torch.randn(n, generator=g) * 1e-2).to(gdt)
+            for hp in (torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 1 - 0.9 ** 3, 0.7, (1 - 0.95 ** 3) ** 0.5]),
+                       torch.tensor([3e-4, 0.8, 0.999, 1e-6, 0.0, 1 - 0.8, 1.0, (1 - 0.999) ** 0.5])):
+                a = [master.to(pdt, copy=True), master.clone(), m.clone(), v.clone()]
+                b = [t.clone() for t in a]
+                adamw_master_update_(a[0], a[1], grad, a[2], a[3], hp)
+                adamw_update_(b[0], b[1], grad, b[2], b[3], hp, launch)
+                assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]), (n, gdt, pdt)
+                assert close(a[1], b[1], 1, a[1].abs().maximum(master.abs())) and int((a[1] != b[1]).sum()) <= max(2, n // 500), (n, gdt, pdt)
+                assert close(a[0], b[0], 1, a[1].abs().maximum(master.abs())), (n, gdt, pdt)
+                assert not torch.equal(a[1], master)  # the update moved the weights
+                n_checks += 1
+assert n_checks == 24
+print("ok")
+"""
+
+
+def test_kernel_matches_twin_in_interpreter():
+    """Ragged and whole blocks, fp32 and bf16 gradients and parameters, with and without decay and
+    clipping: exp_avg / exp_avg_sq bit for bit, masters and parameter copy within the artifacts above."""
+    run_in_triton_interpreter(_KERNEL_CHECK)
+
+
+_OPTIMIZER_CHECK = r"""
+import torch
+from hpcmeg.model.config import GPTConfig
+from hpcmeg.model.gpt import GPT
+from hpcmeg.train.optim import build_optimizer
+from hpcmeg.train.step import TrainStep
+
+def run(kernel):
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=96,
+                    max_position_embeddings=32, padded_vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPT(cfg, init_seed=3)
+    buf, opt = build_optimizer(model, 1e-2, weight_decay=0.1, compiled=False, update_kernel=kernel)
+    ts = TrainStep(model, buf, opt, "fp32", grad_clip=0.05, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(1):
+        x = torch.randint(0, 128, (4, 32), generator=g)
+        for grp in opt.param_groups:
+            grp["lr"] = 1e-2
+        ts.run([(x[:2], x[:2].roll(-1, 1)), (x[2:], x[2:].roll(-1, 1))])
+    return opt
+
+# one step (two micro batches, clipped): the same gradients in, so the moments to the bit and the
+# masters within an ulp. (Later steps would compare chaos: an ulp in a weight moves the attention
+# key biases' gradients, zero in exact arithmetic, and Adam scales that noise into lr-sized steps.)
+po, to = run("plain"), run("triton")
+assert to.name == "hpcmeg.FlatAdamW(triton)" and po.name == "hpcmeg.FlatAdamW(plain)", (to.name, po.name)
+assert torch.equal(po.exp_avg, to.exp_avg) and torch.equal(po.exp_avg_sq, to.exp_avg_sq)
+assert float((po.master - to.master).abs().max()) <= 2 ** -22 * float(po.master.abs().max())
+assert float(po.exp_avg.abs().sum()) > 0
+print("ok")
+"""
+
+
+def test_flat_adamw_with_triton_kernel_follows_plain():
+    """FlatAdamW over a GPT's buffers (two parameter groups, clipping on, two micro batches): a step
+    with the Triton update and with the plain one give the same moments and (within the artifacts) masters."""
+    run_in_triton_interpreter(_OPTIMIZER_CHECK)
+
+
+def test_compiles_for_hopper_with_vector_loads_and_ieee_division():
+    from helpers import compile_for_hopper
+    types = dict(P16="*bf16", MASTER="*fp32", GRAD="*fp32", M="*fp32", V="*fp32", HP="*fp32", n="i64")
+    ptx = compile_for_hopper(ta._adamw_kernel, types, dict(BLOCK=ta.DEFAULT_LAUNCH.block),
+                             num_warps=ta.DEFAULT_LAUNCH.warps, aligned_ints=("n",), enable_fp_fusion=False).asm["ptx"]
+    loads = re.findall(r"ld\.global\.[\w.:]+", ptx)
+    # 16 elements per thread: four 16-byte vectors for each of grad, exp_avg, exp_avg_sq, master
+    assert sum(1 for x in loads if x.endswith("v4.b32")) == 16, loads
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "sqrt.rn.f32" in ptx and "fma." not in ptx
+
+
+def test_update_kernel_choice():
+    dev_cpu = torch.zeros(4)
+    assert optim.update_kernel_for("auto", False, dev_cpu) == "plain"
+    assert optim.update_kernel_for("auto", True, dev_cpu) == "compiled"
+    assert optim.update_kernel_for("plain", True, dev_cpu) == "plain"
+    with pytest.raises(ValueError, match="not one of auto, compiled, triton, plain"):
+        optim.update_kernel_for("fused", False, dev_cpu)
+    if not ta.available(dev_cpu):  # outside the interpreter a CPU optimizer cannot run the kernel
+        with pytest.raises(ValueError, match="train.optimizer_kernel=triton needs Triton"):
+            optim.update_kernel_for("triton", False, dev_cpu)
+
+
+def test_recipe_key(tmp_path):
+    from hpcmeg.recipe_yaml import RecipeError
+    from hpcmeg.recipe import load_recipe
+    p = tmp_path / "r.yaml"
+    p.write_text("run: {name: t}\ndata: {inputs: [x.jsonl]}\ntrain: {train_iters: 10, micro_batch_size: 1, global_batch_size: 1}\n")
+    assert load_recipe(p).train.optimizer_kernel == "auto"
+    assert load_recipe(p, ["train.optimizer_kernel=triton"]).train.optimizer_kernel == "triton"
+    with pytest.raises(RecipeError, match="train.optimizer_kernel"):
+        load_recipe(p, ["train.optimizer_kernel=apex"])
