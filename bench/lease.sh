@@ -2,7 +2,8 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: bdaln u1.3B, the one target still missed after session 19):
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: bdaln adamw u1.3B, for the one
+#                                          target still missed after session 19; then `a1.3B u1.3B`):
 #     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -59,6 +60,17 @@
 #             untimed so far) against its fp64 twin and timed against Inductor's compiled plain ops at
 #             the three sizes' shapes (bench/gpu_agreement.py --parts bdaln, ~30 s). Inductor's kernel
 #             reads each row twice above hidden 1024: 92 us per [8192, 2048] call at 1.3B on the H100
+#     adamw   the AdamW update kernel (train.optimizer_kernel triton, session 20, untimed so far) against
+#             the eager twin on CUDA (elements that differ: none expected) and Inductor's compiled twin
+#             (the default), then both timed at 1.3B's 1.31 G elements with five launch shapes of the
+#             kernel (bench/gpu_agreement.py --parts adamw, ~40 s, 24 GB). Inductor's took 19.7 ms per
+#             1.3B step on the H100, 2.0 TB/s
+#     a1.3B   attention tiles at 1.3B's head dim 128 only (bench/attention_probe.py, p = 0.1; ~60 s):
+#             the default tiles were tuned at head dim 64 and checked at 128 only against a few
+#             variants (H200, session 12); these add 32-wide key steps, 8 warps, 16-row backward
+#             steps and 128-key dK/dV blocks on 8 warps (session 20, static: all compile for sm90
+#             without spills and on wgmma; 32-row blocks fall back to mma.sync), and writes
+#             attention_best_1.3B.txt for a later u1.3B
 #     p355 | p1.3B
 #             where the 355M (micro 12, global 192) and 1.3B (micro 8, global 64) user paths' time goes,
 #             dropout 0.1, as shipped (session 19, H100, 1.3B: GEMMs 73 % of the GPU time, attention
@@ -70,8 +82,8 @@
 #             its log also holds Inductor's generated code (TORCH_LOGS=output_code), which says what the
 #             ~74 one-microsecond `triton_poi_fused__to_copy_1` casts per micro batch convert
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0), the
-#             shipped defaults (gelu_impl cublaslt_dgelu since session 19), session 18's gelu_impl
-#             cublaslt and backward_in_forward (the opt-in that could become a default)
+#             shipped defaults (gelu_impl cublaslt_dgelu since session 19), the 1.3B candidates
+#             (layernorm_impl triton_forward + optimizer_kernel triton) and backward_in_forward
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
 # folder in the tree with an earlier call's attention_best_<size>.txt, for a call without the
@@ -145,7 +157,9 @@ user_path_u() {  # user_path_u SIZE MAX_S
     [[ $size == 124M ]] && items="$items hpcmeg:mb=16 hpcmeg:mb=16,set=model.recompute_gelu_layers=1 hpcmeg:mb=16,set=model.recompute_gelu_layers=2"
     [[ $size == 355M ]] && items="$items hpcmeg:mb=16,set=$BIF"
     # the bias-dropout-add + LayerNorm forward as one Triton row pass (session 19, untimed): for
-    # 1.3B's hidden 2048, where Inductor's kernel reads each row twice
+    # 1.3B's hidden 2048, where Inductor's kernel reads each row twice; with it the AdamW kernel
+    # (session 20, untimed; the adamw stage times both updates on their own), then alone
+    items="$items hpcmeg:set=model.layernorm_impl=triton_forward|train.optimizer_kernel=triton"
     items="$items hpcmeg:set=model.layernorm_impl=triton_forward"
     user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=cublaslt hpcmeg:set=model.gelu_impl=triton"
 }
@@ -165,11 +179,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- bdaln u1.3B
+[[ $# -eq 0 ]] && set -- bdaln adamw u1.3B
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | mlpbwd | bdaln | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, bdaln, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | mlpbwd | bdaln | adamw | a1.3B | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, bdaln, adamw, a1.3B, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -208,6 +222,11 @@ for stage in "$@"; do
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
         mlpbwd) step mlp_bwd_probe 100 python bench/mlp_bwd_probe.py --out "$OUT" --tag lease ;;
         bdaln) step bda_ln_check 90 python bench/gpu_agreement.py --parts bdaln --out "$OUT/bdaln" ;;
+        adamw) step adamw_check 100 python bench/gpu_agreement.py --parts adamw --out "$OUT/adamw" ;;
+        a1.3B) step attention_probe_1.3B 120 python bench/attention_probe.py --sizes 1.3B --p 0.1 --no-sdpa --tag lease_1.3B \
+            --agree "fwd_n=32+dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8" \
+            --fwd "default fwd_n=32 fwd_warps=8 fwd_m=128+fwd_warps=8+fwd_n=32 heavy_first=1" \
+            --bwd "default heavy_first=1 dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8 bwd_stages=2" ;;
         p355) step profile_355M 270 python bench/profile_step.py --targets trainer --size 355M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_355M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 ;;
@@ -221,7 +240,7 @@ for stage in "$@"; do
             --tok "$TOK" --tag lease_124M_mb16 --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=192 --set train.micro_batch_size=16 ;;
         loss) step loss_parity 330 python bench/loss_parity.py --steps 400 --eval-interval 50 --tok "$TOK" --tag lease \
-            --out "$OUT" --hpcmeg-variants default,s18_gelu,candidate ;;
+            --out "$OUT" --hpcmeg-variants default,kernels_1.3B,candidate ;;
     esac
 done
 echo "== done after $((SECONDS - START)) s; results in $OUT/lease.tgz" | tee -a "$OUT/lease.log"
