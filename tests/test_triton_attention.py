@@ -61,6 +61,33 @@ def test_kernels_match_the_twins_in_the_interpreter():
     run_in_triton_interpreter(_INTERPRETER_CHECK)
 
 
+def test_shipped_tiles_compile_to_wgmma_without_spills():
+    """The default tiles at the head dims GPT-2's sizes use (64; 128 at 1.3B), compiled for sm90 as a
+    launch specializes them (strides and the sequence length multiples of 16): every kernel on
+    wgmma (Hopper's warpgroup MMA; a tile under 64 rows per warpgroup falls back to mma.sync) and
+    without register spills. (Without the integer hints the loads compile to 2-byte scalars, no
+    cp.async pipelining, and the 128 kernels spill: a static reading that misleads.)"""
+    pytest.importorskip("triton")
+    from helpers import ptxas_spill_bytes
+    ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16",
+                PQ="*fp32", PKV="*fp32")
+    ints = {n: "i32" for n in ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "H", "S", "thresh")}
+    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    aligned = ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "S")
+    b = ta.DEFAULT_BLOCKS
+    for d in (64, 128):
+        flags = dict(D=d, DROPOUT=True, HEAVY=b.heavy_first)
+        for kernel, tiles, warps, stages in (
+                (ta._attn_fwd_kernel, dict(BM=b.fwd_m, BN=b.fwd_n), b.fwd_warps, b.fwd_stages),
+                (ta._attn_dkv_kernel, dict(BN=b.dkv_n, BM=b.dkv_m, BIAS_GRAD=True), b.bwd_warps, b.bwd_stages),
+                (ta._attn_dq_kernel, dict(BM=b.dq_m, BN=b.dq_n, BIAS_GRAD=True), b.bwd_warps, b.bwd_stages)):
+            k = compile_for_hopper(kernel, types, dict(flags, **tiles), warps, stages, aligned_ints=aligned)
+            name = f"{kernel.fn.__name__} at head dim {d}"
+            assert "wgmma.mma_async" in k.asm["ptx"], name
+            assert "cp.async" in k.asm["ptx"], name  # the K/V (Q/dO) tiles pipelined into shared memory
+            assert ptxas_spill_bytes(k) == 0, name
+
+
 def test_kernels_compile_for_hopper():
     """What the GPU runs: the default tiles at head dim 64; the heavy-first grids with the probe's
     wider backward iterations (dkv_m = dq_n = 64) at head dim 128."""
