@@ -445,8 +445,9 @@ def lt_step_checks(rows):
 def bda_ln_checks(rows):
     """layernorm_impl 'triton_forward' (hpcmeg/model/triton_bda_layernorm.py): the bias-dropout-add +
     LayerNorm forward kernel against its twin in fp64 at the three sizes' shapes (bf16, packed keep
-    bits, p = 0.1), each timed against Inductor's compiled plain ops, what it replaces (CUDA-graph
-    replays). ~20 s."""
+    bits, p = 0.1), reading the bits and drawing them itself (then its bits against the keep-bits
+    kernel's, bit for bit), each timed against Inductor's compiled plain ops, what it replaces, and
+    the keep-bits kernel that the drawing one makes unnecessary (CUDA-graph replays). ~30 s."""
     from hpcmeg.model import triton_bda_layernorm as bda
     from hpcmeg.model import triton_dropout
 
@@ -466,11 +467,23 @@ def bda_ln_checks(rows):
         ro, ry = bda.reference_forward(x.double(), bias.double(), res.double(), keep, scale, w.double(),
                                        b.double(), 1e-5)
         errs = dict(out=rel(out, ro), y=rel(y, ry))
+        # the kernel drawing the mask itself (what the model runs with triton_bits): the same bits
+        # as the keep-bits kernel's from the same seed, and its outputs against fp64 with them
+        seed = triton_dropout.draw_seed(x.device)
+        d_out, d_y, d_bits = torch.ops.hpcmeg.bda_layer_norm_drawn(x, bias, res, seed, 0.1, w, b, 1e-5)
+        same_bits = bool(torch.equal(d_bits, torch.ops.hpcmeg.dropout_keep_bits(seed, [n, h], 0.1)))
+        ro, ry = bda.reference_forward(x.double(), bias.double(), res.double(), d_bits, scale, w.double(),
+                                       b.double(), 1e-5)
+        errs.update(drawn_out=rel(d_out, ro), drawn_y=rel(d_y, ry))
         times = dict(kernel=_graph_ms(lambda: torch.ops.hpcmeg.bda_layer_norm(x, bias, res, keep, scale, w, b, 1e-5)),
-                     inductor=_graph_ms(lambda: compiled(x, bias, res, keep, scale, w, b)))
-        ok = all(e < TOL for e in errs.values())
+                     inductor=_graph_ms(lambda: compiled(x, bias, res, keep, scale, w, b)),
+                     keep_bits=_graph_ms(lambda: torch.ops.hpcmeg.dropout_keep_bits(seed, [n, h], 0.1)),
+                     drawn=_graph_ms(lambda: torch.ops.hpcmeg.bda_layer_norm_drawn(x, bias, res, seed, 0.1, w, b, 1e-5)))
+        # per call, as the model runs it: before (bits kernel + Inductor) and with triton_forward (drawn)
+        times["shipped_path"] = round(times["keep_bits"] + times["inductor"], 4)
+        ok = all(e < TOL for e in errs.values()) and same_bits
         rows.append(dict(check=f"bias-dropout-add + LayerNorm forward kernel {size} [{n}, {h}]", rel_err=errs,
-                         ms=times, ok=ok))
+                         drawn_bits_equal=same_bits, ms=times, ok=ok))
         print(f"bda_layer_norm {size}: errs {errs} ms {times} {'ok' if ok else 'FAIL'}", flush=True)
 
 

@@ -57,9 +57,11 @@
 #             weight-gradient GEMM; the default since session 19: 1-6 % faster per MLP backward) at
 #             124M (micro 12 and 16), 355M and 1.3B, checked against the twin
 #     bdaln   the bias-dropout-add + LayerNorm forward kernel (layernorm_impl triton_forward, session 19,
-#             untimed so far) against its fp64 twin and timed against Inductor's compiled plain ops at
-#             the three sizes' shapes (bench/gpu_agreement.py --parts bdaln, ~30 s). Inductor's kernel
-#             reads each row twice above hidden 1024: 92 us per [8192, 2048] call at 1.3B on the H100
+#             untimed so far; since session 20 it draws the packed keep-mask itself with triton_bits)
+#             against its fp64 twin, its drawn bits against the keep-bits kernel's, and timed against
+#             Inductor's compiled plain ops + the keep-bits kernel at the three sizes' shapes
+#             (bench/gpu_agreement.py --parts bdaln, ~30 s). Inductor's kernel reads each row twice
+#             above hidden 1024: 92 us per [8192, 2048] call at 1.3B on the H100
 #     adamw   the AdamW update kernel (train.optimizer_kernel triton, session 20, untimed so far) against
 #             the eager twin on CUDA (elements that differ: none expected) and Inductor's compiled twin
 #             (the default), then both timed at 1.3B's 1.31 G elements with five launch shapes of the

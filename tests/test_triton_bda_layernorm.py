@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hpcmeg.model import triton_bda_layernorm as bda
+from hpcmeg.model import triton_dropout as td
 from hpcmeg.model import triton_layernorm as tln
 from helpers import run_in_triton_interpreter
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from hpcmeg.model import triton_bda_layernorm as bda
 from hpcmeg.model import triton_layernorm as tln
+from hpcmeg.model import triton_dropout as td
 from hpcmeg.model.triton_dropout import pack_bits, unpack_bits
 
 def inputs(shape, dtype, keep, wdtype=torch.float32):
@@ -74,12 +76,26 @@ for wdtype in (torch.float32, torch.bfloat16):
     want_y = F.layer_norm(out.float(), (256,), w.float(), b.float(), eps)
     assert ((y.float() - want_y).abs() <= want_y.abs() * ulp + 1e-5).all(), (wdtype, (y.float() - want_y).abs().max())
     n_checks += 1
+# the kernel drawing its own mask: the packed bits are triton_dropout's for (seed, shape, p) bit for
+# bit, and out, y are the twin's with them (several programs, ragged, with and without prefetch)
+seed = torch.tensor([2 ** 61 + 12345], dtype=torch.int64)  # both 32-bit halves of the key in play
+for shape, launch in (((37, 96), few), ((9, 768), tln.DEFAULT_LAUNCH), ((2, 5, 2048), tln.Launch(programs=4, prefetch=False))):
+    x, bias, residual, _, _, w, b, eps = inputs(shape, torch.float32, None)
+    for p in (0.1, 0.5, 0.0):
+        out, y, bits = bda.bda_layer_norm_drawn(x, bias, residual, seed, p, w, b, eps, launch=launch)
+        r_out, r_y, r_bits = bda.reference_forward_drawn(x, bias, residual, seed, p, w, b, eps)
+        assert torch.equal(bits, r_bits) and torch.equal(bits, td.reference_keep_bits(seed, list(shape), p)), (shape, p)
+        kept = unpack_bits(bits, list(shape)).float().mean().item()
+        assert abs(kept - (1 - p)) < 0.05, (shape, p, kept)  # a fixed seed: no flakiness
+        torch.testing.assert_close(out, r_out, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(y, r_y, rtol=1e-5, atol=1e-5)
+        n_checks += 1
 print("ok", n_checks)
 """
 
 
 def test_kernel_matches_the_twin_in_the_interpreter():
-    run_in_triton_interpreter(_INTERPRETER_CHECK, expect="ok 9")
+    run_in_triton_interpreter(_INTERPRETER_CHECK, expect="ok 18")
 
 
 def test_custom_op_opcheck_and_cpu_path():
@@ -101,6 +117,16 @@ def test_custom_op_opcheck_and_cpu_path():
         bda.bda_layer_norm(x, bias, res, torch.zeros(2, 5, 2, dtype=torch.uint8), 1.0, w, b, 1e-5)
     with pytest.raises(ValueError, match="residual"):
         bda.bda_layer_norm(x, bias, res.double(), None, 1.0, w, b, 1e-5)
+    # the drawing op: its twin's bits are triton_dropout's
+    seed = torch.tensor([77], dtype=torch.int64)
+    for args in ((x, bias, res, seed, 0.1, w, b, 1e-5), (x.bfloat16(), bias, res.bfloat16(), seed, 0.3, w, b, 1e-5)):
+        torch.library.opcheck(bda.bda_layer_norm_drawn_op, args)
+        out, y, bits = torch.ops.hpcmeg.bda_layer_norm_drawn(*args)
+        assert torch.equal(bits, td.reference_keep_bits(seed, list(x.shape), args[4]))
+        r_out, r_y = bda.reference_forward(*args[:3], bits, td.keep_scale(args[4]), *args[5:])
+        assert torch.equal(out, r_out) and torch.equal(y, r_y)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        bda.reference_forward_drawn(x[..., :20], bias[:20], res[..., :20], seed, 0.1, w[:20], b[:20], 1e-5)
 
 
 def test_kernel_compiles_for_hopper():
@@ -113,13 +139,20 @@ def test_kernel_compiles_for_hopper():
     p = tln.plan(8192, 2048, torch.device("cpu"))
     assert (p.rows, p.warps) == (1, 8)
     types = dict(X="*bf16", RES="*bf16", KEEP="*u8", BIAS="*bf16", W="*bf16", B="*bf16", OUT="*bf16", Y="*bf16",
-                 N="i32", rows_per_prog="i32", eps="fp32", scale="fp32")
+                 SEED="*bf16", N="i32", rows_per_prog="i32", eps="fp32", scale="fp32", thresh="i32")
     ptx = compile_for_hopper(bda._bda_ln_fwd_kernel, types, dict(
-        H=2048, BLOCK_H=p.block_h, R=p.rows, HAS_KEEP=True, KEEP_BITS=True, PREFETCH=True),
+        H=2048, BLOCK_H=p.block_h, R=p.rows, HAS_KEEP=True, KEEP_BITS=True, PREFETCH=True, DRAW=False),
         num_warps=p.warps).asm["ptx"]
     loads = re.findall(r"ld\.global\.[\w.]+", ptx)
     assert loads.count("ld.global.b8") == 2, loads
     assert loads.count("ld.global.v4.b32") >= 4, loads
+    # drawing the mask: no mask loads, one Philox call (10 rounds, 2 high multiplies each) and one
+    # byte store per thread per row
+    ptx = compile_for_hopper(bda._bda_ln_fwd_kernel, dict(types, SEED="*i64"), dict(
+        H=2048, BLOCK_H=p.block_h, R=p.rows, HAS_KEEP=False, KEEP_BITS=False, PREFETCH=True, DRAW=True),
+        num_warps=p.warps, aligned_ints=("N",)).asm["ptx"]
+    assert "ld.global.b8" not in ptx and ptx.count("mul.hi.u32") == 20, ptx.count("mul.hi.u32")
+    assert len(re.findall(r"st\.global\.b8", ptx)) == 1
 
 
 def _tiny(**kw):
@@ -151,3 +184,35 @@ def test_the_model_with_the_forward_kernel_matches_triton(compiled):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6, msg=lambda s: f"{n}: {s}")
     with pytest.raises(ValueError, match="layernorm_impl"):
         dataclasses.replace(_tiny(), layernorm_impl="triton_fwd")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_drawing_forward_matches_the_drawn_bits(compiled):
+    """_BiasDropoutAddLayerNorm given (seed, p) (the kernel draws the mask; here the op's twin) against
+    the same given triton_dropout's bits of that seed: the same out, y and gradients of x, bias,
+    residual and the LN parameters. (The model takes this path on CUDA only, with dropout_impl
+    'triton_bits'; compiled with fullgraph: the op is one opaque node.)"""
+    from hpcmeg.model import fused
+    torch.manual_seed(4)
+    x, res = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
+    bias, w, b = torch.randn(64), 1 + 0.1 * torch.randn(64), torch.randn(64)
+    seed, p = torch.tensor([99], dtype=torch.int64), 0.2
+    up = torch.randn(2, 16, 64)
+
+    def run(draw):
+        leaves = [t.clone().requires_grad_() for t in (x, bias, res, w, b)]
+        xx, bb, rr, ww, lb = leaves
+        if draw:
+            fn = lambda: fused._BiasDropoutAddLayerNorm.apply(xx, bb, rr, None, td.keep_scale(p), ww, lb, 1e-5,
+                                                               True, True, seed, p)
+        else:
+            keep = td.reference_keep_bits(seed, list(x.shape), p)
+            fn = lambda: fused._BiasDropoutAddLayerNorm.apply(xx, bb, rr, keep, td.keep_scale(p), ww, lb, 1e-5,
+                                                               True, True)
+        out, y = torch.compile(fn, fullgraph=True)() if compiled else fn()
+        (out * up + y * up.flip(-1)).sum().backward()
+        return [out.detach(), y.detach()] + [t.grad for t in leaves]
+
+    for a, r in zip(run(True), run(False)):
+        assert torch.equal(a, r)
+    assert float(run(True)[3].abs().sum()) > 0  # the bias got a gradient

@@ -283,8 +283,11 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     that, where it would materialise the zeros of an unused output."""
 
     @staticmethod
-    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True, fwd_kernel=False):
-        if fwd_kernel:  # layernorm_impl 'triton_forward': one Triton row pass (triton_bda_layernorm)
+    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True, fwd_kernel=False,
+                seed=None, p=0.0):
+        if seed is not None:  # 'triton_forward' drawing its packed keep-mask itself from (seed, p)
+            out, y, keep = torch.ops.hpcmeg.bda_layer_norm_drawn(x, bias, residual, seed, p, weight, ln_bias, eps)
+        elif fwd_kernel:  # layernorm_impl 'triton_forward': one Triton row pass (triton_bda_layernorm)
             out, y = torch.ops.hpcmeg.bda_layer_norm(x, bias, residual, keep, scale, weight, ln_bias, eps)
         else:
             branch = x + bias.to(x.dtype)
@@ -312,17 +315,26 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         if keep is None:  # no dropout: the branch's gradient is the residual's
             d_x = d_res
         return (d_x.to(out.dtype), dbias.to(weight.dtype), d_res.to(out.dtype), None, None,
-                dw.to(weight.dtype), db.to(weight.dtype), None, None, None)
+                dw.to(weight.dtype), db.to(weight.dtype), None, None, None, None, None)
 
 
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton",
                                 layernorm_impl: str = "triton", out_grad: bool = True):
     """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm;
     'triton_forward': the same with its forward as one Triton row pass (triton_bda_layernorm; not
-    under autocast, where F.layer_norm's fp32 output would differ from the kernel's x dtype).
+    under autocast, where F.layer_norm's fp32 output would differ from the kernel's x dtype), which
+    with dropout_impl 'triton_bits' on CUDA draws the packed keep-mask itself.
     out_grad False: the caller uses the new residual only through its LayerNorm (it gets no gradient)."""
     if layernorm_impl in ("triton", "triton_forward") and torch.is_grad_enabled() and bias is not None:
         keep, scale = None, 1.0
+        fwd_kernel = (layernorm_impl == "triton_forward" and ln_bias is not None
+                      and not torch.is_autocast_enabled(x.device.type))
+        if (fwd_kernel and training and p > 0 and _mask_kernel_for(x, dropout_impl) and dropout_impl == "triton_bits"
+                and x.shape[-1] % triton_dropout.PER_CALL == 0):
+            # the kernel draws the packed mask itself (triton_dropout's bits, bit for bit): no
+            # separate keep-bits kernel, no write and re-read of the bits before the forward
+            return _BiasDropoutAddLayerNorm.apply(x, bias, residual, None, triton_dropout.keep_scale(p), ln_weight,
+                                                  ln_bias, eps, out_grad, True, triton_dropout.draw_seed(x.device), p)
         if training and p > 0:
             if _mask_kernel_for(x, dropout_impl):
                 seed, shape = triton_dropout.draw_seed(x.device), list(x.shape)
@@ -332,8 +344,6 @@ def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bi
                 scale = triton_dropout.keep_scale(p)
             else:
                 keep, scale = torch.rand_like(x, dtype=torch.float32) >= p, 1.0 / (1.0 - p)
-        fwd_kernel = (layernorm_impl == "triton_forward" and ln_bias is not None
-                      and not torch.is_autocast_enabled(x.device.type))
         return _BiasDropoutAddLayerNorm.apply(x, bias, residual, keep, scale,
                                               ln_weight, ln_bias, eps, out_grad, fwd_kernel)
     out = bias_dropout_add(x, bias, residual, p, training, dropout_impl)

@@ -30,19 +30,29 @@ Contract
       x's dtype first, as the plain ops do (bias.to(x.dtype)).
   reference_forward(...): the twin, the plain ops that _BiasDropoutAddLayerNorm ran before this
       kernel: each op in x's dtype, then F.layer_norm.
+  bda_layer_norm_drawn(x, bias, residual, seed, p, weight, ln_bias, eps) -> (out, y, bits): the same
+      with the keep-mask drawn inside the kernel from seed ([1] int64) and p, and written packed,
+      bits = triton_dropout.dropout_keep_bits(seed, x.shape, p) bit for bit (the same Philox counter
+      per 8 elements), scale = triton_dropout.keep_scale(p); H % 8 == 0. What the model runs with
+      dropout_impl 'triton_bits' (session 20): the separate keep-bits kernel (5.4 ms of the 1.3B
+      step on the H100, profile_h100_s19_1.3B_gbs64.md, Philox-bound) goes, and its Philox calls
+      (one per thread per row) run while the next row's loads are in flight. Twin
+      reference_forward_drawn; custom op hpcmeg::bda_layer_norm_drawn.
   Custom op hpcmeg::bda_layer_norm (the Python object `bda_layer_norm_op`): the kernel on CUDA when
       Triton imports and x is bf16, fp16 or fp32; the twin elsewhere. Its fake gives the shapes, so
       torch.compile and CUDA graphs see one opaque call.
-  tests/test_triton_bda_layernorm.py checks the kernel against the twin in Triton's interpreter,
-  the op (opcheck), and the fused model with 'triton_forward' against 'triton'.
-Untimed on a GPU so far: `bench/lease.sh u1.3B` runs it beside the shipped row.
+  tests/test_triton_bda_layernorm.py checks the kernel against the twin in Triton's interpreter
+  (the drawn bits against triton_dropout's), the ops (opcheck), and the fused model with
+  'triton_forward' against 'triton'.
+Untimed on a GPU so far: `bench/lease.sh bdaln` times the kernel (reading bits and drawing them)
+against Inductor's, and `u1.3B` runs the model with it beside the shipped row.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from hpcmeg.model import triton_layernorm
+from hpcmeg.model import triton_dropout, triton_layernorm
 from hpcmeg.model.triton_dropout import unpack_bits
 from hpcmeg.model.triton_layernorm import DEFAULT_LAUNCH, Launch, plan
 
@@ -52,13 +62,29 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if triton is not None:
     _load_rows = triton_layernorm._load_rows
+    _keep2 = triton_dropout._keep2
 
     @triton.jit
-    def _bda_ln_fwd_kernel(X, RES, KEEP, BIAS, W, B, OUT, Y, N, rows_per_prog, eps, scale,
+    def _draw_keep(seed, KEEP, rows, row_end, thresh, H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr):
+        """The keep-mask of rows `rows` drawn here, triton_dropout's layout bit for bit (byte c of
+        the flat packed mask = Philox counter c = row * H / 8 + column / 8, element 8c + g in bit g):
+        stored packed to KEEP (for the backward) and returned expanded, [R, BLOCK_H] int32 0/1, each
+        thread's 8 adjacent elements from its own byte (the layout _load_rows gives loaded bits)."""
+        c8 = tl.arange(0, BLOCK_H // 8)
+        c = rows.to(tl.int64)[:, None] * (H // 8) + c8[None, :]  # [R, BLOCK_H / 8] counters
+        r0, r1, r2, r3 = tl.randint4x(seed, c)
+        byte = _keep2(r0, thresh, 0) | _keep2(r1, thresh, 2) | _keep2(r2, thresh, 4) | _keep2(r3, thresh, 6)
+        tl.store(KEEP + c, byte.to(tl.uint8), mask=(rows < row_end)[:, None] & (c8 < H // 8)[None, :])
+        return tl.reshape((byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, [R, BLOCK_H])
+
+    @triton.jit
+    def _bda_ln_fwd_kernel(X, RES, KEEP, BIAS, W, B, OUT, Y, SEED, N, rows_per_prog, eps, scale, thresh,
                            H: tl.constexpr, BLOCK_H: tl.constexpr, R: tl.constexpr, HAS_KEEP: tl.constexpr,
-                           KEEP_BITS: tl.constexpr, PREFETCH: tl.constexpr):
+                           KEEP_BITS: tl.constexpr, PREFETCH: tl.constexpr, DRAW: tl.constexpr):
         """Rows [pid * rows_per_prog, ...) R at a time: out = res + (x + bias) * keep * scale (fp32,
-        rounded once), y = LayerNorm(rounded out) * w + b (rounded once)."""
+        rounded once), y = LayerNorm(rounded out) * w + b (rounded once). DRAW: the keep-mask is
+        drawn here from SEED ([1] int64) and threshold `thresh` and written packed to KEEP (then
+        HAS_KEEP and KEEP_BITS are off: nothing is loaded from KEEP)."""
         pid = tl.program_id(0)
         row_start = pid * rows_per_prog
         row_end = tl.minimum(row_start + rows_per_prog, N)
@@ -68,6 +94,7 @@ if triton is not None:
         bias = tl.load(BIAS + cols, mask=cmask, other=0.0).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        seed = tl.load(SEED) if DRAW else 0
         # _load_rows(DY, X, ...) returns (X's rows, DY's rows, -, keep): here (residual, x, -, keep)
         res_n, x_n, _, keep_n = _load_rows(X, RES, X, KEEP, row_start, row_end, cols, H, BLOCK_H, R,
                                            False, HAS_KEEP, KEEP_BITS)
@@ -80,7 +107,9 @@ if triton is not None:
             m = (rows < row_end)[:, None] & cmask[None, :]
             offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
             branch = x_raw.to(tl.float32) + bias[None, :]
-            if HAS_KEEP:
+            if DRAW:  # Philox here, while the next rows' loads are in flight
+                keep_raw = _draw_keep(seed, KEEP, rows, row_end, thresh, H, BLOCK_H, R)
+            if HAS_KEEP or DRAW:
                 branch = tl.where(keep_raw != 0, branch * scale, 0.0)
             out = (res_raw.to(tl.float32) + branch).to(OUT.dtype.element_ty)
             tl.store(OUT + offs, out, mask=m)
@@ -109,11 +138,8 @@ def _check(x, bias, residual, keep, weight, ln_bias) -> None:
         raise ValueError("bda_layer_norm: " + "; ".join(problems))
 
 
-def bda_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, keep: torch.Tensor | None,
-                   scale: float, weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
-                   launch: Launch = DEFAULT_LAUNCH) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel: (out, y), contract in the module docstring."""
-    _check(x, bias, residual, keep, weight, ln_bias)
+def _launch(x, bias, residual, keep, scale, weight, ln_bias, eps, launch, seed=None, thresh=0):
+    # keep: the mask read (None, bool or packed), or with a seed the packed mask the kernel writes
     h = x.shape[-1]
     x2, res2 = triton_layernorm._rows(x, h), triton_layernorm._rows(residual, h)
     n = x2.shape[0]
@@ -121,16 +147,45 @@ def bda_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, 
     if n == 0 or h == 0:
         return out, y
     p = plan(n, h, x.device, launch)
-    has_keep = keep is not None
+    draw = seed is not None
+    has_keep = keep is not None and not draw
     bits = has_keep and keep.dtype == torch.uint8
-    keep2 = (keep.contiguous() if bits else triton_layernorm._rows(keep, h).view(torch.uint8)) if has_keep else x2
+    keep2 = keep if draw else (keep.contiguous() if bits else triton_layernorm._rows(keep, h).view(torch.uint8)) \
+        if has_keep else x2
     with triton_layernorm._on(x.device):
         _bda_ln_fwd_kernel[(p.programs,)](
             x2, res2, keep2, bias.contiguous(), weight.contiguous(), ln_bias.contiguous(), out, y,
-            n, p.rows_per_prog, float(eps), float(scale),
+            seed if draw else x2, n, p.rows_per_prog, float(eps), float(scale), thresh,
             H=h, BLOCK_H=p.block_h, R=p.rows, HAS_KEEP=has_keep, KEEP_BITS=bits, PREFETCH=p.prefetch,
-            num_warps=p.warps)
+            DRAW=draw, num_warps=p.warps)
     return out, y
+
+
+def bda_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, keep: torch.Tensor | None,
+                   scale: float, weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                   launch: Launch = DEFAULT_LAUNCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel: (out, y), contract in the module docstring."""
+    _check(x, bias, residual, keep, weight, ln_bias)
+    return _launch(x, bias, residual, keep, scale, weight, ln_bias, eps, launch)
+
+
+def _check_draw(x, seed, p) -> None:
+    triton_dropout._check(seed, p)
+    if x.dim() < 1 or x.shape[-1] % triton_dropout.PER_CALL:
+        raise ValueError(f"bda_layer_norm_drawn: x's last dim ({tuple(x.shape)}) must be a multiple of "
+                         f"{triton_dropout.PER_CALL} (the packed mask's bytes)")
+
+
+def bda_layer_norm_drawn(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, seed: torch.Tensor, p: float,
+                         weight: torch.Tensor, ln_bias: torch.Tensor, eps: float,
+                         launch: Launch = DEFAULT_LAUNCH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel drawing its own mask: (out, y, bits), contract in the module docstring."""
+    _check(x, bias, residual, None, weight, ln_bias)
+    _check_draw(x, seed, p)
+    bits = torch.empty(triton_dropout.bits_shape(list(x.shape)), dtype=torch.uint8, device=x.device)
+    out, y = _launch(x, bias, residual, bits, triton_dropout.keep_scale(p), weight, ln_bias, eps, launch,
+                     seed=seed, thresh=triton_dropout.threshold(p))
+    return out, y, bits
 
 
 def reference_forward(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, keep: torch.Tensor | None,
@@ -161,3 +216,30 @@ def bda_layer_norm_op(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tenso
 @bda_layer_norm_op.register_fake
 def _(x, bias, residual, keep, scale, weight, ln_bias, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+def reference_forward_drawn(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, seed: torch.Tensor, p: float,
+                            weight: torch.Tensor, ln_bias: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The twin of bda_layer_norm_drawn: triton_dropout's packed mask of (seed, x.shape, p), then
+    reference_forward with it; (out, y, bits)."""
+    _check_draw(x, seed, p)
+    bits = triton_dropout.reference_keep_bits(seed, list(x.shape), p)
+    out, y = reference_forward(x, bias, residual, bits, triton_dropout.keep_scale(p), weight, ln_bias, eps)
+    return out, y, bits
+
+
+@torch.library.custom_op("hpcmeg::bda_layer_norm_drawn", mutates_args=())
+def bda_layer_norm_drawn_op(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, seed: torch.Tensor, p: float,
+                            weight: torch.Tensor, ln_bias: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, y, bits): the Triton kernel on CUDA, the twin elsewhere."""
+    if x.is_cuda and triton is not None and x.dtype in _KERNEL_DTYPES:
+        return bda_layer_norm_drawn(x, bias, residual, seed, p, weight, ln_bias, eps)
+    return reference_forward_drawn(x, bias, residual, seed, p, weight, ln_bias, eps)
+
+
+@bda_layer_norm_drawn_op.register_fake
+def _(x, bias, residual, seed, p, weight, ln_bias, eps):
+    return (x.new_empty(x.shape), x.new_empty(x.shape),
+            x.new_empty(triton_dropout.bits_shape(list(x.shape)), dtype=torch.uint8))
