@@ -71,8 +71,9 @@
 #             the default tiles were tuned at head dim 64 and checked at 128 only against a few
 #             variants (H200, session 12); these add 32-wide key steps, 8 warps, 16-row backward
 #             steps and 128-key dK/dV blocks on 8 warps (session 20, static: all compile for sm90
-#             without spills and on wgmma; 32-row blocks fall back to mma.sync), and writes
-#             attention_best_1.3B.txt for a later u1.3B
+#             without spills and on wgmma; 32-row blocks fall back to mma.sync), and the forward
+#             drawing its own keep bits (fwd_draw, no bits kernel); writes attention_best_1.3B.txt
+#             for a later u1.3B
 #     p355 | p1.3B
 #             where the 355M (micro 12, global 192) and 1.3B (micro 8, global 64) user paths' time goes,
 #             dropout 0.1, as shipped (session 19, H100, 1.3B: GEMMs 73 % of the GPU time, attention
@@ -226,8 +227,8 @@ for stage in "$@"; do
         bdaln) step bda_ln_check 90 python bench/gpu_agreement.py --parts bdaln --out "$OUT/bdaln" ;;
         adamw) step adamw_check 100 python bench/gpu_agreement.py --parts adamw --out "$OUT/adamw" ;;
         a1.3B) step attention_probe_1.3B 120 python bench/attention_probe.py --sizes 1.3B --p 0.1 --no-sdpa --tag lease_1.3B \
-            --agree "fwd_n=32+dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8" \
-            --fwd "default fwd_n=32 fwd_warps=8 fwd_m=128+fwd_warps=8+fwd_n=32 heavy_first=1" \
+            --agree "fwd_n=32+dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8+fwd_draw=1" \
+            --fwd "default fwd_draw=1 fwd_n=32 fwd_warps=8 fwd_m=128+fwd_warps=8+fwd_n=32 heavy_first=1" \
             --bwd "default heavy_first=1 dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8 bwd_stages=2" ;;
         p355) step profile_355M 270 python bench/profile_step.py --targets trainer --size 355M --warm 3 --active 2 \
             --tok "$TOK" --tag lease_355M --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \

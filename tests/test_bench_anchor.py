@@ -161,7 +161,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     # the AdamW kernel's check and timing; the attention tiles at 1.3B's head dim, checked against the twin
     assert "bench/gpu_agreement.py --parts adamw" in logged
     cmd = logged.split("== attention_probe_1.3B ")[1].split("\n", 1)[0]
-    assert "--sizes 1.3B " in cmd and "--agree fwd_n=32+dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8 " in cmd, cmd
+    assert "--sizes 1.3B " in cmd and "--agree fwd_n=32+dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8+fwd_draw=1 " in cmd, cmd
     # without an earlier check the u stage checks cuBLASLt's epilogues first and says when they failed
     # (no GPU here); the rows are the shipped ones either way
     out2, best2 = tmp_path / "out2", tmp_path / "best2"

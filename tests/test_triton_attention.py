@@ -53,6 +53,18 @@ for p in (0.0, 0.2):
         assert db.shape == (H * 3 * D,)
         g2, none = ta.backward(do, qkv, out, lse, bits, p, blocks)  # without: the same dqkv, no bias sums
         assert torch.equal(g2, g) and none.numel() == 0
+        # fwd_draw: the forward draws the words itself: those of every tile it visits are the bits
+        # kernel's, the outputs are the same, and the backward given its bits the same dqkv
+        if p:
+            import dataclasses
+            drawn = dataclasses.replace(blocks, fwd_draw=1)
+            out_d, lse_d, bits_d = ta.forward(qkv, seed, p, drawn)
+            fm = blocks.fwd_m
+            visited = (torch.arange(S // 16).view(1, -1) * 16 // fm) <= (torch.arange(S) // fm).view(-1, 1)
+            assert torch.equal(bits_d[:, visited], bits[:, visited]), blocks
+            assert torch.equal(out_d, out) and torch.equal(lse_d, lse)
+            g_d, _ = ta.backward(do, qkv, out_d, lse_d, bits_d, p, blocks, bias_grad=True)
+            assert torch.equal(g_d, g)
 print("ok")
 """
 
@@ -72,13 +84,13 @@ def test_shipped_tiles_compile_to_wgmma_without_spills():
     ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16",
                 PQ="*fp32", PKV="*fp32")
     ints = {n: "i32" for n in ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "H", "S", "thresh")}
-    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32", "SEED": "*i64"}
     aligned = ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "S")
     b = ta.DEFAULT_BLOCKS
     for d in (64, 128):
         flags = dict(D=d, DROPOUT=True, HEAVY=b.heavy_first)
         for kernel, tiles, warps, stages in (
-                (ta._attn_fwd_kernel, dict(BM=b.fwd_m, BN=b.fwd_n), b.fwd_warps, b.fwd_stages),
+                (ta._attn_fwd_kernel, dict(BM=b.fwd_m, BN=b.fwd_n, DRAW=bool(b.fwd_draw)), b.fwd_warps, b.fwd_stages),
                 (ta._attn_dkv_kernel, dict(BN=b.dkv_n, BM=b.dkv_m, BIAS_GRAD=True), b.bwd_warps, b.bwd_stages),
                 (ta._attn_dq_kernel, dict(BM=b.dq_m, BN=b.dq_n, BIAS_GRAD=True), b.bwd_warps, b.bwd_stages)):
             k = compile_for_hopper(kernel, types, dict(flags, **tiles), warps, stages, aligned_ints=aligned)
@@ -90,16 +102,17 @@ def test_shipped_tiles_compile_to_wgmma_without_spills():
 
 def test_kernels_compile_for_hopper():
     """What the GPU runs: the default tiles at head dim 64; the heavy-first grids with the probe's
-    wider backward iterations (dkv_m = dq_n = 64) at head dim 128."""
+    wider backward iterations (dkv_m = dq_n = 64) and the forward drawing its keep words at head dim 128."""
     pytest.importorskip("triton")
     ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16",
                 PQ="*fp32", PKV="*fp32")
     ints = {n: "i32" for n in ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "H", "S", "thresh")}
-    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
-    other = ta.Blocks(heavy_first=1 - ta.DEFAULT_BLOCKS.heavy_first, dkv_m=64, dq_n=64)
+    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32", "SEED": "*i64"}
+    other = ta.Blocks(heavy_first=1 - ta.DEFAULT_BLOCKS.heavy_first, dkv_m=64, dq_n=64, fwd_draw=1)
     for d, blocks in ((64, ta.DEFAULT_BLOCKS), (128, other)):
         flags = dict(D=d, DROPOUT=True, HEAVY=blocks.heavy_first)
-        fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n),
+        fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n,
+                                                                  DRAW=bool(blocks.fwd_draw)),
                                  blocks.fwd_warps, blocks.fwd_stages)
         flags["BIAS_GRAD"] = True  # the backward as the model runs it (the QKV bias gradient's row sums)
         assert fwd.metadata.shared <= 227 * 1024  # fits an H100/H200 SM

@@ -94,6 +94,13 @@ class Blocks:
     bits_groups: int = 8
     bits_warps: int = 4
     bits_loop: int = 0
+    # 1: each forward program first draws and stores the keep words of the tiles it will visit (one
+    # Philox call per 16 scores), then runs as without it: no separate bits kernel (6.2 ms of the
+    # 1.3B step on the H100, profile_h100_s19_1.3B_gbs64.md), its Philox work overlapping other
+    # programs' matmuls on the same SM. Opt-in, untimed (session 20; bench/lease.sh a1.3B times
+    # it). With fwd_m > the backward's tiles the backward reads some words right of the diagonal
+    # that nothing wrote; they only select between values the causal mask has already zeroed.
+    fwd_draw: int = 0
 
     def __post_init__(self):
         # a loop's step must divide the block it walks (the first loop stops at the diagonal block,
@@ -184,12 +191,16 @@ def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DE
     t, keep_scale = dropout_threshold(p)
     out = qkv.new_empty(b, s, h, d)
     lse = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)
-    bits = keep_bits(seed, b * h, s, p, blocks) if t else torch.empty(0, dtype=torch.int16, device=qkv.device)
+    draw = bool(t and blocks.fwd_draw)
+    if draw:  # the forward writes the words of the tiles it visits (every one the backward needs)
+        bits = torch.empty(b * h, s, s // 16, dtype=torch.int16, device=qkv.device)
+    else:
+        bits = keep_bits(seed, b * h, s, p, blocks) if t else torch.empty(0, dtype=torch.int16, device=qkv.device)
     sm_scale = 1.0 / math.sqrt(d)
     with _on(qkv.device):
         _attn_fwd_kernel[_grid(s // blocks.fwd_m, b * h, blocks)](
-            qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale, sm_scale * LOG2E, D=d,
-            BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, HEAVY=blocks.heavy_first,
+            qkv, out, lse, bits, seed, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale, sm_scale * LOG2E,
+            D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, HEAVY=blocks.heavy_first, DRAW=draw,
             num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
     return out, lse, bits
 

@@ -118,6 +118,15 @@ if triton is not None:
         return tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :]).to(tl.int32)
 
     @triton.jit
+    def _drawn_words(seed, bh, bits, rows, col0, S16, thresh, C: tl.constexpr):
+        """The [R, C / 16] keep words of query rows `rows` x key columns col0 .. col0 + C of head bh
+        drawn here, _bits_tile's Philox calls and packing bit for bit, and stored to the head's
+        `bits`: the forward's prologue with Blocks.fwd_draw (no separate bits kernel)."""
+        c = rows.to(tl.int64)[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16)).to(tl.int64)[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, (bh.to(tl.int64) << 32) | c)  # counter (c, bh, 0, 0)
+        tl.store(bits + c, _pack16(r0, r1, r2, r3, thresh).to(tl.int16))
+
+    @triton.jit
     def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
         """bool keep tile [R, C] (TRANS: [C, R]), for tl.where: the dQ kernel's form. Its 32-column
         tiles compile shorter this way than with _keep_mask (sm90 SASS: 185 / 248 against 203 / 312
@@ -171,9 +180,15 @@ if triton is not None:
         return acc, l_i, m_i
 
     @triton.jit
-    def _attn_fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
+    def _attn_fwd_kernel(QKV, O, LSE, BITS, SEED, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
                          D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
-                         HEAVY: tl.constexpr):
+                         HEAVY: tl.constexpr, DRAW: tl.constexpr = False):
+        """DRAW (Blocks.fwd_draw): the keep words of every tile it visits are drawn here and written to
+        BITS (the bits kernel's words for those tiles, bit for bit), in a prologue, then read back by
+        the loops as without it. Drawing inside the loop, on the tile's words in registers, made
+        Triton compute each Philox call ~5 times (sm90 PTX: 381 mul.hi against 40 needed: the
+        words' layout is a slice of the expanded mask's, spread over threads), and a barrier inside
+        the loop stopped the cp.async pipelining of K and V; the prologue has neither cost."""
         if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
             start_m = tl.num_programs(1) - 1 - tl.program_id(1)
             bh = tl.program_id(0)
@@ -187,6 +202,12 @@ if triton is not None:
         q = tl.load(base + rows[:, None] * s_s + offs_d[None, :])
         S16 = S // 16
         bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
+        if DRAW:  # this row block's keep words, up to its diagonal block, drawn and stored first; the
+            # barrier makes every thread's stores visible to the whole program before the loops read them
+            seed = tl.load(SEED)
+            for start_n in range(0, start_m * BM + BM, BN):
+                _drawn_words(seed, bh, bits, rows, start_n, S16, thresh, BN)
+            tl.debug_barrier()
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
