@@ -103,12 +103,29 @@ def probe() -> list[tuple[str, str]]:
     for var in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "APPTAINER_CONTAINER", "NVIDIA_PYTORCH_VERSION"):
         if os.environ.get(var):
             add(f"env {var}", os.environ[var])
-    # the fast paths `hpcmeg train` would pick with model.fused=auto / train.compile=auto
-    add("fast path: attention", "SDPA (flash/cuDNN)" if cuda else "plain PyTorch SDPA (math) on CPU")
-    add("fast path: fused ops", "on (fused LayerNorm/bias-GELU/bias-dropout-add, chunked cross-entropy)" if cuda else "off (plain twins)")
-    add("fast path: torch.compile", "on" if cuda else "off")
-    add("fast path: optimizer", "apex FusedAdam" if cuda and not apex.startswith("not") else ("torch AdamW fused" if cuda else "torch AdamW foreach"))
+    # the fast paths `hpcmeg train` would pick with the recipe defaults (model.fused=auto,
+    # attention_backend=auto, train.compile=auto, optimizer_kernel=auto, bf16), from the trainer's own rules
+    add("fast path: attention", _attention_path(cuda))
+    add("fast path: fused ops", "on (Triton LayerNorm / bias-dropout-add / cross-entropy kernels, GELU in cuBLASLt "
+                                "epilogues)" if cuda else "off (plain twins)")
+    add("fast path: torch.compile", "on, with CUDA graphs" if cuda else "off")
+    add("fast path: optimizer", "hpcmeg FlatAdamW, fp32 masters, update compiled by Inductor" if cuda
+        else "hpcmeg FlatAdamW, fp32 masters, plain update")
     return rows
+
+
+def _attention_path(cuda: bool) -> str:
+    if not cuda:
+        return "plain PyTorch SDPA (math) on CPU"
+    try:
+        import torch
+
+        from hpcmeg.train.build import attention_backend_for
+        if attention_backend_for("auto", torch.device("cuda", 0), "bf16") == "triton":
+            return "hpcmeg Triton flash attention (Hopper)"
+    except Exception as e:  # noqa: BLE001
+        return f"SDPA (cuDNN first); the Triton check failed: {type(e).__name__}: {e}"
+    return "SDPA (cuDNN first)"
 
 
 def cli_doctor(args=None) -> int:
