@@ -230,7 +230,7 @@ class TrainConfig:
     optimizer_kernel: str = "auto"
     """What runs AdamW's update of the fp32 masters (hpcmeg/train/optim.py): auto (compiled on CUDA,
     plain elsewhere), compiled (torch.compile of the plain update), triton (a hand-written kernel,
-    hpcmeg/train/triton_adamw.py: the same results to the bit; CUDA only) or plain."""
+    hpcmeg/train/triton_adamw.py: the plain update's rounding, op for op; CUDA only) or plain."""
     device: str = "auto"
     """auto (CUDA when available), cuda or cpu."""
     exit_duration_minutes: Optional[float] = ranged(None, gt=0, null="no limit")

@@ -227,8 +227,8 @@ class FlatAdamW:
     next `step()`, which runs adamw_master_update_ over each piece the buffer says this rank owns
     (one per group without sharding, one per bucket with it), writing the updated parameters in
     place, and then lets the buffer all-gather them. `update_kernel` picks what runs it: 'compiled'
-    (torch.compile of adamw_master_update_), 'triton' (triton_adamw.adamw_update_, the same results
-    to the bit), 'plain' (the twin itself), or 'auto': compiled when `compiled` (default: on CUDA),
+    (torch.compile of adamw_master_update_), 'triton' (triton_adamw.adamw_update_, the plain
+    update's rounding op for op), 'plain' (the twin itself), or 'auto': compiled when `compiled` (default: on CUDA),
     else plain. `compiled` also decides the gradient norm's sum of squares.
     `unscale_and_check_(inv_scale)` (fp16) unscales the shard's gradients in place and returns a
     device flag, 1 when any was inf/nan on any rank.
