@@ -4,7 +4,8 @@
 #
 #   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: bdaln adamw u1.3B, for the one
 #                                          target still missed after session 19; then `a1.3B u1.3B`):
-#     probes  attention tiles (bench/attention_probe.py: heavy-first launch order and tile variants
+#     probes  attention tiles (bench/attention_probe.py: heavy-first launch order, the forward drawing
+#             its own keep bits (fwd_draw, session 20) and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
 #             keep-mask on the GPU against its twin bit for bit and its time (bench/gpu_agreement.py
@@ -197,13 +198,13 @@ for stage in "$@"; do
         probes)
             step attention_probe 200 python bench/attention_probe.py --sizes 124M,355M,1.3B --p 0.1 --tag lease \
                 --agree heavy_first=1 \
-                --fwd "default heavy_first=1 heavy_first=1+fwd_stages=4 heavy_first=1+fwd_m=128" \
+                --fwd "default heavy_first=1 fwd_draw=1 heavy_first=1+fwd_stages=4 heavy_first=1+fwd_m=128" \
                 --bwd "default heavy_first=1 heavy_first=1+dkv_m=64 heavy_first=1+dq_n=64"
             step dropout_check 90 python bench/gpu_agreement.py --parts dropout --out "$OUT"
             ;;
         quick)
             step attention_probe 120 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
-                --fwd "default heavy_first=1" --bwd "default heavy_first=1" \
+                --fwd "default heavy_first=1 fwd_draw=1" --bwd "default heavy_first=1" \
                 --bits "bits_loop=1 bits_loop=1+bits_rows=128+bits_warps=8 bits_loop=1+bits_rows=32 bits_warps=8"
             step ce_probe 90 python bench/ce_probe.py --rows 12288,4096 --out "$OUT"
             ;;
