@@ -31,6 +31,13 @@
 #             bias-dropout-add + LayerNorm forward kernel (layernorm_impl triton_forward, untimed); the
 #             A/B rows of the defaults (cuDNN attention; gelu_impl cublaslt, session 18's; gelu_impl
 #             triton), as far as the budget goes (the probes' files from this call, else from $LEASE_BEST)
+#     uall    the acceptance row of issue 19 in ONE call: at 124M, 355M and 1.3B the nanoGPT anchor and
+#             the best known hpcmeg row (124M: micro 16 + recompute_gelu_layers 1; 355M: micro 16 +
+#             backward_in_forward; 1.3B: as shipped; UALL_EXTRA adds settings to every hpcmeg row,
+#             e.g. "|model.layernorm_impl=triton_forward" once that wins). Run it as a lease's
+#             second or later call on the same warm machine: the first call's Inductor and Triton
+#             caches (/tmp, ~/.triton) then spare most of the compile time, which made the six
+#             rows ~575 s cold in session 19
 #     b124 | b355
 #             model.cross_entropy backward_in_forward (the LM head's backward GEMMs in its forward, no
 #             [tokens, vocab] gradient kept): sessions 16 and 17 measured it 4 % slower at 124M micro
@@ -186,8 +193,8 @@ lt_ok() {
 [[ $# -eq 0 ]] && set -- bdaln adamw u1.3B
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | mlpbwd | bdaln | adamw | a1.3B | u124 | u355 | u1.3B | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, bdaln, adamw, a1.3B, u124, u355, u1.3B, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
+        probes | quick | ce | gemm | mlpbwd | bdaln | adamw | a1.3B | u124 | u355 | u1.3B | uall | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, bdaln, adamw, a1.3B, u124, u355, u1.3B, uall, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -215,6 +222,10 @@ for stage in "$@"; do
             size=${stage#u}
             [[ $size == 1.3B ]] || size=${size}M
             user_path_u "$size" 520 ;;
+        uall) x=${UALL_EXTRA:-}
+            step user_path_all 560 python bench/user_path.py --sizes 124M,355M,1.3B --tok "$TOK" --tag lease_all \
+                --budget-s $(($(left) - 60)) --items "nano hpcmeg:only=124M,mb=16,set=model.recompute_gelu_layers=1$x \
+hpcmeg:only=355M,mb=16,set=$BIF$x hpcmeg:only=1.3B${x:+,set=${x#|}}" ;;
         b124) user_path 124M 480 124M_bif "nano hpcmeg hpcmeg:set=$BIF hpcmeg:mb=16,set=$BIF hpcmeg:mb=24,set=$BIF hpcmeg:mb=16" ;;
         b355) user_path 355M 520 355M_bif "nano hpcmeg hpcmeg:set=$BIF hpcmeg:mb=16,set=$BIF hpcmeg:mb=16" ;;
         checks) step gpu_agreement 300 python bench/gpu_agreement.py --parts wgrad,ltstep,model,dropout --out "$OUT" ;;

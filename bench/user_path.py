@@ -14,8 +14,10 @@ step, dropout 0, the trainer built in-process); a user runs `hpcmeg train recipe
   * `ref`: bench/anchors_gpt2.py's `nano_compile` (the project's baseline: dropout 0, one micro
     batch, random tokens), so the rows connect to the README's bench-path table.
   * `attn`: SDPA forward + backward at this size's attention shape per backend, dropout 0 and 0.1.
-Keys: d (hidden and attention dropout), hd, ad, mb, gbs, iters; hpcmeg also `set=SECTION.KEY=V`
-(repeatable, joined by '|') and `env=NAME:VALUE` (its environment; repeatable, joined by '|'). Sizes (seq 1024, bf16): 124M 12/768/12 and 355M 24/1024/16 at micro 12,
+Keys: d (hidden and attention dropout), hd, ad, mb, gbs, iters, only (the sizes the item runs at,
+joined by '|'; default every size in --sizes, so one call can run each size's own rows); hpcmeg
+also `set=SECTION.KEY=V` (repeatable, joined by '|') and `env=NAME:VALUE` (its environment;
+repeatable, joined by '|'). Sizes (seq 1024, bf16): 124M 12/768/12 and 355M 24/1024/16 at micro 12,
 global 192; 1.3B 24/2048/16 at micro 8, global 64.
 FLOPs per token 6N + 12*L*d*T (N: all parameters, the tied embedding once; hpcmeg's N has the
 vocabulary padded to 50304 as Megatron pads it), MFU against the bf16 matmul peak measured here.
@@ -53,7 +55,8 @@ RECIPE_DROPOUT = 0.1  # recipes/codeparrot_small.yaml's hidden_dropout and atten
 def parse_item(item: str, size: str) -> tuple[str, dict]:
     kind, _, rest = item.partition(":")
     s = SIZES[size]
-    o = dict(hd=RECIPE_DROPOUT, ad=RECIPE_DROPOUT, mb=s["mb"], gbs=s["gbs"], iters=s["iters"], set=[], env={})
+    o = dict(hd=RECIPE_DROPOUT, ad=RECIPE_DROPOUT, mb=s["mb"], gbs=s["gbs"], iters=s["iters"], set=[], env={},
+             only=[])
     for kv in filter(None, rest.split(",")):
         k, _, v = kv.partition("=")
         if k == "d":
@@ -66,6 +69,11 @@ def parse_item(item: str, size: str) -> tuple[str, dict]:
             o["set"] = v.split("|")
         elif k == "env":  # env=NAME:VALUE|NAME:VALUE for the hpcmeg subprocess
             o["env"] = dict(e.split(":", 1) for e in v.split("|"))
+        elif k == "only":
+            o["only"] = v.split("|")
+            unknown = [x for x in o["only"] if x not in SIZES]
+            if unknown:
+                raise SystemExit(f"user_path: only={v!r} in item {item!r}: unknown size(s) {unknown}, want {list(SIZES)}")
         else:
             raise SystemExit(f"user_path: unknown key {k!r} in item {item!r}")
     return kind, o
@@ -177,7 +185,8 @@ def run_attn(size: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| row | tokens/s | MFU % | step ms | peak mem GB | x the nano row after it |", "|---|---|---|---|---|---|"]
+    lines = ["| row | tokens/s | MFU % | step ms | peak mem GB | x the nano row after it (else before) |",
+             "|---|---|---|---|---|---|"]
     for i, r in enumerate(rows):
         if "attn_ms" in r:
             lines.append(f"| attn fwd+bwd ms | {json.dumps(r['attn_ms'])} | | | | |")
@@ -186,8 +195,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['row']} | error: {r.get('error', '?')[:150]} | | | | |")
             continue
         ratio = ""
-        if r["row"].startswith("hpcmeg"):
-            nxt = next((x for x in rows[i + 1:] if x["row"].startswith("nano") and "tokens_per_s" in x), None)
+        if r["row"].startswith("hpcmeg"):  # against the nano row after it, else the last one before it
+            nanos = [x for x in rows if x["row"].startswith("nano") and "tokens_per_s" in x]
+            nxt = next((x for x in nanos if rows.index(x) > i), nanos[-1] if nanos else None)
             if nxt:
                 ratio = f"**{r['tokens_per_s'] / nxt['tokens_per_s']:.3f}** vs {nxt['row']}"
         lines.append(f"| {r['row']} | {r['tokens_per_s']:,} | {r.get('mfu_pct', '')} | {r.get('step_ms', '')} | "
@@ -226,6 +236,8 @@ def main() -> None:
         report["sizes"][size] = rows
         for item in a.items.split():
             kind, o = parse_item(item, size)
+            if o["only"] and size not in o["only"]:
+                continue
             row = label(kind, o) if kind in ("hpcmeg", "nano") else kind
             if a.budget_s and time.time() - t_start > a.budget_s:
                 rows.append(dict(row=row, error="skipped: over --budget-s"))

@@ -83,6 +83,42 @@ def test_user_path_items():
     assert (o["hd"], o["mb"], o["gbs"]) == (user_path.RECIPE_DROPOUT, 8, 64)  # the recipe's dropout by default
     with pytest.raises(SystemExit, match="unknown key"):
         user_path.parse_item("nano:dropout=0.1", "124M")
+    # only=: an item for some sizes of a many-size call (each size's own best row in one call)
+    _, o = user_path.parse_item("hpcmeg:only=124M|355M,mb=16", "1.3B")
+    assert o["only"] == ["124M", "355M"] and o["mb"] == 16
+    assert user_path.parse_item("hpcmeg", "124M")[1]["only"] == []
+    with pytest.raises(SystemExit, match="unknown size"):
+        user_path.parse_item("hpcmeg:only=125M", "124M")
+
+
+def test_user_path_table_and_the_one_call_stage(tmp_path):
+    """The table's ratio is against the nano row after an hpcmeg row, else the last one before it
+    (the lease runs the anchor first); lease.sh uall runs each size's anchor and best row in one
+    user_path call (only=), with UALL_EXTRA added to every hpcmeg row's settings."""
+    import subprocess
+    import tarfile
+
+    import user_path
+    rows = [dict(row="nano d0.1 mb12 gbs192", tokens_per_s=400), dict(row="hpcmeg d0.1 mb16 gbs192", tokens_per_s=520)]
+    assert "**1.300** vs nano d0.1 mb12 gbs192" in user_path.table(rows)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", os.path.join(root, "bench", "lease.sh"), "uall"], capture_output=True, text=True,
+                       cwd=str(tmp_path), timeout=120,
+                       env={**os.environ, "OUT": str(out), "LEASE_BUDGET_S": "200", "CUDA_VISIBLE_DEVICES": "",
+                            "UALL_EXTRA": "|model.layernorm_impl=triton_forward"})
+    assert r.returncode == 0, r.stderr
+    with tarfile.open(out / "lease.tgz") as t:
+        logged = t.extractfile("lease.log").read().decode()
+    cmd = logged.split("== user_path_all ")[1].split("\n", 1)[0]
+    assert "--sizes 124M,355M,1.3B " in cmd, cmd
+    items = cmd.split("--items ")[1].split()
+    tf = "model.layernorm_impl=triton_forward"
+    got = {size: [(k, o["mb"], o["set"]) for k, o in (user_path.parse_item(i, size) for i in items)
+                  if not o["only"] or size in o["only"]] for size in ("124M", "355M", "1.3B")}
+    assert got == {"124M": [("nano", 12, []), ("hpcmeg", 16, ["model.recompute_gelu_layers=1", tf])],
+                   "355M": [("nano", 12, []), ("hpcmeg", 16, ["model.cross_entropy=backward_in_forward", tf])],
+                   "1.3B": [("nano", 8, []), ("hpcmeg", 8, [tf])]}, got
 
 
 def test_lease_script_items(tmp_path, monkeypatch):
