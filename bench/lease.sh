@@ -28,7 +28,8 @@
 #             model.recompute_gelu_layers 1 and 2 (100 MB less each, for one GELU pass a layer; session
 #             18: 1.305-1.308x at 9.10 GB), at 355M micro 16 with backward_in_forward (session 18:
 #             1.196x at 20.98 GB against 21.75; session 19 with gelu_impl cublaslt_dgelu: 1.203x); the
-#             bias-dropout-add + LayerNorm forward kernel (layernorm_impl triton_forward, untimed); the
+#             bias-dropout-add + LayerNorm forward kernel (layernorm_impl triton_forward, untimed) with
+#             the AdamW kernel (optimizer_kernel triton, untimed), then alone; the
 #             A/B rows of the defaults (cuDNN attention; gelu_impl cublaslt, session 18's; gelu_impl
 #             triton), as far as the budget goes (the probes' files from this call, else from $LEASE_BEST)
 #     uall    the acceptance row of issue 19 in ONE call: at 124M, 355M and 1.3B the nanoGPT anchor and
