@@ -150,8 +150,10 @@ def _launch(x, bias, residual, keep, scale, weight, ln_bias, eps, launch, seed=N
     draw = seed is not None
     has_keep = keep is not None and not draw
     bits = has_keep and keep.dtype == torch.uint8
-    keep2 = keep if draw else (keep.contiguous() if bits else triton_layernorm._rows(keep, h).view(torch.uint8)) \
-        if has_keep else x2
+    if draw or not has_keep:  # the mask the kernel writes, or a placeholder it never reads
+        keep2 = keep if draw else x2
+    else:  # packed bits as they are, a bool mask as bytes
+        keep2 = keep.contiguous() if bits else triton_layernorm._rows(keep, h).view(torch.uint8)
     with triton_layernorm._on(x.device):
         _bda_ln_fwd_kernel[(p.programs,)](
             x2, res2, keep2, bias.contiguous(), weight.contiguous(), ln_bias.contiguous(), out, y,
