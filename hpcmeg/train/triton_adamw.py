@@ -17,8 +17,9 @@ It is launched with fp-fusion off (each multiply and add rounds, as the eager tw
 do) and divides and takes square roots IEEE-rounded (div_rn, sqrt_rn; Triton's `/` is the 2-ulp
 div.full), so on the GPU it should give the eager twin's fp32 results to the bit, which
 `bench/gpu_agreement.py --parts adamw` counts (Inductor's compiled twin divides with div.full). In
-Triton's interpreter the moments match the CPU twin to the bit and the masters within an ulp
-(tests/test_triton_adamw.py says why). The memory-bound kernel loses nothing by the rounding.
+Triton's interpreter the moments match the CPU twin to the bit, and the masters match the twin's
+operations IEEE-rounded to the bit; the CPU twin's own fp32 square root (MKL's) may be an ulp off
+on some CPUs (tests/test_triton_adamw.py says which and what that allows). The memory-bound kernel loses nothing by the rounding.
 Pieces whose length is a multiple of 16 (the buffer's are: multiples of 64) get 16-byte vector
 accesses; other lengths work with narrower ones.
 
