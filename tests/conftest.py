@@ -1,4 +1,5 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the heartbeat (tests/heartbeat.py: a line naming the test that has been
+running for 30 s, then every 60 s; HPCMEG_TEST_HEARTBEAT=FIRST[,EVERY] seconds, 0 for off).
 
 ``slurm_cluster`` (session scope) starts the project's own local Slurm cluster
 (``slurm/local-cluster.sh start``: two emulated nodes, accounting, fake pyxis) once per test
@@ -24,8 +25,14 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import pytest
 
+import heartbeat
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "slurm" / "local-cluster.sh"
+
+
+def pytest_configure(config):
+    heartbeat.register(config)
 
 
 def hpcmeg_cmd() -> list[str]:
