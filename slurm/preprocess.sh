@@ -5,6 +5,18 @@
 #   sbatch --export=ALL,INPUT_GLOB='/data/shards/*.jsonl.gz',OUTPUT_PREFIX=/data/out/codeparrot slurm/preprocess.sh
 #   bash slurm/preprocess.sh                         # same, submitting straight from the login node
 #
+# hpcmeg: the one this checkout comes with, found before anything is submitted (slurm/common.sh
+# find_hpcmeg): HPCMEG if set (e.g. HPCMEG=/path/to/venv/bin/hpcmeg), else <checkout>/.venv/bin/hpcmeg
+# (the checkout: HPCMEG_ROOT, or the directory above slurm/), else hpcmeg on PATH, else a python that
+# imports hpcmeg from the checkout; none found: one line, exit 2, nothing submitted or written. The
+# shard and merge jobs run the one the launch found. Keep slurm/common.sh beside this file.
+# Files: everything goes beside OUTPUT_PREFIX: the shard list, the datasets, and the logs
+# preprocess-launch-<jobid>.out (the launch job's, when launched with sbatch), preprocess-<array>_<i>.out
+# and preprocess-merge-<jobid>.out. A launch job's log starts where Slurm opens it before the script runs
+# (#SBATCH --output: hpcmeg-preprocess-<jobid>.out in the submit directory; it cannot name OUTPUT_PREFIX's
+# directory); the launch moves its output beside OUTPUT_PREFIX at once and removes that empty file, so
+# it stays only when the launch refused before that (its one line is then there).
+#
 # What happens (three modes of this one file, chosen by MODE):
 #   launch (default)  lists the shards matching INPUT_GLOB (sorted, written to <OUTPUT_PREFIX>.shards.txt),
 #                     submits this script as an array job (MODE=shard, one task per shard) and a merge
@@ -26,7 +38,7 @@
 #SBATCH --ntasks=1
 #SBATCH --cpus-per-task=1
 #SBATCH --time=00:30:00
-#SBATCH --output=hpcmeg-preprocess-%A_%a.out
+#SBATCH --output=hpcmeg-preprocess-%j.out
 set -euo pipefail
 
 # ---- settings (override any of them with sbatch --export=ALL,NAME=value or the environment) ----
@@ -51,10 +63,35 @@ KEEP_SHARDS=${KEEP_SHARDS:-0}
 CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}         # none | apptainer | pyxis
 IMAGE=${IMAGE:-}                                     # apptainer .sif path or pyxis/enroot image
 CONTAINER_MOUNTS=${CONTAINER_MOUNTS:-$PWD}           # pyxis --container-mounts / apptainer --bind
-HPCMEG=${HPCMEG:-hpcmeg}                             # the command, e.g. "python -m hpcmeg.cli"
+HPCMEG=${HPCMEG:-}                                   # the command; empty: found (above); in a container: hpcmeg
 MODE=${MODE:-launch}
 
 log() { printf '[preprocess.sh %s] %s\n' "$MODE" "$*" >&2; }
+die() { log "$*"; exit 2; }
+# this script as started: under sbatch bash runs a spool copy with no common.sh beside it, and
+# scontrol's Command= names the file sbatch was given (as typed, relative to the submit directory,
+# followed by the script's arguments)
+origin() {
+  local c=${BASH_SOURCE[0]}
+  if [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$(dirname "$c")/common.sh" ]; then
+    c=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' | head -n 1)
+    [[ $c == /* ]] || c=${SLURM_SUBMIT_DIR:-$PWD}/$c
+    while [ ! -f "$c" ] && [[ $c == *" "* ]]; do c=${c% *}; done
+  fi
+  readlink -f "$c"
+}
+# slurm/common.sh: $HPCMEG_ROOT/slurm when HPCMEG_ROOT is set, else beside this script, else $SLURM_SUBMIT_DIR/slurm
+common_sh() {
+  local c
+  if [ -n "${HPCMEG_ROOT:-}" ]; then c=$HPCMEG_ROOT/slurm/common.sh
+  else c=$(dirname "$self")/common.sh
+       [ -f "$c" ] || [ -z "${SLURM_SUBMIT_DIR:-}" ] || c=$SLURM_SUBMIT_DIR/slurm/common.sh; fi
+  [ -f "$c" ] && readlink -f "$c"
+}
+self=$(origin)
+common=$(common_sh) || die "slurm/common.sh not found beside ${self:-this script}${HPCMEG_ROOT:+ (HPCMEG_ROOT=$HPCMEG_ROOT)}: keep it beside the script you submit, or set HPCMEG_ROOT=<the hpcmeg checkout>"
+# shellcheck source=common.sh source-path=SCRIPTDIR
+. "$common"
 level=document; [ "$SPLIT_SENTENCES" = 1 ] && level=sentence
 shard_list="${OUTPUT_PREFIX}.shards.txt"
 shard_prefix() { printf '%s_shard%05d' "$OUTPUT_PREFIX" "$1"; }
@@ -66,12 +103,16 @@ in_container() {
     apptainer) apptainer exec --bind "$CONTAINER_MOUNTS" "$IMAGE" "$@" ;;
     pyxis) srun --ntasks=1 --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" --container-image="$IMAGE" \
              --container-mounts="$CONTAINER_MOUNTS" --container-workdir="$PWD" "$@" ;;
-    *) log "CONTAINER_RUNTIME must be none, apptainer or pyxis (got '$CONTAINER_RUNTIME')"; exit 2 ;;
   esac
 }
+case "$CONTAINER_RUNTIME" in
+  none|apptainer|pyxis) ;;
+  *) die "CONTAINER_RUNTIME must be none, apptainer or pyxis (got '$CONTAINER_RUNTIME')" ;;
+esac
 if [ "$CONTAINER_RUNTIME" != none ] && [ -z "$IMAGE" ]; then
-  log "CONTAINER_RUNTIME=$CONTAINER_RUNTIME needs IMAGE=..."; exit 2
+  die "CONTAINER_RUNTIME=$CONTAINER_RUNTIME needs IMAGE=..."
 fi
+find_hpcmeg
 if [ "$CONTAINER_RUNTIME" != none ]; then
   unset PYTHONPATH PYTHONHOME VIRTUAL_ENV   # the host's Python paths must not shadow the image's packages
 fi
@@ -97,35 +138,39 @@ size_cpus() {
 
 case "$MODE" in
 launch)
-  mkdir -p "$(dirname "$OUTPUT_PREFIX")"
   # sorted, one path per line; compgen keeps paths with spaces intact and reports no match as empty
-  LC_ALL=C compgen -G "$INPUT_GLOB" | LC_ALL=C sort > "$shard_list.tmp" || true
-  n=$(wc -l < "$shard_list.tmp")
-  if [ "$n" -eq 0 ]; then
-    rm -f "$shard_list.tmp"; log "INPUT_GLOB='$INPUT_GLOB' matches no file"; exit 2
-  fi
-  mv "$shard_list.tmp" "$shard_list"
-  self=$(readlink -f "$0")
-  [ -n "$CPUS_PER_TASK" ] || size_cpus
-  common=(--parsable --job-name="${SLURM_JOB_NAME:-hpcmeg-preprocess}")
-  [ -n "$PARTITION" ] && common+=(--partition="$PARTITION")
-  [ -n "$ACCOUNT" ] && common+=(--account="$ACCOUNT")
+  inputs=$(LC_ALL=C compgen -G "$INPUT_GLOB" | LC_ALL=C sort) || true
+  [ -n "$inputs" ] || die "INPUT_GLOB='$INPUT_GLOB' matches no file"
+  n=$(printf '%s\n' "$inputs" | wc -l)
   logdir=$(dirname "$OUTPUT_PREFIX")
+  mkdir -p "$logdir" || die "cannot create $logdir (the directory of OUTPUT_PREFIX=$OUTPUT_PREFIX)"
+  move_slurm_log "hpcmeg-preprocess-${SLURM_JOB_ID:-}.out" "$logdir/preprocess-launch-${SLURM_JOB_ID:-}.out"
+  log "hpcmeg: $HPCMEG (from $hpcmeg_from)"
+  [ -n "$CPUS_PER_TASK" ] || size_cpus
+  opts=(--parsable --job-name="${SLURM_JOB_NAME:-hpcmeg-preprocess}")
+  [ -n "$PARTITION" ] && opts+=(--partition="$PARTITION")
+  [ -n "$ACCOUNT" ] && opts+=(--account="$ACCOUNT")
   array="0-$((n - 1))"; [ -n "$MAX_PARALLEL" ] && array+="%$MAX_PARALLEL"
   shard_args=(--array="$array" --cpus-per-task="$CPUS_PER_TASK" --time="$SHARD_TIME"
               --output="$logdir/preprocess-%A_%a.out" "--export=ALL,MODE=shard")
   [ -n "$SHARD_MEM" ] && shard_args+=(--mem="$SHARD_MEM")
   # would Slurm ever run it? (a request no node can satisfy would otherwise pend forever, silently)
-  if ! why=$(sbatch --test-only "${common[@]}" "${shard_args[@]}" "$self" 2>&1); then
+  if ! why=$(sbatch --test-only "${opts[@]}" "${shard_args[@]}" "$self" 2>&1); then
     log "Slurm would not run the shard tasks (CPUS_PER_TASK=$CPUS_PER_TASK, SHARD_TIME=$SHARD_TIME${SHARD_MEM:+, SHARD_MEM=$SHARD_MEM}${PARTITION:+, PARTITION=$PARTITION}): $(echo "$why" | tr '\n' ' ')"
     log "lower CPUS_PER_TASK / SHARD_TIME / SHARD_MEM or choose another PARTITION; nothing was submitted"
     exit 2
   fi
-  array_id=$(sbatch "${common[@]}" "${shard_args[@]}" "$self")
+  printf '%s\n' "$inputs" > "$shard_list.tmp" && mv "$shard_list.tmp" "$shard_list"
+  # the jobs run the original file (not a spool copy), so they find common.sh beside it; they inherit
+  # HPCMEG (and PYTHONPATH) as found above through --export=ALL
+  array_id=$(sbatch "${opts[@]}" "${shard_args[@]}" "$self") || die "sbatch of the shard array failed; nothing was submitted"
   array_id=${array_id%%;*}
-  merge_id=$(sbatch "${common[@]}" --dependency=afterok:"$array_id" --kill-on-invalid-dep=yes --cpus-per-task=1 \
-             --time="$MERGE_TIME" --output="$logdir/preprocess-merge-%j.out" \
-             "--export=ALL,MODE=merge,NUM_SHARDS=$n" "$self")
+  if ! merge_id=$(sbatch "${opts[@]}" --dependency=afterok:"$array_id" --kill-on-invalid-dep=yes --cpus-per-task=1 \
+                  --time="$MERGE_TIME" --output="$logdir/preprocess-merge-%j.out" \
+                  "--export=ALL,MODE=merge,NUM_SHARDS=$n" "$self"); then
+    scancel "$array_id" || true
+    die "sbatch of the merge job failed: shard array $array_id cancelled, nothing left queued"
+  fi
   merge_id=${merge_id%%;*}
   log "$n shards: array job $array_id, merge job $merge_id (afterok)"
   echo "ARRAY_JOB_ID=$array_id MERGE_JOB_ID=$merge_id"

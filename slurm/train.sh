@@ -18,13 +18,22 @@
 # and the checkpointed iteration advanced during this run; otherwise it fails with a clear line. When
 # Slurm itself ends the job (scancel, scontrol requeue, preemption) this shell gets SIGTERM too: it
 # waits for the ranks' save and leaves the requeue decision to Slurm.
-# Logs: LOG_DIR/train.<jobid>.r<restart>.<task>.log per rank and restart, appended, never truncated.
+# Logs, all under LOG_DIR (RUN_DIR/logs/train): train.<jobid>.r<restart>.<task>.log per rank and restart,
+# and this batch shell's own lines in train.<jobid>.out, appended, never truncated. Slurm opens the
+# #SBATCH --output default (hpcmeg-train-<jobid>.out in the submit directory, which cannot name RUN_DIR)
+# before the script runs; the script moves its output to LOG_DIR at once and removes that empty file,
+# so it stays only when the job refused before (no RECIPE, no hpcmeg: its one line is then there).
+# An --output given to sbatch is left where it is.
+# hpcmeg (CONTAINER_RUNTIME=none): HPCMEG if set, else <checkout>/.venv/bin/hpcmeg (the checkout:
+# HPCMEG_ROOT, or the directory above slurm/), else hpcmeg on PATH, else a python that imports hpcmeg
+# from the checkout; none found: one line, exit 1, before any rank starts (slurm/common.sh find_hpcmeg).
 # Cores: srun gets --cpus-per-task=$SLURM_CPUS_PER_TASK explicitly (Slurm 22.05+ no longer passes the
 # job's value on to a step, so on sites with CPU binding each rank would get one core).
 # Version check: when RUN_DIR holds hpcmeg_version.json (written by `hpcmeg submit`, also --dry-run),
 # every rank checks that its hpcmeg is the one that wrote the run (VERSION_CHECK=0 skips it).
-# The container / version-check / --cpus-per-task part is slurm/common.sh, shared with convert.sh: keep
-# it beside this file when you copy it, or set HPCMEG_ROOT=<the hpcmeg checkout>.
+# Finding hpcmeg, moving the log, the container / version-check / --cpus-per-task part: slurm/common.sh,
+# shared with preprocess.sh and convert.sh: keep it beside this file when you copy it, or set
+# HPCMEG_ROOT=<the hpcmeg checkout>.
 #
 #SBATCH --job-name=hpcmeg-train
 #SBATCH --nodes=1
@@ -46,37 +55,45 @@ MAX_REQUEUES=${MAX_REQUEUES:-3}                      # restarts allowed (SLURM_R
 CONTAINER_RUNTIME=${CONTAINER_RUNTIME:-none}         # none | apptainer | pyxis
 IMAGE=${IMAGE:-}                                     # apptainer .sif path or pyxis/enroot image
 BINDS=${BINDS:-$RUN_DIR}                             # comma list: apptainer --bind / pyxis --container-mounts
-HPCMEG=${HPCMEG:-hpcmeg}                             # the command inside the container, e.g. "python3 -m hpcmeg.cli"
+HPCMEG=${HPCMEG:-}                                   # the command, e.g. "python3 -m hpcmeg.cli"; empty: found (above); in a container: hpcmeg
 VERSION_CHECK=${VERSION_CHECK:-1}                    # 0: run even if the hpcmeg differs from the run's
 EXIT_REQUEUE=3                                       # hpcmeg train: "saved, requeue me"
 
 log() { printf '[train.sh %(%F %T)T] %s\n' -1 "$*"; }
 die() { log "ERROR: $*"; exit 1; }
 iteration() { local t; t=$(cat "$CKPT_DIR/latest_checkpointed_iteration.txt" 2>/dev/null) || t=-1; [ "$t" = release ] && t=0; echo "$t"; }
-# slurm/common.sh (container_setup). sbatch runs a spool copy of this file, so it is looked up:
-# $HPCMEG_ROOT/slurm when HPCMEG_ROOT is set, else beside this file, else beside the script sbatch was
-# given (scontrol's Command=), else $SLURM_SUBMIT_DIR/slurm.
+# this script as started: under sbatch bash runs a spool copy with no common.sh beside it, and
+# scontrol's Command= names the file sbatch was given (as typed, relative to the submit directory,
+# followed by the script's arguments)
+origin() {
+  local c=${BASH_SOURCE[0]}
+  if [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$(dirname "$c")/common.sh" ]; then
+    c=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' | head -n 1)
+    [[ $c == /* ]] || c=${SLURM_SUBMIT_DIR:-$PWD}/$c
+    while [ ! -f "$c" ] && [[ $c == *" "* ]]; do c=${c% *}; done
+  fi
+  readlink -f "$c"
+}
+# slurm/common.sh: $HPCMEG_ROOT/slurm when HPCMEG_ROOT is set, else beside this script, else $SLURM_SUBMIT_DIR/slurm
 common_sh() {
   local c
   if [ -n "${HPCMEG_ROOT:-}" ]; then c=$HPCMEG_ROOT/slurm/common.sh
-  else
-    c=$(dirname "${BASH_SOURCE[0]}")/common.sh
-    if [ ! -f "$c" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
-      c=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' | head -n 1)
-      c=$(dirname "${c:-/nonexistent/x}")/common.sh
-    fi
-    [ -f "$c" ] || [ -z "${SLURM_SUBMIT_DIR:-}" ] || c=$SLURM_SUBMIT_DIR/slurm/common.sh
-  fi
-  [ -f "$c" ] && printf '%s\n' "$c"
+  else c=$(dirname "$self")/common.sh
+       [ -f "$c" ] || [ -z "${SLURM_SUBMIT_DIR:-}" ] || c=$SLURM_SUBMIT_DIR/slurm/common.sh; fi
+  [ -f "$c" ] && readlink -f "$c"
 }
-common=$(common_sh) || die "slurm/common.sh not found (${HPCMEG_ROOT:+HPCMEG_ROOT=$HPCMEG_ROOT; }sbatch runs a copy of this script): set HPCMEG_ROOT=<the hpcmeg checkout> or keep common.sh beside the script you submit"
+self=$(origin)
+common=$(common_sh) || die "slurm/common.sh not found beside ${self:-this script}${HPCMEG_ROOT:+ (HPCMEG_ROOT=$HPCMEG_ROOT)}: keep it beside the script you submit, or set HPCMEG_ROOT=<the hpcmeg checkout>"
 # shellcheck source=common.sh source-path=SCRIPTDIR
 . "$common"
 
 [ -f "$RECIPE" ] || die "RECIPE=$RECIPE: no such file (sbatch --export=ALL,RECIPE=/path/recipe.yaml)"
+find_hpcmeg
 container_setup --require-image --nv
 restart=${SLURM_RESTART_COUNT:-0}
-mkdir -p "$LOG_DIR"
+mkdir -p "$LOG_DIR" || die "cannot create LOG_DIR=$LOG_DIR"
+move_slurm_log "hpcmeg-train-${SLURM_JOB_ID:-}.out" "$LOG_DIR/train.${SLURM_JOB_ID:-}.out"
+log "hpcmeg: $HPCMEG (from $hpcmeg_from)"
 before=$(iteration)
 log "job ${SLURM_JOB_ID:-?} restart $restart: $RECIPE, checkpointed iteration $before"
 ended=0
