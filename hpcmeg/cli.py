@@ -203,12 +203,12 @@ def cli_validate(args) -> int:
     written or submitted; prints the resolved recipe, the derived values and the plan's notes."""
     from hpcmeg.launch.checks import DataError
     from hpcmeg.launch.submit import parse_stages, prepare
-    from hpcmeg.recipe import dump_yaml, load_recipe
+    from hpcmeg.recipe import dump_yaml, read_recipe
 
     stages = parse_stages(args.stages)
-    r = load_recipe(args.recipe, args.overrides, args.profile)
+    loaded = read_recipe(args.recipe, args.overrides, args.profile)  # its problems are reported with prepare's
     try:
-        prep = prepare(r, stages)
+        prep = prepare(loaded, stages)
     except DataError as e:
         print(f"hpcmeg validate: {e.lines[0]}", file=sys.stderr)
         return 1

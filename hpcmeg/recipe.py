@@ -21,14 +21,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import yaml
 
 from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.recipe_schema import CHOICES, DataConfig, Recipe, field_range
-from hpcmeg.recipe_yaml import RecipeError, build, read_yaml
+from hpcmeg.recipe_yaml import RecipeError, Where, build, read_yaml
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 GPT2_VOCAB_SIZE = 50257
@@ -109,16 +109,26 @@ def profile_search_path(recipe_path: Optional[Path]) -> list[Path]:
 # ----------------------------------------------------------------------------- public API
 
 
-def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None,
-                profile: str | None = None, data: dict | None = None) -> Recipe:
-    """Load, merge (defaults < profile < recipe < overrides), validate, and return a Recipe.
+@dataclass(frozen=True)
+class Loaded:
+    """What reading a recipe found: the recipe (placeholders where a value was refused), one line per
+    problem, the keys (or whole sections) refused, and where each value was set. ``hpcmeg validate``
+    and ``submit`` go on to their own checks with it, skipping those that read a refused key, so every
+    independent problem is reported in one run."""
 
-    Raises RecipeError listing every problem found, one line each, each naming where the value
-    came from: ``--set ITEM``, ``RECIPE:LINE: key``, ``PROFILE:LINE: key`` or the bare key."""
+    recipe: Recipe
+    problems: tuple[str, ...]
+    refused: frozenset[str]
+    where: Where
+
+
+def read_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None,
+                profile: str | None = None, data: dict | None = None) -> Loaded:
+    """Load, merge (defaults < profile < recipe < overrides) and validate; problems are collected, not
+    raised. Raises RecipeError only when nothing can be checked: an unreadable recipe or profile file,
+    an unknown profile, a ``--set`` without ``=``."""
     rpath = Path(path) if path is not None else None
     lines: dict[str, int] = {}
-    plines: dict[str, int] = {}
-    ppath: Optional[Path] = None
     if data is None:
         data, lines = read_yaml(rpath) if rpath is not None else ({}, {})
         if rpath is not None and not data:
@@ -126,22 +136,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
                                f"sections (start from recipes/codeparrot_tiny.yaml)"])
     sets = override_items(overrides)
     data = apply_overrides(data, overrides or [])
-
-    def where(key: str) -> str:
-        return _printable(_where(key))
-
-    def _where(key: str) -> str:
-        base = key.split("[")[0]
-        if base in sets:  # the value came from the command line, not from a line of a file
-            return f"--set {sets[base]}"
-        for k, item in sets.items():  # a whole section set (--set train={...}), or a new key under one
-            if base.startswith(k + ".") or k.startswith(base + "."):
-                return f"--set {item}: {key}"
-        if rpath is not None and key in lines:
-            return f"{rpath}:{lines[key]}: {key}"
-        if ppath is not None and key in plines:
-            return f"{ppath}:{plines[key]}: {key}"
-        return key
+    where = Where(sets=sets, recipe=rpath, lines=lines)
 
     # cluster profile: its keys fill in what the recipe leaves unset
     cluster = data.get("cluster")
@@ -150,28 +145,32 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
         raise RecipeError([f"{where('cluster.profile')}: expected a profile name, got {prof_name!r}"])
     ppath = find_profile(prof_name, profile_search_path(rpath))
     pdata, plines = read_yaml(ppath, what="profile")
+    where = dataclasses.replace(where, profile=ppath, plines=plines)
     bad = set(pdata) - {"cluster", "container", "description"}
     problems: list[str] = [f"{ppath}: unknown section '{k}' (a profile holds cluster: and container:)" for k in sorted(bad)]
     pdata = {k: v for k, v in pdata.items() if k in ("cluster", "container")}
     merged = _deep_merge(pdata, data)
+    failed: set[str] = set()
     if not isinstance(merged.get("cluster"), (dict, type(None))):
         problems.append(f"{where('cluster')}: expected a mapping of cluster settings, got {merged['cluster']!r}")
         merged["cluster"] = {}
+        failed.add("cluster")
     merged["cluster"] = dict(merged.get("cluster") or {}, profile=prof_name)
 
-    failed: set[str] = set()
     recipe = build(Recipe, merged, "", problems, where, failed)
     recipe.source = str(rpath) if rpath is not None else None
-    problems += validate(recipe, where, failed)
-    if problems:
-        raise RecipeError(problems)
-    return recipe
+    problems += validate(recipe, where, failed, refused=failed)
+    return Loaded(recipe, tuple(problems), frozenset(failed), where)
 
 
-def _printable(text: str) -> str:
-    """A key or --set item with a newline or another control character, shown escaped: a problem
-    stays one line whatever the user typed."""
-    return text if text.isprintable() else repr(text)[1:-1]
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = None,
+                profile: str | None = None, data: dict | None = None) -> Recipe:
+    """``read_recipe``, raising RecipeError with every problem found, one line each, each naming
+    where the value came from: ``--set ITEM``, ``RECIPE:LINE: key``, ``PROFILE:LINE: key`` or the bare key."""
+    loaded = read_recipe(path, overrides, profile, data)
+    if loaded.problems:
+        raise RecipeError(list(loaded.problems))
+    return loaded.recipe
 
 
 def _ranged_fields(r: Recipe):
@@ -185,20 +184,32 @@ def _ranged_fields(r: Recipe):
                     yield f"{sec.name}.{f.name}", getattr(obj, f.name), rng
 
 
-def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozenset()) -> list[str]:
+def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozenset(),
+             refused: set[str] | None = None) -> list[str]:
     """Range checks (the schema's `ranged` fields) and consistency checks that span fields.
 
     Returns one line per problem. ``failed`` holds keys (or whole sections) whose value was
     already refused while reading (type errors, typos): no check looks at them again, so one
-    mistake is one line, never a cascade about the placeholder left in its place."""
+    mistake is one line, never a cascade about the placeholder left in its place. ``refused`` (if
+    given) receives those and every key refused here. A problem that spans several keys is blamed on
+    the one set with the highest precedence (``--set``, then the recipe, then the profile: where
+    ``where`` is a recipe_yaml.Where), naming the others' values."""
     p: list[str] = []
     bad = set(failed)
+    origin = getattr(where, "origin", lambda key: (0, ""))
 
     def ok(*keys: str) -> bool:
         return not any(k in bad or k.split(".")[0] in bad for k in keys)
 
-    def refuse(key: str, text: str) -> None:
-        p.append(f"{where(key)}: {text}")
+    def refuse(key: str, text: str, also: tuple[str, ...] = (), named: bool = False) -> None:
+        """One line about ``key``, or, when one of ``also`` (the other keys the problem spans) was set
+        with a higher precedence (the user's --set over a recipe or profile line), about that one.
+        ``named``: the text already names every key with its value and origin."""
+        blamed = max((key, *also), key=lambda k: origin(k)[0])  # ties: `key`, the problem's own
+        if blamed == key or named:
+            p.append(f"{where(blamed)}: {text}")
+        else:
+            p.append(f"{where(blamed)}: {key}: {text} ({_described(where, key, _value(r, key))})")
         bad.add(key)
 
     m, t, c = r.model, r.train, r.cluster
@@ -225,21 +236,29 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
     if ok("data.json_keys") and not r.data.json_keys:
         refuse("data.json_keys", "give at least one JSON key holding the text, e.g. [text]")
     if ok("model.hidden_size", "model.num_attention_heads") and m.hidden_size % m.num_attention_heads:
-        refuse("model.hidden_size", f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+        refuse("model.hidden_size", f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}",
+               also=("model.num_attention_heads",))
     if ok("model.recompute_gelu_layers", "model.num_layers") and m.recompute_gelu_layers > m.num_layers:
         refuse("model.recompute_gelu_layers", f"{m.recompute_gelu_layers} exceeds model.num_layers={m.num_layers}; "
-               "use at most num_layers")
+               "use at most num_layers", also=("model.num_layers",))
     if ok("data.seq_length", "model.max_position_embeddings") and r.data.seq_length > m.max_position_embeddings:
-        refuse("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+        refuse("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}",
+               also=("model.max_position_embeddings",))
     # the parallel layout: sizes, then its fit to the batch and the model (hpcmeg/parallel/dims.py, the one
     # place these rules live; the train job checks the running processes with the same object)
+    per_node = "cluster.gpus_per_node" if c.gpus_per_node > 0 else "cluster.cpu_tasks_per_node"
     layout = ("cluster.nodes", "cluster.gpus_per_node", "cluster.cpu_tasks_per_node", "parallel.tensor",
               "parallel.pipeline", "parallel.virtual_pipeline", "parallel.sequence_parallel")
     if ok(*layout):
         dims = recipe_dims(r)
-        sizes = dims.problems(check_implemented=False)
+        # the processes: nodes x ranks per node, each named with where it was set
+        ranks = (f"ranks ({_described(where, 'cluster.nodes', c.nodes)} x "
+                 f"{_described(where, per_node, getattr(c, per_node.split('.')[1]))})")
+        sizes = dims.problems(check_implemented=False, ranks=ranks)
         for key, text in sizes:
-            refuse(key, text)
+            # the rank count against tensor x pipeline: blamed on whichever of the four was set most directly
+            spans = key == "cluster.nodes" and dims.world >= 1
+            refuse(key, text, also=("parallel.tensor", "parallel.pipeline", per_node) if spans else (), named=spans)
         if not sizes:
             fit = dims.model_problems(num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                                       ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
@@ -252,13 +271,20 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
                         "model.num_layers": ("model.num_layers",), "data.seq_length": ("data.seq_length",),
                         "train.global_batch_size": ("train.global_batch_size", "train.micro_batch_size")}[key]
                 if ok(*deps):
-                    refuse(key, text)
+                    # the layout keys the rule divides by can be what the user just changed (--set parallel.tensor=8)
+                    spans = {"model.num_attention_heads": ("parallel.tensor",),
+                             "model.ffn_hidden_size": ("parallel.tensor",),
+                             "model.num_layers": ("parallel.pipeline", "parallel.virtual_pipeline"),
+                             "data.seq_length": ("parallel.tensor",),
+                             "train.global_batch_size": ("train.micro_batch_size", "parallel.tensor",
+                                                         "parallel.pipeline", "cluster.nodes", per_node)}[key]
+                    refuse(key, text, also=spans)
             for key, text in dims.problems():  # layouts the train job cannot run yet: said here, before
                 refuse(key, text)              # anything is submitted (sizes are fine at this point)
     if ok("train.train_iters", "train.train_samples") and (t.train_iters is None) == (t.train_samples is None):
         refuse("train.train_iters", "set exactly one of train.train_iters and train.train_samples")
     if ok("train.min_lr", "train.lr") and t.min_lr > t.lr:
-        refuse("train.min_lr", f"{t.min_lr} is above train.lr={t.lr}; lower train.min_lr")
+        refuse("train.min_lr", f"{t.min_lr} is above train.lr={t.lr}; lower train.min_lr", also=("train.lr",))
     sched = ("train.lr", "train.min_lr", "train.lr_decay_style", "train.lr_decay_iters", "train.lr_warmup_iters",
              "train.lr_warmup_fraction", "train.train_iters", "train.train_samples", "train.global_batch_size")
     if ok(*sched) and (t.train_iters is None) != (t.train_samples is None):
@@ -291,14 +317,27 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
         limit = c.time_limit_minutes()
         if ok("cluster.time", "cluster.signal_lead_s") and limit is not None and c.signal_lead_s >= limit * 60:
             refuse("cluster.signal_lead_s", f"{c.signal_lead_s} s is not shorter than cluster.time={c.time}; "
-                     f"lower it or raise cluster.time")
+                     f"lower it or raise cluster.time", also=("cluster.time",))
     if ok("container.runtime", "container.image") and r.container.runtime != "none" and not r.container.image:
         refuse("container.image", f"container.runtime={r.container.runtime} needs an image")
     if ok("convert.iterations"):
         it = str(r.convert.iterations).strip()
         if it not in ("last", "all") and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", it):
             refuse("convert.iterations", f"{it!r} must be last, all, or a comma list of iterations (100,200)")
+    if refused is not None:
+        refused |= bad
     return p
+
+
+def _value(r: Recipe, key: str):
+    sec, name = key.split(".", 1)
+    return getattr(getattr(r, sec), name)
+
+
+def _described(where, key: str, value) -> str:
+    """'key=value (where it was set)' with a recipe_yaml.Where, plain 'key=value' otherwise."""
+    describe = getattr(where, "describe", None)
+    return describe(key, value) if describe else f"{key}={value}"
 
 
 def parse_split(split: str) -> list[float]:
@@ -391,6 +430,20 @@ def recipe_dims(r: Recipe, world_size: int | None = None):
                         distributed_optimizer=par.distributed_optimizer)
 
 
+class RunPaths(NamedTuple):
+    run_dir: str
+    data_prefix: str
+    checkpoint_dir: str
+
+
+def run_paths(r: Recipe) -> RunPaths:
+    """The run directory, the dataset prefix and the checkpoint directory (part of ``derive``; these
+    need no layout or vocabulary, so the checks of a recipe with other problems can still use them)."""
+    run_dir = str(Path(r.run.output_root) / r.run.name)
+    prefix = r.data.output_prefix or str(Path(run_dir) / "data" / r.run.name)
+    return RunPaths(run_dir, prefix, r.checkpoint.dir or str(Path(run_dir) / "checkpoints"))
+
+
 def derive(r: Recipe, orig_vocab_size: int | None = None) -> Derived:
     dims = recipe_dims(r)
     world, dp = dims.world, dims.dp
@@ -399,15 +452,14 @@ def derive(r: Recipe, orig_vocab_size: int | None = None) -> Derived:
     orig = orig_vocab_size if orig_vocab_size is not None else (r.model.vocab_size or vocab_size_from_files(r.data))
     samples = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
     iters = t.train_iters if t.train_iters is not None else -(-samples // t.global_batch_size)
-    run_dir = str(Path(r.run.output_root) / r.run.name)
-    prefix = r.data.output_prefix or str(Path(run_dir) / "data" / r.run.name)
+    run_dir, prefix, checkpoint_dir = run_paths(r)
     return Derived(
         world_size=world, data_parallel_size=dp, grad_accum_steps=accum, orig_vocab_size=orig,
         padded_vocab_size=pad_vocab_size(orig, r.model.make_vocab_size_divisible_by, r.parallel.tensor),
         ffn_hidden_size=r.model.ffn_hidden_size or 4 * r.model.hidden_size,
         train_samples=samples, train_iters=iters,
         tokens_per_iteration=t.global_batch_size * r.data.seq_length,
-        run_dir=run_dir, data_prefix=prefix, checkpoint_dir=r.checkpoint.dir or str(Path(run_dir) / "checkpoints"),
+        run_dir=run_dir, data_prefix=prefix, checkpoint_dir=checkpoint_dir,
     )
 
 

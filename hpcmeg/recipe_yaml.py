@@ -1,5 +1,6 @@
-"""Typed YAML reading for recipes and profiles: line numbers for keys, and the conversion of plain
-YAML data into the schema's dataclasses with one problem line per unknown key or wrong type.
+"""Typed YAML reading for recipes and profiles: line numbers for keys, where each value was set
+(``Where``: a ``--set`` item, a recipe line, a profile line or the default), and the conversion of
+plain YAML data into the schema's dataclasses with one problem line per unknown key or wrong type.
 
 Pure functions over ``yaml.safe_load`` output; no defaults live here (they live in
 ``hpcmeg.recipe_schema``).
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -88,6 +92,82 @@ def read_yaml(path: Path, what: str = "recipe") -> tuple[dict, dict[str, int]]:
         raise RecipeError([f"{path}: the top level must be a mapping of sections ({sections}), "
                            f"not a {type(data).__name__}"])
     return data, line_map(text)
+
+
+# ----------------------------------------------------------------------------- where a value was set
+
+# a problem line that starts with a dotted recipe key (data.inputs[0]: ..., cluster.python '/x' ...)
+_KEY_AT_START = re.compile(r"([a-z_]+(?:\.[a-z_][a-z_0-9]*)+)((?:\[\d+\])?)(?=[: ]|$)")
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where each value of a loaded recipe was set, highest precedence first: a ``--set`` item, a line
+    of the recipe file, a line of the cluster profile, or nowhere (the schema's default).
+
+    ``where(key)`` is the prefix of a problem line about ``key``; ``origin(key)`` ranks and names the
+    place (for problems that span several keys: the one set most directly is blamed);
+    ``attribute(line)`` prefixes a line that starts with a recipe key (the checks ``submit`` runs after
+    loading) with the place that key was set."""
+
+    sets: Mapping[str, str] = field(default_factory=dict)
+    """dotted key -> the ``--set`` item that set it (the last one for a key given twice)."""
+    recipe: Optional[Path] = None
+    lines: Mapping[str, int] = field(default_factory=dict)
+    """dotted key -> line in ``recipe``."""
+    profile: Optional[Path] = None
+    plines: Mapping[str, int] = field(default_factory=dict)
+    """dotted key -> line in ``profile``."""
+
+    SET, RECIPE, PROFILE, DEFAULT = 3, 2, 1, 0
+
+    def origin(self, key: str) -> tuple[int, str]:
+        """(precedence, place): (SET, '--set ITEM'), (RECIPE, 'FILE:LINE'), (PROFILE, 'FILE:LINE') or
+        (DEFAULT, ''). ``key`` may carry a list index (data.inputs[0]): the list's line is used."""
+        base = key.split("[")[0]
+        if base in self.sets:
+            return self.SET, f"--set {self.sets[base]}"
+        for k, item in self.sets.items():  # a whole section set (--set train={...}), or a new key under one
+            if base.startswith(k + ".") or k.startswith(base + "."):
+                return self.SET, f"--set {item}"
+        for rank, path, lines in ((self.RECIPE, self.recipe, self.lines), (self.PROFILE, self.profile, self.plines)):
+            if path is not None and (key in lines or base in lines):
+                return rank, f"{path}:{lines.get(key, lines.get(base))}"
+        return self.DEFAULT, ""
+
+    def __call__(self, key: str) -> str:
+        """``--set ITEM`` (the item names the key), ``--set ITEM: key`` (a section set whole),
+        ``FILE:LINE: key``, or the bare key."""
+        rank, place = self.origin(key)
+        if rank == self.SET and key.split("[")[0] in self.sets:
+            return _printable(place)
+        return _printable(f"{place}: {key}" if place else key)
+
+    def describe(self, key: str, value) -> str:
+        """``key=value`` and where it was set, for naming the other keys of a problem: 'cluster.nodes=1
+        from hpcmeg/profiles/local.yaml:4', 'parallel.pipeline=1 by default'."""
+        rank, place = self.origin(key)
+        return f"{key}={value} " + (f"from {_printable(place)}" if place else "by default")
+
+    def attribute(self, line: str) -> str:
+        """A problem line that starts with a recipe key, prefixed with where that key was set; other lines
+        (about a data file, --stages, Slurm's answer) and keys left at their default are returned as they are."""
+        m = _KEY_AT_START.match(line)
+        if not m:
+            return line
+        key = m.group(1) + m.group(2)
+        rank, place = self.origin(key)
+        if rank == self.DEFAULT:
+            return line
+        if rank == self.SET and m.group(1) in self.sets and line[m.end():].startswith(":") and not m.group(2):
+            return _printable(place) + line[m.end():]  # '--set container.image=/x.sif: /x.sif does not exist'
+        return f"{_printable(place)}: {line}"
+
+
+def _printable(text: str) -> str:
+    """A key or --set item with a newline or another control character, shown escaped: a problem
+    stays one line whatever the user typed."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 # ----------------------------------------------------------------------------- typed conversion

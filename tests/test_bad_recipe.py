@@ -9,6 +9,7 @@ new field is covered); one problem = one line (type errors and typos leave no fo
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import typing
 from pathlib import Path
@@ -21,6 +22,17 @@ from hpcmeg.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "codeparrot_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A directory to run from where the tiny recipe's relative data.inputs (runs/corpus/stdlib.jsonl) is a
+    real JSONL file, so that a test's one recipe problem is the only problem (an input matching nothing is
+    one more, reported in the same run)."""
+    d = tmp_path_factory.mktemp("work")
+    (d / "runs" / "corpus").mkdir(parents=True)
+    (d / "runs" / "corpus" / "stdlib.jsonl").write_text(json.dumps({"content": Path(json.__file__).read_text()}) + "\n")
+    return d
 
 
 def cli(*args, cwd=REPO):
@@ -149,23 +161,23 @@ def test_out_of_range_is_one_problem_naming_the_key(key, kind, rng):
             assert not any("out of range" in p for p in e.problems), (key, edge, e.problems)
 
 
-def test_issue_cases_refused_at_validate_one_line_each(tmp_path):
+def test_issue_cases_refused_at_validate_one_line_each(tmp_path, workdir):
     cases = ["train.log_interval=0", "train.log_interval=-1", "checkpoint.keep_last=0", "checkpoint.save_interval=-1",
              "train.eval_interval=-1", "train.clip_grad=-1", "train.weight_decay=-0.1",
              "train.exit_duration_minutes=-5", "cluster.cpus_per_task=0", "cluster.signal_lead_s=-5", "train.lr=-1",
              "train.adam_beta1=1", "train.adam_eps=0", "model.hidden_dropout=1.0", "train.lr=.nan"]
     for item in cases:
-        rc, lines, _ = cli("validate", TINY, "--set", item, "--set", f"run.output_root={tmp_path}")
+        rc, lines, _ = cli("validate", TINY, "--set", item, "--set", f"run.output_root={tmp_path}", cwd=workdir)
         assert rc == 2 and len(lines) == 1, (item, lines)
         assert lines[0].startswith(f"hpcmeg: --set {item}:") and "out of range" in lines[0], lines
     assert not list(tmp_path.iterdir())
 
 
-def test_out_of_range_in_the_file_names_its_line(tmp_path):
+def test_out_of_range_in_the_file_names_its_line(tmp_path, workdir):
     p = tmp_path / "r.yaml"
     p.write_text(TINY.read_text().replace("lr: 0.002", "lr: -1"))
     lineno = next(i for i, ln in enumerate(p.read_text().splitlines(), 1) if ln.strip() == "lr: -1")
-    rc, lines, _ = cli("validate", p)
+    rc, lines, _ = cli("validate", p, cwd=workdir)
     assert rc == 2 and lines == [f"hpcmeg: {p}:{lineno}: train.lr: -1.0 is out of range; use a value greater than 0"]
 
 
@@ -178,43 +190,43 @@ def test_out_of_range_in_the_file_names_its_line(tmp_path):
                                          ("model.hidden_size=0", "out of range"),
                                          ("data.json_keys=[]", "at least one"),
                                          ("trian.lr=1", "did you mean 'train'")])
-def test_one_problem_is_one_line_blamed_on_set(item, needle):
-    rc, lines, _ = cli("validate", TINY, "--set", item)
+def test_one_problem_is_one_line_blamed_on_set(item, needle, workdir):
+    rc, lines, _ = cli("validate", TINY, "--set", item, cwd=workdir)
     assert rc == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"hpcmeg: --set {item}:") and needle in lines[0], lines
     assert str(TINY) not in lines[0]  # not a line of the recipe file: the value came from --set
 
 
-def test_type_error_in_the_file_has_no_follow_on_lines(tmp_path):
+def test_type_error_in_the_file_has_no_follow_on_lines(tmp_path, workdir):
     p = tmp_path / "r.yaml"
     p.write_text(TINY.read_text().replace("lr: 0.002", "lr: fast").replace("num_layers: 4", "num_layers: four"))
-    rc, lines, _ = cli("validate", p)
+    rc, lines, _ = cli("validate", p, cwd=workdir)
     assert rc == 2 and len(lines) == 2, lines  # two mistakes, two lines; nothing about min_lr or divisibility
     assert any("train.lr" in ln and "expected a number" in ln for ln in lines)
     assert any("model.num_layers" in ln and "expected an integer" in ln for ln in lines)
 
 
-def test_misspelled_key_in_a_section_has_no_follow_on_lines(tmp_path):
+def test_misspelled_key_in_a_section_has_no_follow_on_lines(tmp_path, workdir):
     p = tmp_path / "r.yaml"
     p.write_text(TINY.read_text().replace("  train_iters: 200", "  train_iter: 200"))
-    rc, lines, _ = cli("validate", p)
+    rc, lines, _ = cli("validate", p, cwd=workdir)
     assert rc == 2 and len(lines) == 1 and "did you mean 'train_iters'" in lines[0], lines
 
 
-def test_newline_in_run_name_is_reported_against_run_name(tmp_path):
+def test_newline_in_run_name_is_reported_against_run_name(tmp_path, workdir):
     p = tmp_path / "r.yaml"
     p.write_text(TINY.read_text().replace("name: codeparrot-tiny", 'name: "codeparrot\\ntiny"'))
     for args in (["validate", p], ["submit", p, "--dry-run", "--set", f"run.output_root={tmp_path / 'runs'}"]):
-        rc, lines, _ = cli(*args)
+        rc, lines, _ = cli(*args, cwd=workdir)
         assert rc == 2 and len(lines) == 1, lines
         assert f"{p}:6: run.name:" in lines[0] and "control character" in lines[0], lines
     assert not (tmp_path / "runs").exists()
 
 
-def test_set_value_errors_name_set_and_profile_values_name_the_profile(tmp_path):
+def test_set_value_errors_name_set_and_profile_values_name_the_profile(tmp_path, workdir):
     prof = tmp_path / "p.yaml"
     prof.write_text("cluster:\n  executor: slurm\n  cpus_per_task: 0\n")
-    rc, lines, _ = cli("validate", TINY, "--profile", prof)
+    rc, lines, _ = cli("validate", TINY, "--profile", prof, cwd=workdir)
     assert rc == 2 and lines == [f"hpcmeg: {prof}:3: cluster.cpus_per_task: 0 is out of range; use a value of at least 1"]
 
 

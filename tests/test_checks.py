@@ -101,8 +101,10 @@ def test_env_passthrough_and_secret_names(capsys, tmp_path, data, monkeypatch, s
     monkeypatch.delenv("HPCMEG_T_UNSET", raising=False)
     monkeypatch.setenv("HPCMEG_T_SET", "v")
     bad = [
-        ("cluster.env_passthrough=[HPCMEG_T_UNSET]", "cluster.env_passthrough: HPCMEG_T_UNSET is not set"),
-        ("cluster.secret_env=[HPCMEG_T_UNSET]", "cluster.secret_env: HPCMEG_T_UNSET is not set"),
+        # blamed on the --set that gave the list
+        ("cluster.env_passthrough=[HPCMEG_T_UNSET]",
+         "--set cluster.env_passthrough=[HPCMEG_T_UNSET]: HPCMEG_T_UNSET is not set"),
+        ("cluster.secret_env=[HPCMEG_T_UNSET]", "--set cluster.secret_env=[HPCMEG_T_UNSET]: HPCMEG_T_UNSET is not set"),
         ("cluster.env_passthrough=[1BAD]", "not a valid environment variable name"),
     ]
     for s, words in bad:
@@ -170,7 +172,8 @@ def test_first_line_reader_is_cheap_and_bounded(tmp_path):
 def test_train_without_its_dataset_is_refused(capsys, tmp_path):
     rc, _, err = _run(capsys, "validate", TINY, "--stages", "train", "--set", f"run.output_root={tmp_path}",
                       "--set", f"data.data_path=[{tmp_path}/none/prefix]")
-    assert rc == 2 and len(err) == 1 and "data.data_path: no tokenized dataset" in err[0], err
+    assert rc == 2 and len(err) == 1, err
+    assert f"--set data.data_path=[{tmp_path}/none/prefix]: no tokenized dataset" in err[0], err
     rc, _, err = _run(capsys, "validate", TINY, "--stages", "train,convert", "--set", f"run.output_root={tmp_path}")
     assert rc == 2 and len(err) == 1 and "--stages preprocess first" in err[0], err
     rc, _, err = _run(capsys, "submit", TINY, "--stages", "train", "--dry-run", "--profile", "local-slurm",

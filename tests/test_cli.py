@@ -36,7 +36,9 @@ def test_subcommand_help(sub):
 def test_misspelled_section_exits_2_with_one_line(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text((REPO / "recipes/codeparrot_tiny.yaml").read_text().replace("\ntrain:", "\ntrian:"))
-    r = run("validate", str(p))
+    (tmp_path / "runs" / "corpus").mkdir(parents=True)  # the recipe's input exists: the typo is the one problem
+    (tmp_path / "runs" / "corpus" / "stdlib.jsonl").write_text('{"content": "print(1)"}\n')
+    r = run("validate", str(p), cwd=tmp_path)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "trian" in lines[0] and "did you mean 'train'" in lines[0]

@@ -74,12 +74,15 @@ def test_validate_gives_one_line_naming_the_key(sets, key):
     assert key in line
 
 
-def test_validate_cli_refuses_an_interleaved_schedule_it_cannot_run():
+def test_validate_cli_refuses_an_interleaved_schedule_it_cannot_run(tmp_path):
     """PP2 x V2 needs a multiple of 2 micro batches per step (Megatron's rule): 3 is refused in one line
-    naming train.global_batch_size and the counts that work."""
+    naming train.global_batch_size and the counts that work (the inputs exist: nothing else is wrong)."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"content": "print(1)"}\n')
     r = subprocess.run([sys.executable, "-m", "hpcmeg.cli", "validate", TINY, "--set", "parallel.pipeline=2",
                         "--set", "parallel.virtual_pipeline=2", "--set", "cluster.cpu_tasks_per_node=2",
-                        "--set", "train.global_batch_size=12", "--set", "train.micro_batch_size=4"],
+                        "--set", "train.global_batch_size=12", "--set", "train.micro_batch_size=4",
+                        "--set", f"data.inputs=[{corpus}]", "--set", f"run.output_root={tmp_path}/runs"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "train.global_batch_size" in r.stderr and "use 2 or 4 micro batches" in r.stderr

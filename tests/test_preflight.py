@@ -132,14 +132,20 @@ def test_submit_refuses_in_one_line_and_writes_nothing(tmp_path, profile, sets, 
         args += ["--set", s]
     r = _cli(*args, cwd=tmp_path)
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"hpcmeg: {key}"), (r.returncode, r.stderr)
+    # blamed on where the key was set: its --set item, else the profile's line
+    item = next((s for s in sets if s.startswith(f"{key}=")), None)
+    start = f"hpcmeg: --set {item}" if item else f"hpcmeg: {REPO / 'hpcmeg' / 'profiles' / profile}.yaml:"
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), (r.returncode, r.stderr)
+    assert item or f": {key}:" in lines[0], lines
     assert "Traceback" not in r.stderr and not out.exists()
 
 
 def test_slurm_profile_without_slurm_commands_is_refused(tmp_path):
     env = {"PATH": str(Path(sys.executable).parent)}  # no sbatch here (a laptop)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"content": "print(1)"}\n')
     r = _cli("submit", str(TINY), "--profile", "local-slurm", "--set", f"run.output_root={tmp_path / 'runs'}",
-             env=env)
+             "--set", f"data.inputs=[{corpus}]", env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "sbatch is not on PATH" in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists()
 

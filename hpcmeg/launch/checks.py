@@ -3,7 +3,8 @@
 Contract (called from ``hpcmeg.launch.submit.prepare``, the one function both commands run):
 - ``run_dir_problems(r, run_dir) -> [line]``: the run directory's path must not hold ``%``.
 - ``expand_inputs(specs, allow_missing) -> files``: data.inputs -> files; an unmatched spec is a
-  RecipeError line naming ``data.inputs[i]`` and the pattern (a dry run keeps it and warns).
+  RecipeError line naming ``data.inputs[i]`` and the pattern (a dry run keeps it and warns);
+  ``input_files`` returns those lines instead of raising (``prepare`` reports them with the rest).
 - ``first_document_problems(files, keys) -> (recipe lines, data lines)``: the first non-blank line of
   every input (plain or gzip; one line read per file, so cheap even for thousands of shards) must be a
   JSON object with every ``data.json_keys`` key holding text: the mismatch preprocess would otherwise
@@ -58,6 +59,14 @@ def expand_inputs(specs: list[str], allow_missing: bool = False) -> list[str]:
     With ``allow_missing`` (``--dry-run`` on a machine that does not see the data, e.g. a laptop
     rendering a cluster's scripts) an unmatched spec stays as one literal shard and a warning is
     printed instead of an error."""
+    out, bad = input_files(specs, allow_missing)
+    if bad:
+        raise RecipeError(bad)
+    return out
+
+
+def input_files(specs: list[str], allow_missing: bool = False) -> tuple[list[str], list[str]]:
+    """``expand_inputs`` returning (files, one line per spec that matches nothing) rather than raising."""
     out, bad = [], []
     for i, spec in enumerate(specs):
         if any(c in spec for c in "*?["):
@@ -72,10 +81,8 @@ def expand_inputs(specs: list[str], allow_missing: bool = False) -> list[str]:
     if bad and allow_missing:
         for line in bad:
             print(f"hpcmeg submit: warning (dry run): {line}; kept as one literal shard", file=sys.stderr)
-        return out + [spec for spec in specs if not any(f == spec or fnmatch.fnmatch(f, spec) for f in out)]
-    if bad:
-        raise RecipeError(bad)
-    return out
+        return out + [spec for spec in specs if not any(f == spec or fnmatch.fnmatch(f, spec) for f in out)], []
+    return out, bad
 
 
 def dataset_problems(r, d, stages: tuple[str, ...]) -> list[str]:

@@ -20,7 +20,7 @@ What is checked, and why:
 - resource shapes: the preprocess job's ``--cpus-per-task`` (cluster.preprocess_cpus) is not below
   data.workers.
 On ``--dry-run`` (e.g. rendering a cluster's scripts on a laptop) what depends on this machine is a
-warning, not a refusal.
+warning, not a refusal. The checks are independent: all of them run, so one submit reports every problem.
 """
 from __future__ import annotations
 
@@ -239,15 +239,31 @@ def check_shapes(r, stages: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _any_key(*keys: str) -> bool:
+    return True
+
+
 def preflight(r, d, host_python: str, stages: tuple[str, ...], dry_run: bool = False,
-              submitting: bool = True) -> tuple[list[str], list[str]]:
-    """Every check above; (problems that refuse the submission, warnings to print)."""
-    problems, warnings = check_fit(r, dry_run, submitting)
-    problems += check_shapes(r, stages)
-    if r.cluster.executor != "slurm" or problems:
+              submitting: bool = True, ok=_any_key) -> tuple[list[str], list[str]]:
+    """Every check above, each independent of the others; (problems that refuse the submission,
+    warnings to print). ``ok(*keys)``: False when one of the keys was already refused while loading
+    the recipe (its value is a placeholder), and the checks reading it are skipped."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    if ok("cluster.executor", "container.runtime", "container.image", "container.binds", "cluster.env"):
+        problems, warnings = check_fit(r, dry_run, submitting)
+    if ok("cluster.executor", "cluster.preprocess_cpus", "data.workers", "data.data_path"):
+        problems += check_shapes(r, stages)
+    if r.cluster.executor != "slurm" or not ok("cluster.executor"):
         return problems, warnings
+    if submitting and not shutil.which("sbatch"):
+        return problems, warnings  # refused above: this is no login node, so its paths say nothing of the nodes
     nodes_local = nodes_are_this_host()
-    machine = check_python(r, host_python, nodes_local) + check_output_root(r, d.run_dir, nodes_local)
+    machine = []
+    if ok("cluster.python", "cluster.python_check", "cluster.version_check"):
+        machine += check_python(r, host_python, nodes_local)
+    if ok("run.output_root", "run.name"):
+        machine += check_output_root(r, d.run_dir, nodes_local)
     if dry_run:
         warnings += [f"warning (dry run): {m}" for m in machine]
     else:

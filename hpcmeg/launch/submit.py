@@ -4,10 +4,12 @@ Contract: ``cli_submit(args) -> exit code`` (args: recipe, overrides, profile, d
 ``prepare(recipe, stages) -> Prepared`` (resolved recipe with absolute paths, derived values, expanded
 inputs, whether the dataset can be reused, the plan) and ``submit_plan(prep) -> {stage: job id}``.
 
-Order of work: validate -> make every path absolute (jobs and containers do not share the login
-shell's cwd) -> the shared checks (hpcmeg.launch.checks: no '%' in the run dir, every data.inputs
-entry matches a file whose first document has the json_keys; pass-through/secret variables set) ->
-preflight (hpcmeg.launch.preflight: profile/executor fit, the compute-node interpreter
+Order of work (every check runs and their problems are reported together, each attributed to the
+``--set``, recipe line or profile line that set its key): validate -> make every path absolute (jobs
+and containers do not share the login shell's cwd) -> the shared checks (hpcmeg.launch.checks: no '%'
+in the run dir, every data.inputs entry matches a file whose first document has the json_keys;
+pass-through/secret variables set) -> preflight (hpcmeg.launch.preflight: profile/executor fit, the
+compute-node interpreter
 ``cluster.python``, node-local paths, resource shapes) -> reuse the dataset when its manifest
 matches (inputs' paths, sizes, mtimes and the tokenizer) -> the plan (Slurm, not --dry-run: then
 ``sbatch --test-only`` of every job, so nothing Slurm would refuse is half-submitted; ``prepare``:
@@ -41,7 +43,7 @@ from hpcmeg.launch.container import ContainerError
 from hpcmeg.launch.preflight import preflight, slurm_refusals
 from hpcmeg.launch.provenance import write_record
 from hpcmeg.launch.rundir import RunDir, dataset_is_current, input_manifest, read_json, write_atomic, write_jobs
-from hpcmeg.recipe import Recipe, RecipeError, derive, dump_yaml, load_recipe, recipe_dims
+from hpcmeg.recipe import Loaded, Recipe, RecipeError, Where, derive, dump_yaml, read_recipe, recipe_dims, run_paths
 
 ALL_STAGES = ("preprocess", "train", "convert")
 
@@ -94,25 +96,71 @@ def node_python(r: Recipe) -> str:
     return r.cluster.python or sys.executable
 
 
-def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Optional[str] = None,
+def prepare(r: Recipe | Loaded, stages: tuple[str, ...] = ALL_STAGES, host_python: Optional[str] = None,
             dry_run: bool = False, environ: Optional[dict] = None, probe: bool = False,
             submitting: bool = False) -> Prepared:
     """Every check ``submit`` makes before writing anything; ``hpcmeg validate`` runs exactly this.
 
-    Raises RecipeError (recipe faults, exit 2) or checks.DataError (unreadable inputs, exit 1), one
-    line each; warnings (dry-run leniency, secret-looking cluster.env names) are printed to stderr.
+    ``r``: a Recipe, or what ``recipe.read_recipe`` found (``Loaded``): then the recipe's own problems
+    are reported together with these checks', the checks that read a value the recipe refused are
+    skipped, and each line names where its key was set (``--set``, recipe or profile line).
+    The checks are independent: all of them run, and every problem is reported in one RecipeError
+    (exit 2) or, when the only problem is an unreadable input, checks.DataError (exit 1); one line
+    each. Warnings (dry-run leniency, secret-looking cluster.env names) are printed to stderr.
     ``probe``: the smoke test's train step (hpcmeg.launch.smoke); ``submitting``: a real submission,
     which also asks Slurm (sbatch on PATH, ``sbatch --test-only`` of every job)."""
-    r = absolutize(r)
-    d = derive(r)
-    problems = checks.run_dir_problems(r, d.run_dir)
-    env_errors, env_warnings = jobenv.problems(r.cluster, os.environ if environ is None else environ, lenient=dry_run)
-    if problems or env_errors:
-        raise RecipeError(problems + env_errors)
+    loaded = r if isinstance(r, Loaded) else Loaded(r, (), frozenset(), Where())
+    where, refused = loaded.where, loaded.refused
+    problems: list[str] = list(loaded.problems)  # one line each, from every check below
+    found: list[str] = []  # this function's own lines, attributed to where their key was set at the end
+
+    def ok(*keys: str) -> bool:  # no check reads a placeholder left where the recipe's value was refused
+        return not any(k in refused or k.split(".")[0] in refused for k in keys)
+
+    r = absolutize(loaded.recipe)
+    try:
+        d = derive(r)
+    except RecipeError as e:  # an unreadable vocabulary: the paths still let the other checks run
+        found += e.problems
+        d = run_paths(r)
+    except (ArithmeticError, TypeError, ValueError):  # a layout, batch or length the recipe refused
+        if not problems:
+            raise
+        d = run_paths(r)
+    if ok("run.name", "run.output_root"):
+        found += checks.run_dir_problems(r, d.run_dir)
+    env_errors, env_warnings = [], []
+    if ok("cluster.env", "cluster.env_passthrough", "cluster.secret_env"):
+        env_errors, env_warnings = jobenv.problems(r.cluster, os.environ if environ is None else environ,
+                                                   lenient=dry_run)
+    found += env_errors
     host_python = host_python or node_python(r)
-    problems, notes = preflight(r, d, host_python, stages, dry_run, submitting and not dry_run)
+    more, notes = preflight(r, d, host_python, stages, dry_run, submitting and not dry_run, ok=ok)
+    found += more
+    files: list[str] = []
+    data_problems: list[str] = []  # unreadable input files: exit 1 when nothing else is wrong
+    present: list[str] = []
+    if "preprocess" in stages and ok("data.data_path", "data.inputs") and not r.data.data_path:
+        files, unmatched = checks.input_files(r.data.inputs, allow_missing=dry_run)
+        found += unmatched
+        present = [f for f in files if os.path.isfile(f)]  # (a dry run may carry unmatched specs)
+        if ok("data.json_keys"):
+            bad_keys, data_problems = checks.first_document_problems(present, list(r.data.json_keys))
+            found += bad_keys
+    missing = []
+    if ok("data.data_path", "data.output_prefix", "data.json_keys", "data.split_sentences", "run.name",
+          "run.output_root"):
+        missing = checks.dataset_problems(r, d, stages)
+    if not dry_run:
+        found += missing
+    # (a further check: append its lines to `found` above this line)
+    problems += [where.attribute(line) for line in found]
     if problems:
-        raise RecipeError(problems)
+        raise RecipeError(problems + data_problems)
+    if data_problems:
+        raise checks.DataError(data_problems)
+    for line in missing:  # a dry run may render for a machine that sees the data
+        print(f"hpcmeg submit: warning (dry run): {line}", file=sys.stderr)
     c = r.cluster
     for line in env_warnings + recipe_dims(r).placement_warnings(c.tasks_per_node(), c.nodes):
         print(f"hpcmeg: warning: {line}", file=sys.stderr)
@@ -121,24 +169,11 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
               f"and the job scripts; list it in cluster.secret_env (or pass it with cluster.env_passthrough) to "
               f"keep its value out of every file", file=sys.stderr)
     run = RunDir(Path(d.run_dir))
-    files: list[str] = []
     skip = False
-    if "preprocess" in stages and not r.data.data_path:
-        files = checks.expand_inputs(r.data.inputs, allow_missing=dry_run)
-        present = [f for f in files if os.path.isfile(f)]  # (a dry run may carry unmatched specs)
-        bad_keys, bad_data = checks.first_document_problems(present, list(r.data.json_keys))
-        if bad_keys:
-            raise RecipeError(bad_keys)
-        if bad_data:
-            raise checks.DataError(bad_data)
+    if files:
         outs = S.dataset_outputs(d.data_prefix, r)
         if len(present) == len(files):
             skip = dataset_is_current(d.data_prefix, outs, input_manifest(files, S.tokenizer_settings(r)))
-    missing = checks.dataset_problems(r, d, stages)
-    if missing and not dry_run:
-        raise RecipeError(missing)
-    for line in missing:  # a dry run may render for a machine that sees the data
-        print(f"hpcmeg submit: warning (dry run): {line}", file=sys.stderr)
     prep = Prepared(r, d, run, files, skip, stages, host_python=host_python)
     try:
         if r.cluster.executor == "slurm":
@@ -153,12 +188,12 @@ def prepare(r: Recipe, stages: tuple[str, ...] = ALL_STAGES, host_python: Option
 
             local.describe(prep)  # the local executor's own refusals (pyxis needs srun)
             S.env_exports(r.cluster.env)
-    except (S.ScriptError, ContainerError) as e:
-        raise RecipeError([str(e)]) from None
+    except (S.ScriptError, ContainerError) as e:  # reached only when every check above passed
+        raise RecipeError([where.attribute(str(e))]) from None
     if prep.plan and submitting and not dry_run:
-        refused = slurm_refusals(prep.plan, shlex.quote(host_python))
-        if refused:
-            raise RecipeError(refused)
+        slurm_says = slurm_refusals(prep.plan, shlex.quote(host_python))
+        if slurm_says:
+            raise RecipeError(slurm_says)
     for line in notes if not prep.plan else []:
         print(f"hpcmeg submit: {line}", file=sys.stderr)
     return prep
@@ -318,9 +353,10 @@ def dry_run(prep: Prepared) -> int:
 
 def cli_submit(args) -> int:
     stages = parse_stages(getattr(args, "stages", ",".join(ALL_STAGES)))
-    r = load_recipe(args.recipe, args.overrides, args.profile)
+    loaded = read_recipe(args.recipe, args.overrides, args.profile)  # its problems are reported by prepare
+    r = loaded.recipe
     try:
-        prep = prepare(r, stages, dry_run=bool(args.dry_run), submitting=not args.dry_run)
+        prep = prepare(loaded, stages, dry_run=bool(args.dry_run), submitting=not args.dry_run)
     except checks.DataError as e:
         print(f"hpcmeg submit: {e.lines[0]}", file=sys.stderr)
         return 1

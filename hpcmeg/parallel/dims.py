@@ -64,7 +64,10 @@ class ParallelDims:
 
     # ------------------------------------------------------------------------------ checks
 
-    def problems(self, check_implemented: bool = True) -> list[tuple[str, str]]:
+    def problems(self, check_implemented: bool = True, ranks: str = "ranks") -> list[tuple[str, str]]:
+        """`ranks`: what the processes are, for the message ("ranks (cluster.nodes=2 x ...)"); a rank count
+        not divisible by tensor x pipeline is keyed on cluster.nodes (the caller knows which of the keys
+        was set where)."""
         p: list[tuple[str, str]] = []
         for key, val in (("cluster.nodes", self.world), ("parallel.tensor", self.tp),
                          ("parallel.pipeline", self.pp), ("parallel.virtual_pipeline", self.vpp)):
@@ -73,7 +76,7 @@ class ParallelDims:
         if p:
             return p  # the divisibility checks below would divide by zero
         if self.world % (self.tp * self.pp):
-            p.append(("cluster.nodes", f"{self.world} ranks are not divisible by parallel.tensor x parallel.pipeline = "
+            p.append(("cluster.nodes", f"{self.world} {ranks} are not divisible by parallel.tensor x parallel.pipeline = "
                                        f"{self.tp} x {self.pp}; change the node/task count or the layout"))
         if self.sequence_parallel and self.tp == 1:
             p.append(("parallel.sequence_parallel", "needs parallel.tensor > 1 (it splits activations inside the "
