@@ -110,7 +110,7 @@ def test_pipeline_step_equals_one_process(dist_pool, world, pp, vpp, M):
         for v in range(vpp):  # each chunk's backwards run in micro-batch order (the accumulation order)
             assert [mb for c, mb in res["done"] if c == v] == list(range(M))
         step_s, compute_s, bubble = res["timing"]
-        assert 0 < compute_s <= step_s and bubble >= 0
+        assert 0 < compute_s <= step_s and 0 <= bubble <= 1
         for name, g in res["grads"].items():
             assert name not in got or dp_rank > 0, f"{name} on two stages"
             assert torch.equal(g, ref_grads[name]), f"rank {rank} {name}: max diff {(g - ref_grads[name]).abs().max()}"

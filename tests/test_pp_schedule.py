@@ -126,10 +126,12 @@ def test_activations_alive_are_bounded_as_in_1f1b(pp, vpp, M):
 @pytest.mark.parametrize("pp,vpp,M,b", [(2, 1, 5, 1.0), (4, 1, 8, 2.0), (4, 2, 8, 1.0), (4, 2, 8, 2.0),
                                         (2, 3, 6, 2.0), (4, 3, 12, 1.0)])
 def test_replayed_makespan_is_the_ideal_pipeline(pp, vpp, M, b):
-    """Replayed at the durations it was built for, the schedule has exactly the (pp-1)/(vpp*M) bubble."""
+    """Replayed at the durations it was built for, the schedule has exactly Megatron's bubble,
+    (pp-1)/(vpp*M) of the compute, which is (pp-1)/(vpp*M + pp-1) of the step (bubble_fraction)."""
     _, t = simulate(all_ranks(pp, M, vpp, b_cost=b), pp, vpp, 1.0, b)
     compute = M * vpp * (1 + b)  # per rank, in forward-chunk units
-    assert (t - compute) / compute == pytest.approx(bubble_fraction(pp, vpp, M))
+    assert (t - compute) / compute == pytest.approx((pp - 1) / (vpp * M))
+    assert (t - compute) / t == pytest.approx(bubble_fraction(pp, vpp, M))
 
 
 def test_megatron_table_example_and_group_option():

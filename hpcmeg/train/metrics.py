@@ -110,7 +110,7 @@ def format_train_line(r: dict, train_iters: int, per: str = "gpu") -> str:
         f"MFU {_fmt(r['mfu'], 'pct')}",
         f"peak mem {_fmt(r['peak_mem_gib'], '.2f')} GiB",
     ]
-    if r.get("pipeline_bubble") is not None:  # measured idle / compute beside (pp - 1) / (vpp * M)
+    if r.get("pipeline_bubble") is not None:  # measured idle / step beside (pp - 1) / (vpp * M + pp - 1)
         parts.append(f"bubble {_fmt(r['pipeline_bubble'], 'pct')} (ideal {_fmt(r['pipeline_bubble_ideal'], 'pct')})")
     if "elapsed_s" in r:
         parts.append(f"elapsed {duration(r['elapsed_s'])}")

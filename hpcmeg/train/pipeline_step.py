@@ -11,7 +11,8 @@ Contract
   pipeline group (only the last stage holds it) before the mean is taken: every rank logs and
   checks the same number. Clipping, fp16 unscaling and the optimizer step are TrainStep's (the
   gradient norm is summed over the pipeline group by FlatAdamW's norm groups).
-- `bubble`: the last step's measured bubble (idle / compute) and the schedule's (pp-1)/(vpp*M).
+- `bubble`: the last step's measured bubble on this rank (idle / step, runner.StepTiming.bubble) and
+  the schedule's (pp-1)/(vpp*M + pp-1) (schedule.bubble_fraction): both shares of the step in [0, 1].
 - Without CUDA graphs (several forwards are in flight before their backwards).
 """
 from __future__ import annotations

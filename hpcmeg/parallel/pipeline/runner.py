@@ -25,8 +25,12 @@ Contract
   - p2p may be None when no action transfers anything (pp = 1).
   - Raises RuntimeError if the list leaves tensors unsent/unused (a malformed schedule).
 - `StepTimer(device)`: an on_action hook; `.result()` after the step gives step and compute
-  seconds and the measured bubble (step - compute) / compute, to log beside bubble_fraction. CUDA
-  events on GPU (read after the step: one event sync), perf_counter on CPU.
+  seconds and the measured bubble (step - compute) / step: the share of this rank's schedule (first
+  action's start to last action's end) spent outside its forwards and backwards, i.e. waiting in
+  blocking sends/receives (plus the transfers themselves). The F/B intervals are disjoint parts of
+  that span, so it lies in [0, 1]; on the first stage the span is the whole pipeline's, which is what
+  schedule.bubble_fraction(pp, vpp, M) describes. CUDA events on GPU (read after the step: one event
+  sync), perf_counter on CPU.
 """
 from __future__ import annotations
 
@@ -104,13 +108,17 @@ class StepTiming:
 
     @property
     def bubble(self) -> float:
-        """Measured (step - compute) / compute: compare with schedule.bubble_fraction(pp, vpp, M)."""
-        return (self.step_s - self.compute_s) / self.compute_s if self.compute_s > 0 else float("nan")
+        """Measured idle share of the step, (step - compute) / step in [0, 1]: compare with
+        schedule.bubble_fraction(pp, vpp, M). Clamped only against the rounding of event times
+        (compute is a sum of disjoint sub-intervals of the step)."""
+        if self.step_s <= 0:
+            return float("nan")
+        return min(1.0, max(0.0, (self.step_s - self.compute_s) / self.step_s))
 
 
 class StepTimer:
     """on_action hook timing one step on this rank. The wait inside blocking receives and sends is
-    what the pipeline bubble is made of, so step - compute = bubble (+ transfer time)."""
+    what the pipeline bubble is made of, so step - compute = idle time (+ transfer time)."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.cuda = torch.device(device).type == "cuda"

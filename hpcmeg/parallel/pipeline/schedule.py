@@ -72,8 +72,11 @@ class Action:
 
 
 def bubble_fraction(pp: int, vpp: int, M: int) -> float:
-    """Theoretical pipeline bubble (idle time / ideal compute time per rank): (pp - 1) / (vpp * M)."""
-    return (pp - 1) / (vpp * M)
+    """Theoretical pipeline bubble as a share of the step: idle / (compute + idle) of the first stage,
+    whose step spans the whole pipeline. With equal stages a rank computes M * vpp chunk forwards and
+    backwards and waits (pp - 1) of them (Megatron's bubble, (pp - 1) / (vpp * M) of the compute), so
+    the share is (pp - 1) / (vpp * M + pp - 1): 1/2 for PP2 with one micro batch, 0 without PP."""
+    return (pp - 1) / (vpp * M + pp - 1)
 
 
 def chunk_layers(num_layers: int, pp: int, vpp: int, rank: int, chunk: int) -> range:
@@ -139,8 +142,8 @@ def validate_schedule(pp: int, vpp: int, M: int, group: int | None = None) -> li
 def schedule_advice(pp: int, vpp: int, M: int) -> list[str]:
     """Non-fatal advice lines for the log (the bubble is large when M is small)."""
     if pp > 1 and M < pp:
-        return [f"{M} micro batches per step on {pp} pipeline stages: stages idle most of the step (bubble "
-                f"{bubble_fraction(pp, vpp, M):.0%} of compute); use at least {pp}, better {4 * pp} or more"]
+        return [f"{M} micro batches per step on {pp} pipeline stages: stages idle much of the step (bubble "
+                f"{bubble_fraction(pp, vpp, M):.0%} of the step); use at least {pp}, better {4 * pp} or more"]
     return []
 
 
