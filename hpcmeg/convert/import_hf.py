@@ -5,6 +5,8 @@ Contract
     reads    hf_dir/config.json (model_type gpt2, tanh-GELU activation, tied embeddings) and the weights
              (model.safetensors, sharded safetensors with an index, or pytorch_model.bin loaded with
              weights_only=True); nothing is downloaded.
+    checks   config.json, then every weight against it (hf_import_checks), before anything is written:
+             HFModelError lists every problem, one line each naming config.json's key and the tensor.
     writes   ckpt_dir/latest_checkpointed_iteration.txt = "release"
              ckpt_dir/release/mp_rank_TT[_PPP]/model_optim_rng.pt (+ hpcmeg manifest), each with
                args (plain argparse.Namespace: sizes, orig/padded vocab, tp/pp, tokenizer, dropouts),
@@ -14,7 +16,8 @@ Contract
              ckpt_dir/tokenizer/ the HF dir's tokenizer files (the recipe stub points at them).
     Vocabulary rows are padded with zeros to a multiple of make_vocab_size_divisible_by x tp
     (Megatron's rule); weights keep the HF file's dtype, so HF -> hpcmeg -> HF is bit-identical.
-  cli_import_hf(args) -> exit code (`hpcmeg import-hf HF_DIR CKPT_DIR [--tp N --pp M]`).
+  cli_import_hf(args) -> exit code (`hpcmeg import-hf HF_DIR CKPT_DIR [--tp N --pp M]`); a refused model
+    prints its problems one per line and exits 1, nothing written.
 Fine-tuning: point the recipe's checkpoint.load at ckpt_dir; model sizes must match the recipe stub.
 """
 from __future__ import annotations
@@ -27,7 +30,8 @@ from typing import Any
 
 import torch
 
-from hpcmeg.convert.hf import _TANH_GELUS, ConvertError, hf_to_megatron_state
+from hpcmeg.convert.hf import ConvertError, hf_to_megatron_state
+from hpcmeg.convert.hf_import_checks import HFModelError, check_hf_config, check_hf_weights
 from hpcmeg.convert.hf_tokenizer import HF_TOKENIZER_FILES
 from hpcmeg.convert.merge import OutputDirError, atomic_output_dir, check_output_dir, repad_vocab, split_full
 from hpcmeg.megatron.layout import WORD_EMB, pad_vocab_size
@@ -41,7 +45,8 @@ TOKENIZER_SUBDIR = "tokenizer"
 
 
 def read_hf_config(hf_dir: str) -> dict[str, Any]:
-    """config.json as a dict, checked to be a GPT-2 that hpcmeg's model computes identically."""
+    """config.json as a dict, checked to be a GPT-2 that hpcmeg's model computes identically
+    (hf_import_checks.check_hf_config; HFModelError lists every problem)."""
     path = os.path.join(hf_dir, "config.json")
     try:
         with open(path) as f:
@@ -53,22 +58,9 @@ def read_hf_config(hf_dir: str) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ConvertError(f"{path}: a JSON {type(cfg).__name__}, not a model config; give a Hugging Face GPT-2 "
                            f"model directory")
-    if cfg.get("model_type") != "gpt2":
-        raise ConvertError(f"{path}: model_type {cfg.get('model_type')!r}; only GPT-2 models (model_type gpt2) "
-                           f"map onto hpcmeg's Megatron GPT")
-    act = cfg.get("activation_function", "gelu_new")
-    if act not in _TANH_GELUS:
-        raise ConvertError(f"{path}: activation_function {act!r}; hpcmeg's GPT uses tanh-GELU "
-                           f"({', '.join(_TANH_GELUS)}), so this model would compute differently")
-    for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attention", False),
-                    ("tie_word_embeddings", True), ("scale_attn_weights", True)):
-        if cfg.get(key, ok) != ok:
-            raise ConvertError(f"{path}: {key}={cfg[key]} is not supported (hpcmeg's GPT needs {key}={ok})")
-    bad = [k for k in ("n_layer", "n_head", "n_embd", "n_positions")
-           if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 1]
-    if bad:
-        raise ConvertError(f"{path}: {', '.join(bad)} missing or not a positive integer; the config of a GPT-2 "
-                           f"model has all four")
+    problems = check_hf_config(cfg, path)
+    if problems:
+        raise HFModelError(problems)
     return cfg
 
 
@@ -135,10 +127,13 @@ def import_hf(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, make_vocab_s
     n_layer, n_head, h = cfg["n_layer"], cfg["n_head"], cfg["n_embd"]
     if n_head % tp or n_layer % pp:
         raise ConvertError(f"--tp {tp} --pp {pp}: need n_head={n_head} divisible by tp and n_layer={n_layer} by pp")
-    full = hf_to_megatron_state(read_hf_weights(hf_dir), n_layer, n_head, where=hf_dir)
+    sd = read_hf_weights(hf_dir)
+    problems = check_hf_weights(cfg, sd, hf_dir)
+    if problems:
+        raise HFModelError(problems)
+    full = hf_to_megatron_state(sd, n_layer, n_head, where=hf_dir)
+    del sd
     vocab = full[WORD_EMB].shape[0]
-    if vocab != cfg.get("vocab_size", vocab):
-        raise ConvertError(f"{hf_dir}: wte has {vocab} rows but config.json says vocab_size={cfg['vocab_size']}")
     padded = pad_vocab_size(vocab, make_vocab_size_divisible_by, tp)
     full = repad_vocab(full, vocab, padded)
     ckpt_abs = os.path.abspath(ckpt_dir)
@@ -175,6 +170,10 @@ def import_hf(hf_dir: str, ckpt_dir: str, tp: int = 1, pp: int = 1, make_vocab_s
 def cli_import_hf(args) -> int:
     try:
         out = import_hf(args.hf_dir, args.ckpt_dir, args.tp, args.pp, args.make_vocab_size_divisible_by)
+    except HFModelError as e:  # one line per independent problem, each naming the key and the tensor
+        for line in e.lines:
+            print(f"hpcmeg import-hf: {line}", file=sys.stderr)
+        return 1
     except (ConvertError, OutputDirError, OSError) as e:
         print(f"hpcmeg import-hf: {one_line(e)}", file=sys.stderr)
         return 1
