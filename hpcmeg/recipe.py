@@ -2,8 +2,10 @@
 
 Owns the schema (nested dataclasses, one docstring per field, the only place a default lives),
 loading YAML with ``yaml.safe_load``, cluster profiles, ``--set section.key=value`` overrides,
-validation that reports every problem at once (one line each, dotted key path, YAML line when
-known), and the derived values (data-parallel size, gradient accumulation, padded vocabulary).
+validation that reports every problem at once (one line each, naming the ``--set`` item, the
+recipe or profile line, or the bare key; a problem spanning several keys is blamed on the one set
+most directly), ``read_recipe`` (the recipe with its problems, so ``submit``'s checks can add theirs
+in the same run), and the derived values (data-parallel size, gradient accumulation, padded vocabulary).
 
 Precedence, lowest first: dataclass defaults < cluster profile < recipe file < ``--set``.
 This module never touches torch or the process environment (profiles are searched on paths
