@@ -1,7 +1,7 @@
 """Loading checkpoint files without running their code, and the RNG entry of a checkpoint.
 
 Contract
-- `safe_torch_load(path)`: torch.load(map_location="cpu", weights_only=True) with argparse.Namespace
+- `safe_torch_load(path, mmap=False)`: torch.load(map_location="cpu", weights_only=True) with argparse.Namespace
   allow-listed. UnsafeCheckpointError names the global a pickle wanted (nothing of it ran);
   UnreadableCheckpointError is a corrupt or truncated file (not reported as an attack).
 - `capture_rng_state(rng_tracker_states)` / `restore_rng_state(state)`: Megatron's per-rank
@@ -34,15 +34,17 @@ class UnreadableCheckpointError(RuntimeError):
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def safe_torch_load(path: str) -> Any:
+def safe_torch_load(path: str, mmap: bool = False) -> Any:
     """torch.load(map_location="cpu", weights_only=True) with argparse.Namespace allow-listed.
+    ``mmap``: map the tensors' storage instead of reading it (reading the args and the dict's keys of
+    a multi-GB shard then costs its pickle only).
 
     Raises UnsafeCheckpointError naming the global when the pickle needs arbitrary code, and
     UnreadableCheckpointError when the safe unpickler rejects the bytes for another reason (random
     bytes, a truncated pickle): a corrupt file must not be reported as an attack, nor vice versa."""
     try:
         with _allow_namespace():
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         m = _GLOBAL_RE.search(str(e))
         if m is None:

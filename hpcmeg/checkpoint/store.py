@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import threading
 import warnings
@@ -284,9 +285,13 @@ def _problem(iter_dir: str, tp_rank: int, pp_rank: int, tp_size: int, pp_size: i
     except (OSError, ValueError, KeyError) as e:
         return f"{mpath} is unreadable ({e})"
     if (manifest.get("tp_size"), manifest.get("pp_size")) != (tp_size, pp_size):
+        load_dir = os.path.dirname(os.path.abspath(iter_dir))
+        cmd = shlex.join(["hpcmeg", "reshard", load_dir, f"{load_dir}-tp{tp_size}-pp{pp_size}", "--tp", str(tp_size),
+                          "--pp", str(pp_size)])
         raise ValueError(f"{iter_dir} was saved with tp={manifest.get('tp_size')} pp={manifest.get('pp_size')} but "
-                         f"this run uses tp={tp_size} pp={pp_size}; the legacy layout cannot change TP/PP on "
-                         f"resume: convert the checkpoint or use the original sizes")
+                         f"this run uses tp={tp_size} pp={pp_size}; a checkpoint loads only at the tensor/pipeline "
+                         f"sizes it was saved with: use those sizes, or reshard it into a new directory ({cmd}) "
+                         f"and point checkpoint.dir at that one (checkpoint.load: weights only)")
     for rel, meta in files.items():
         path = os.path.join(iter_dir, rel)
         try:
