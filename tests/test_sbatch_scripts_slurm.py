@@ -61,12 +61,18 @@ def _sbatch(args: list[str], env: dict, cwd: Path) -> str:
     return r.stdout.strip().split(";")[0]
 
 
-def _jobs_from(submit: Path) -> list[str]:
-    """Every job (queued or finished) whose working directory is `submit`."""
-    rows = subprocess.run(["sacct", "-n", "-X", "-P", "-S", "now-1hours", "-o", "JobID,WorkDir"],
-                          capture_output=True, text=True).stdout.splitlines()
-    queued = subprocess.run(["squeue", "-h", "-o", "%i|%Z"], capture_output=True, text=True).stdout.splitlines()
-    return sorted({r.split("|")[0].split("_")[0] for r in rows + queued if r.endswith("|" + str(submit))})
+def _jobs_from(submit: Path, known: list[str], timeout: float = 60) -> list[str]:
+    """Every job (queued or finished) whose working directory is `submit`, read once accounting lists the
+    `known` ones (a job that has just ended can take a moment to show in a time-window query)."""
+    end = time.time() + timeout
+    while True:
+        rows = subprocess.run(["sacct", "-n", "-X", "-P", "-S", "now-1hours", "-o", "JobID,WorkDir"],
+                              capture_output=True, text=True).stdout.splitlines()
+        queued = subprocess.run(["squeue", "-h", "-o", "%i|%Z"], capture_output=True, text=True).stdout.splitlines()
+        got = sorted({r.split("|")[0].split("_")[0] for r in rows + queued if r.endswith("|" + str(submit))})
+        if set(known) <= set(got) or time.time() > end:
+            return got
+        time.sleep(0.5)
 
 
 # ----------------------------------------------------------------------------- on the cluster
@@ -153,7 +159,7 @@ def test_no_hpcmeg_is_one_line_and_nothing_runs(slurm_cluster, tmp_path):
     steps = subprocess.run(["sacct", "-n", "-P", "-j", train, "-o", "JobID"], capture_output=True,
                            text=True).stdout.split()
     assert f"{train}.0" not in steps, steps  # no rank was started
-    assert _jobs_from(submit) == sorted([launch, train])
+    assert _jobs_from(submit, [launch, train]) == sorted([launch, train])
     assert not (tmp_path / "out").exists() and not (tmp_path / "logs").exists()
 
 
