@@ -36,6 +36,12 @@ _FIXED_OPTIONS = (("scale_attn_by_inverse_layer_idx", False), ("add_cross_attent
 _REQUIRED_SIZES = ("n_layer", "n_head", "n_embd", "n_positions")
 # GPT2Config's defaults for the float options that config.json may leave out.
 _FLOAT_DEFAULTS = {"layer_norm_epsilon": 1e-5, "initializer_range": 0.02}
+# The tensors each float option acts on, for the message.
+_USED_BY = {"layer_norm_epsilon": "the LayerNorms transformer.h.*.ln_1 / ln_2 and transformer.ln_f",
+            "initializer_range": "the initialization of new weights when fine-tuning",
+            "resid_pdrop": "the outputs of transformer.h.*.attn.c_proj and mlp.c_proj",
+            "embd_pdrop": "the sum of transformer.wte and transformer.wpe",
+            "attn_pdrop": "the attention probabilities of transformer.h.*.attn"}
 _DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 # Per-block causal-mask buffers that older transformers versions stored with the weights; not weights.
 _MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
@@ -88,11 +94,13 @@ def check_hf_config(cfg: dict[str, Any], path: str) -> list[str]:
     for key, default in _FLOAT_DEFAULTS.items():
         v = cfg.get(key, default)
         if not _is_number(v) or v <= 0:
-            out.append(f"{path}: {key}={v!r} must be a finite number > 0 (GPT-2 uses {default})")
+            out.append(f"{path}: {key}={v!r} must be a finite number > 0 (GPT-2 uses {default}); it sets "
+                       f"{_USED_BY[key]}")
     for key in _DROPOUTS:
         v = cfg.get(key, 0.1)
         if not _is_number(v) or not 0 <= v < 1:
-            out.append(f"{path}: {key}={v!r} must be a dropout probability in [0, 1) (GPT-2 uses 0.1)")
+            out.append(f"{path}: {key}={v!r} must be a dropout probability in [0, 1) (GPT-2 uses 0.1); it drops "
+                       f"{_USED_BY[key]}")
     return out
 
 
