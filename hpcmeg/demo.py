@@ -11,7 +11,9 @@ writes ``summary.md`` (tokens/s, losses, where everything is) into the run direc
 The chain is followed on the console as it runs (hpcmeg.launch.watch: stage transitions, the
 training lines with elapsed time and ETA, preprocessing percent and ETA; never 15 s without a line).
 A re-run finds a finished chain (``finished_run``: markers + outputs + the same recipe) and says
-there is nothing to do in seconds; ``--force`` deletes the demo's run directory and starts over.
+there is nothing to do in seconds; over an unfinished one (a failed or cancelled train, a changed
+recipe) it says first what it skips and where training resumes (``earlier_attempt``); ``--force``
+deletes the demo's run directory and starts over.
 """
 
 from __future__ import annotations
@@ -170,6 +172,45 @@ def finished_run(prep) -> str | None:
             f"are done for this recipe")
 
 
+def earlier_attempt(prep) -> str | None:
+    """One line on what a re-run does with an unfinished earlier attempt in ``prep``'s run directory
+    (a failed or cancelled train, a changed recipe), or None when there is none: which stages are
+    skipped, where training resumes, and how the last train job ended, so a re-run never resubmits
+    jobs without saying why."""
+    import yaml
+
+    from hpcmeg.launch.rundir import marker_state, read_markers
+    from hpcmeg.megatron.names import latest_iteration
+    from hpcmeg.recipe import to_dict
+
+    run, r, d = prep.run, prep.recipe, prep.derived
+    it = latest_iteration(d.checkpoint_dir)
+    if not run.jobs.is_file() and it is None:
+        return None
+    parts = [] if r.data.data_path else \
+        ["preprocess is skipped (the dataset matches its inputs)" if prep.skip_preprocess else "preprocess runs"]
+    last = marker_state(read_markers(run).get("train", {}))
+    ended = f" (its last train job: {last})" if last not in ("UNKNOWN", "COMPLETED") else ""
+    if it is None:
+        parts.append(f"train starts from scratch{ended}")
+    elif it < d.train_iters:
+        parts.append(f"train resumes from its checkpoint at iteration {it}/{d.train_iters}{ended}")
+    else:
+        parts.append(f"train is done (checkpoint at iteration {it}/{d.train_iters}; the job only confirms it)")
+    parts.append("convert runs")
+    stored = {}
+    if run.recipe.is_file():
+        try:
+            stored = yaml.safe_load(run.recipe.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            pass  # unreadable: nothing to compare, the submission rewrites it
+    cur = to_dict(r)
+    changed = [k for k in ("data", "model", "train", "parallel", "checkpoint", "convert")
+               if stored and stored.get(k) != cur.get(k)]
+    why = f"; the recipe's {', '.join(changed)} section(s) differ from its recipe.yaml" if changed else ""
+    return f"{run.root} holds an unfinished earlier attempt{why}: {', '.join(parts)}"
+
+
 def _remove_run(run_dir: Path) -> str | None:
     """--force: delete an earlier demo run directory (error line if it is not one, or still running)."""
     from hpcmeg.launch.rundir import RunDir
@@ -218,12 +259,16 @@ def run_demo(output_root: str = "runs", profile: str | None = None, force: bool 
             print(f"hpcmeg demo: {err}", file=sys.stderr)
             return 1
     else:
-        done = finished_run(prepare(r, ALL_STAGES))
+        prep = prepare(r, ALL_STAGES)
+        done = finished_run(prep)
         if done:
             print(f"[demo] nothing to do: {run_dir} already holds a finished run ({done}); its summary follows. "
                   f"To run it again from scratch, add --force to the same command (hpcmeg demo --force)", flush=True)
             print((run_dir / "summary.md").read_text(), end="", flush=True)
             return 0
+        again = earlier_attempt(prep)
+        if again:
+            print(f"[demo] {again}. To start over from scratch instead, add --force (hpcmeg demo --force)", flush=True)
     print(f"[demo] profile {profile}: preprocess -> train ({d.world_size} ranks) -> convert; run dir {run_dir}",
           flush=True)
     args = argparse.Namespace(recipe=str(RECIPE), overrides=overrides, profile=profile, dry_run=False,

@@ -6,12 +6,13 @@ inputs, whether the dataset can be reused, the plan) and ``submit_plan(prep) -> 
 
 Order of work (every check runs and their problems are reported together, each attributed to the
 ``--set``, recipe line or profile line that set its key): validate -> make every path absolute (jobs
-and containers do not share the login shell's cwd) -> the shared checks (hpcmeg.launch.checks: no '%'
-in the run dir, every data.inputs entry matches a file whose first document has the json_keys;
-pass-through/secret variables set) -> preflight (hpcmeg.launch.preflight: profile/executor fit, the
-compute-node interpreter
-``cluster.python``, node-local paths, resource shapes) -> reuse the dataset when its manifest
-matches (inputs' paths, sizes, mtimes and the tokenizer) -> the plan (Slurm, not --dry-run: then
+and containers do not share the login shell's cwd) -> the checkpoint the train job would resume has
+the recipe's tensor/pipeline layout (hpcmeg.launch.resume_layout) -> the shared checks
+(hpcmeg.launch.checks: no '%' in the run dir, every data.inputs entry matches a file whose first
+document has the json_keys; pass-through/secret variables set) -> preflight (hpcmeg.launch.preflight:
+profile/executor fit, the compute-node interpreter ``cluster.python``, node-local paths, resource
+shapes) -> reuse the dataset when its manifest matches (inputs' paths, sizes, mtimes and the
+tokenizer) -> the plan (Slurm, not --dry-run: then
 ``sbatch --test-only`` of every job, so nothing Slurm would refuse is half-submitted; ``prepare``:
 all of this is what ``hpcmeg validate`` runs too) -> write recipe.yaml, hpcmeg_version.json (which
 hpcmeg wrote the run: every stage checks it), scripts/*.sbatch and scripts/*_step.sh (--dry-run:
@@ -42,6 +43,7 @@ from hpcmeg.launch import scripts as S
 from hpcmeg.launch.container import ContainerError
 from hpcmeg.launch.preflight import preflight, slurm_refusals
 from hpcmeg.launch.provenance import write_record
+from hpcmeg.launch.resume_layout import layout_problems
 from hpcmeg.launch.rundir import RunDir, dataset_is_current, input_manifest, read_json, write_atomic, write_jobs
 from hpcmeg.recipe import Loaded, Recipe, RecipeError, Where, derive, dump_yaml, read_recipe, recipe_dims, run_paths
 
@@ -129,6 +131,10 @@ def prepare(r: Recipe | Loaded, stages: tuple[str, ...] = ALL_STAGES, host_pytho
         d = run_paths(r)
     if ok("run.name", "run.output_root"):
         found += checks.run_dir_problems(r, d.run_dir)
+    layout_keys = ("parallel.tensor", "parallel.pipeline", "parallel.virtual_pipeline", "checkpoint.dir",
+                   "checkpoint.load", "run.name", "run.output_root")
+    if "train" in stages and ok(*layout_keys):  # the checkpoint it would resume must have the recipe's layout
+        found += layout_problems(r, d)
     env_errors, env_warnings = [], []
     if ok("cluster.env", "cluster.env_passthrough", "cluster.secret_env"):
         env_errors, env_warnings = jobenv.problems(r.cluster, os.environ if environ is None else environ,
