@@ -10,7 +10,10 @@ Save protocol (every rank calls save_checkpoint with the same iteration):
   2. each shard writer writes `<save>/iter_XXXXXXX.tmp/mp_rank_../model_optim_rng.pt` via a temp name,
      fsync, rename, plus a small sidecar `hpcmeg_shard.<mp_rank..>.json` = {size, crc32} computed while
      writing (no re-read). The tmp name derives from the iteration, so ranks agree without talking.
-  3. barrier; rank 0 merges sidecars into `hpcmeg_manifest.json` (fails if a shard is missing), fsyncs,
+     The save's id (shard_set.py), which rank 0 wrote into the tmp dir before the barrier, goes into
+     every shard as state["hpcmeg"]["save_id"]: it ties the shards of one save together.
+  3. barrier; rank 0 merges sidecars into `hpcmeg_manifest.json` (with the save id; fails if a shard is
+     missing), fsyncs,
      renames the tmp dir to `iter_XXXXXXX` (a stale one is moved away first), fsyncs the parent, writes
      the tracker via temp+rename+fsync (the commit point), rotates old iterations (keep_last); barrier.
   A crash before the tracker write leaves the previous iteration as latest: nothing half-written is ever
@@ -23,6 +26,11 @@ to disk, so the writer never re-reads a multi-GB shard; sizes catch truncation o
 Load: the tracker names the target; if its manifest, a listed file's size, this rank's shard crc32 or
 the unpickling fails, a CheckpointWarning names the bad file and the newest older valid iteration is
 used. Iteration dirs newer than the tracker are uncommitted and ignored. `release` loads as iteration 0.
+A shard that does not belong with the others (hpcmeg/checkpoint/shard_set.py: its iteration is not its
+directory's, its save id not the manifest's, or its iteration/args/save id differ from shard (0, 0)'s,
+compared across ranks with two MAX all-reduces when `all_reduce_max` is given) is refused with
+CheckpointLoadError naming the shard, on every rank together, with no fallback: it is a copied-in file,
+not a damaged one.
 
 Async save (`async_save=True`): the state is copied to CPU synchronously (host memory doubles for one
 shard), files are written by a background thread, and steps 3 (barrier + commit) run in the returned
@@ -48,6 +56,7 @@ import torch
 
 from hpcmeg import fsutil
 from hpcmeg.checkpoint.safe import UnreadableCheckpointError, UnsafeCheckpointError, safe_torch_load
+from hpcmeg.checkpoint.shard_set import fingerprint, new_save_id, own_shard_problem, with_save_id
 from hpcmeg.fsutil import fsync_dir
 from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, SHARD_FILENAME, TRACKER_FILENAME,
                                    all_shard_relpaths, iter_dirname, parse_iter_dirname, read_tracker, shard_dirname,
@@ -56,6 +65,7 @@ from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, SHARD_FIL
 _TMP_SUFFIX = ".tmp"
 _TRASH_SUFFIX = ".trash"
 _SIDECAR_RE = re.compile(r"^hpcmeg_shard\.(mp_rank_[0-9_]+)\.json$")
+_SAVE_ID_FILENAME = "hpcmeg_save_id"  # in the tmp dir during a save; the manifest keeps it afterwards
 
 
 class CheckpointWarning(UserWarning):
@@ -151,8 +161,9 @@ def _commit(save_dir: str, iteration: int, tp_size: int, pp_size: int, keep_last
         with open(sidecar) as f:
             files[rel] = json.load(f)
     manifest = {"format": "megatron-torch-legacy", "checksum": "crc32", "iteration": iteration,
-                "tp_size": tp_size, "pp_size": pp_size, "files": files}
+                "tp_size": tp_size, "pp_size": pp_size, "save_id": _read_save_id(tmp), "files": files}
     write_text_atomic(os.path.join(tmp, MANIFEST_FILENAME), json.dumps(manifest, indent=1))
+    os.remove(os.path.join(tmp, _SAVE_ID_FILENAME))
     for entry in os.listdir(tmp):
         if _SIDECAR_RE.match(entry):
             os.remove(os.path.join(tmp, entry))
@@ -170,6 +181,11 @@ def _commit(save_dir: str, iteration: int, tp_size: int, pp_size: int, keep_last
     write_text_atomic(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n")
     if keep_last is not None:
         rotate_checkpoints(save_dir, keep_last, protect=iteration)
+
+
+def _read_save_id(tmp_iter_dir: str) -> str:
+    with open(os.path.join(tmp_iter_dir, _SAVE_ID_FILENAME)) as f:
+        return f.read().strip()
 
 
 def rotate_checkpoints(save_dir: str, keep_last: int, protect: int) -> list[int]:
@@ -244,10 +260,11 @@ def save_checkpoint(save_dir: str, iteration: int, state: dict[str, Any], *, tp_
             elif entry.startswith((fsutil.temp_prefix(TRACKER_FILENAME), TRACKER_FILENAME + ".tmp-")):
                 os.remove(path)  # a killed tracker write (fsutil's name, or the pre-fsutil one)
         os.makedirs(tmp)
+        write_text_atomic(os.path.join(tmp, _SAVE_ID_FILENAME), new_save_id() + "\n")
     barrier()
     pending = PendingSave(save_dir, iteration, tp_size, pp_size, is_global_rank0, barrier, keep_last)
     if is_shard_writer:
-        data = _cpu_copy(state) if async_save else state
+        data = with_save_id(_cpu_copy(state) if async_save else state, _read_save_id(tmp))
 
         def write() -> None:
             try:
@@ -307,6 +324,31 @@ def _problem(iter_dir: str, tp_rank: int, pp_rank: int, tp_size: int, pp_size: i
     return None
 
 
+def _manifest_save_id(iter_dir: str) -> str | None:
+    """The save id in an iteration's manifest (None: no manifest, or one written before save ids)."""
+    try:
+        with open(os.path.join(iter_dir, MANIFEST_FILENAME)) as f:
+            sid = json.load(f).get("save_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sid if isinstance(sid, str) else None
+
+
+def _mismatch_across_ranks(state: dict, path: str, iter_dir: str, own: str | None, tp_rank: int, pp_rank: int,
+                           pp_size: int, all_reduce_max: Callable[[int], int]) -> str | None:
+    """Every rank's shard against shard (0, 0)'s fingerprint (two MAX all-reduces, on every rank):
+    this rank's problem, or a line naming the iteration when another rank found one."""
+    mine = fingerprint(state)
+    ref = all_reduce_max(mine if (tp_rank, pp_rank) == (0, 0) else -1)  # the readers of shard (0, 0) agree
+    if own is None and mine != ref:
+        own = (f"{path}: its iteration, args or save id differ from those of "
+               f"{os.path.join(iter_dir, shard_relpath(0, 0, pp_size))}: the shards come from different saves; "
+               f"put back the shard written by the same save as the others (or use another iteration)")
+    if all_reduce_max(int(own is not None)) and own is None:
+        own = f"another rank's shard of {iter_dir} does not belong with the others (that rank names it)"
+    return own
+
+
 def load_checkpoint(load_dir: str, *, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
                     iteration: int | str | None = None, verify_crc: bool = True,
                     all_reduce_max: Callable[[int], int] | None = None) -> tuple[int, dict[str, Any]] | None:
@@ -357,9 +399,15 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, pp_rank: int, tp_size: int, 
                 problem = f"{path} cannot be loaded ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
             if problem is None and not isinstance(state, dict):
                 problem, state = f"{path} holds a {type(state).__name__}, not a checkpoint dict", None
+        mismatch = None if problem is not None else own_shard_problem(state, path, it, _manifest_save_id(iter_dir))
         if all_reduce_max is not None:
             if all_reduce_max(int(problem is not None)) and problem is None:
                 problem = f"another rank's shard of {iter_dir} is unusable"
+            elif problem is None:
+                mismatch = _mismatch_across_ranks(state, path, iter_dir, mismatch, tp_rank, pp_rank, pp_size,
+                                                  all_reduce_max)
+        if mismatch is not None:
+            raise CheckpointLoadError(mismatch)
         if problem is None:
             return (0 if it == RELEASE_DIRNAME else int(state.get("iteration", it))), state
         if forced:

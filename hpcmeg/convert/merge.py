@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hpcmeg.checkpoint.shard_set import ShardInfo, ShardMismatchError, check_shard_set
 from hpcmeg.checkpoint.store import CheckpointWarning, load_checkpoint
 from hpcmeg.megatron.args import checkpoint_models
 from hpcmeg.megatron.layout import (HEAD_KEY, WORD_EMB, from_megatron_model, full_state_from_stages,
@@ -174,6 +175,7 @@ class FullCheckpoint:
     iter_dir: str
     shard_models: dict[tuple[int, int], list[dict[str, Any]]] | None = None  # with keep_shards=True: per chunk
     shard_optimizers: dict[tuple[int, int], Any] | None = None              # with keep_shards=True
+    shard_rng: dict[tuple[int, int], Any] | None = None                     # with keep_shards=True: rng_state
     vpp: int = 1
     """Model chunks per pipeline rank ("model0", "model1", ... of the interleaved schedule)."""
 
@@ -250,12 +252,15 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
 
     Peak memory: one shard's whole dict (optimizer included) plus the model weights merged so far;
     other shards' optimizer state is dropped as soon as each shard is read, unless keep_shards
-    (then every shard's nested model and optimizer entry are kept, for resharding the optimizer)."""
+    (then every shard's nested model, optimizer and rng_state entries are kept, for resharding them).
+    Shards that do not come from one save are refused (hpcmeg/checkpoint/shard_set.py's rules)."""
     iteration = resolve_iteration(ckpt_dir, iteration)
     iter_dir = os.path.join(ckpt_dir, iter_dirname(iteration))
     tp, pp = _layout_of(iter_dir)
     models: dict[tuple[int, int], list[dict[str, Any]]] = {}
     optimizers: dict[tuple[int, int], Any] = {}
+    rngs: dict[tuple[int, int], Any] = {}
+    infos: dict[tuple[int, int], ShardInfo] = {}
     base: dict[str, Any] = {}
     for p in range(pp):
         for t in range(tp):
@@ -281,10 +286,15 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
                 raise CheckpointReadError(f"{path}: holds {len(chunks)} model chunk(s) where shard (0, 0) holds "
                                           f"{len(next(iter(models.values())))}")
             models[(t, p)] = chunks
+            try:
+                infos[(t, p)] = ShardInfo.of(path, state, [from_megatron_model(c) for c in chunks])
+            except KeyError as e:  # a foreign or damaged model dict: the message says what it lacks
+                raise CheckpointReadError(f"{path}: {e.args[0] if e.args else e}") from None
             for k in [k for k in state if k == "model" or (k.startswith("model") and k[5:].isdigit())]:
                 del state[k]
             if keep_shards:
                 optimizers[(t, p)] = state.get("optimizer")
+                rngs[(t, p)] = state.get("rng_state")
             if (t, p) == (0, 0):
                 base = state
     args = base.get("args")
@@ -302,6 +312,10 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
         raise CheckpointReadError(f"{iter_dir}: holds tp={tp} x pp={pp} shards but its args say tp={a_tp} pp={a_pp}")
     vpp = len(models[(0, 0)])
     try:
+        check_shard_set(infos, tp, pp, iteration)
+    except ShardMismatchError as e:
+        raise CheckpointReadError(str(e)) from None
+    try:
         full = merge_shards(virtual_stages(models, pp), tp, pp * vpp, args.num_layers, where=iter_dir)
     except ValueError as e:
         raise CheckpointReadError(str(e)) from None
@@ -311,7 +325,8 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
                                   f"not a legacy Megatron GPT checkpoint") from None
     return FullCheckpoint(full=full, args=args, base=base, iteration=iteration, tp=tp, pp=pp, iter_dir=iter_dir,
                           shard_models=models if keep_shards else None,
-                          shard_optimizers=optimizers if keep_shards else None, vpp=vpp)
+                          shard_optimizers=optimizers if keep_shards else None,
+                          shard_rng=rngs if keep_shards else None, vpp=vpp)
 
 
 # ------------------------------------------------------------------------------ atomic output dirs
