@@ -11,12 +11,16 @@ Contract
     the tied head copy on the last stage when pp > 1) and writes a new checkpoint dir through
     hpcmeg.checkpoint.store.save_checkpoint (manifest, tracker) under the same iteration name.
     Kept: args (tp/pp/padded vocab/world size updated), iteration, consumed samples, LR scheduler,
-    RNG state (shard (0,0)'s, which hpcmeg's trainer shares across ranks), the hpcmeg recipe (its
-    parallel section updated), data state, and the optimizer when it is hpcmeg's trainer layout
-    (AdamW moments resharded with the weights' rules, zero moments for new padding rows, `step` and
-    group hyper-parameters copied), so training resumes exactly. Any other optimizer state is
-    dropped (noted in hpcmeg.extra.optimizer_dropped and via `on_note`): start from it with
-    checkpoint.load (weights only) then.
+    the hpcmeg recipe (its parallel section updated), data state, each rank's RNG state (see "RNG
+    state" below: a shard keeps its own where the source has its (tp, pp) coordinate), and the
+    optimizer when it is hpcmeg's trainer layout (AdamW moments and the fp32 masters
+    `fp32_from_fp16_params` resharded with the weights' rules, bit for bit; zero moments and masters
+    for new padding rows; `step` and group hyper-parameters copied). The distributed optimizer's
+    checkpoint has the same layout (the trainer gathers it over data parallelism), so it reshards the
+    same way and the data-parallel size stays. An identity reshard is therefore tensor for tensor the
+    source, and training resumes exactly. Any other optimizer state is dropped (noted in
+    hpcmeg.extra.optimizer_dropped and via `on_note`): start from it with checkpoint.load (weights
+    only) then. Shards that do not come from one save are refused (hpcmeg/checkpoint/shard_set.py).
   write_checkpoint_layout(save_dir, iteration, states, tp, pp): every shard of one checkpoint from
     one process (also used by import_hf); iteration "release" -> release/ + tracker "release".
   cli_reshard(args) -> exit code (`hpcmeg reshard CKPT_DIR OUT_DIR --tp N --pp M [--iteration N]`).
@@ -27,8 +31,12 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import sys
 from typing import Any, Callable
+
+import numpy as np
+import torch
 
 from hpcmeg.convert.hf_tokenizer import TokenizerError, vocab_size_of
 from hpcmeg.errors import one_line
@@ -39,6 +47,7 @@ from hpcmeg.checkpoint.store import save_checkpoint, write_text_atomic
 from hpcmeg.megatron.args import make_checkpoint_dict
 from hpcmeg.megatron.layout import HEAD_KEY, from_megatron_model, full_state_from_stages, stage_state_from_full
 from hpcmeg.megatron.names import RELEASE_DIRNAME, TRACKER_FILENAME, iter_dirname
+from hpcmeg.parallel.random import RNGStreams
 
 
 class ReshardError(ValueError):
@@ -53,8 +62,6 @@ class ReshardError(ValueError):
 
 def _param_order(keys) -> list[str]:
     """A stage's flat keys in GPT's named_parameters order (read from the model code, meta device)."""
-    import torch
-
     from hpcmeg.model.config import GPTConfig
     from hpcmeg.model.gpt import GPT
 
@@ -86,15 +93,30 @@ def _opt_names(flats: list[dict[str, Any]]) -> list[tuple[int, str]]:
     return [x for x in order if flats[x[0]][x[1]].ndim >= 2] + [x for x in order if flats[x[0]][x[1]].ndim < 2]
 
 
+MASTERS = "fp32_from_fp16_params"  # FlatAdamW's fp32 masters: per group, in the group's parameter order
+
+
 def _merge_optimizer(ck: FullCheckpoint) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Source shards' Adam moments -> ({"exp_avg": full flat, "exp_avg_sq": full flat}, meta).
+    """Source shards' optimizer tensors -> ({"exp_avg": full flat, "exp_avg_sq": full flat[, "master": full
+    flat]}, meta). The fp32 masters (MASTERS) have their parameter's shape, so they take the weights' rules
+    like the moments; they are kept bit for bit (on a GPU the parameters are bf16 roundings of them).
     Raises ValueError(reason) when the optimizer state is absent or not in the trainer's layout."""
     moments: dict[str, dict[tuple[int, int], dict[str, Any]]] = {"exp_avg": {}, "exp_avg_sq": {}}
-    meta: dict[str, Any] = {}
+    inners = {}
     for (t, p), opt in sorted(ck.shard_optimizers.items()):
         inner = (opt or {}).get("optimizer") if isinstance(opt, dict) else None
         if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
             raise ValueError(f"shard (tp={t}, pp={p}) has no torch optimizer state")
+        inners[(t, p)] = inner
+    with_masters = [k for k, inner in inners.items() if inner.get(MASTERS) is not None]
+    if with_masters and len(with_masters) != len(inners):
+        t, p = next(k for k in inners if k not in with_masters)
+        raise ValueError(f"shard (tp={t}, pp={p}) has no {MASTERS} where shard {with_masters[0]} has them")
+    if with_masters:
+        moments["master"] = {}
+    meta: dict[str, Any] = {}
+    for (t, p), inner in inners.items():
+        opt = ck.shard_optimizers[(t, p)]
         flats = [from_megatron_model(m) for m in ck.shard_models[(t, p)]]
         try:
             names = _opt_names(flats)
@@ -105,12 +127,21 @@ def _merge_optimizer(ck: FullCheckpoint) -> tuple[dict[str, dict[str, Any]], dic
         n_decay = sum(1 for v, k in names if flats[v][k].ndim >= 2)
         if len(ids) != len(names) or len(groups) != 2 or len(groups[0]["params"]) != n_decay:
             raise ValueError(f"shard (tp={t}, pp={p}): optimizer groups do not follow hpcmeg's param_groups layout")
+        masters: list[Any] = []
+        if with_masters:
+            per_group = inner[MASTERS]
+            if len(per_group) != len(groups) or any(len(m) != len(g["params"]) for m, g in zip(per_group, groups)):
+                raise ValueError(f"shard (tp={t}, pp={p}): {MASTERS} do not match the optimizer's parameter groups")
+            masters = [m for group in per_group for m in group]  # in `ids` order
         for key in moments:
             for v in range(len(flats)):
                 moments[key][(t, v * ck.pp + p)] = {}
-        for i, (v, name) in zip(ids, names):
-            st = inner["state"].get(i)
-            if st is None or any(key not in st or tuple(st[key].shape) != tuple(flats[v][name].shape) for key in moments):
+        for n, (i, (v, name)) in enumerate(zip(ids, names)):
+            st = dict(inner["state"].get(i) or {})
+            if with_masters:
+                st["master"] = masters[n]
+            if not inner["state"].get(i) or any(key not in st or tuple(st[key].shape) != tuple(flats[v][name].shape)
+                                                 for key in moments):
                 raise ValueError(f"shard (tp={t}, pp={p}): optimizer state of {name} is missing or has another shape")
             for key in moments:
                 moments[key][(t, v * ck.pp + p)][name] = st[key]
@@ -130,21 +161,73 @@ def _split_optimizer(moments: dict[str, dict[str, Any]], meta: dict[str, Any], t
     stages = pp * vpp
     per_key = {}
     for key, full in moments.items():
-        full = repad_vocab(full, orig, padded)  # new padding rows: zero moments, like a fresh parameter
+        # new padding rows: zero moments like a fresh parameter, zero masters like the zero-filled weights
+        full = repad_vocab(full, orig, padded)
         per_key[key] = {(t, s): sh for s in range(stages)
                         for t, sh in enumerate(split_tp(stage_state_from_full(full, s, stages, num_layers), tp, heads))}
     out = {}
     for p in range(pp):
         for t in range(tp):
-            m1 = [per_key["exp_avg"][(t, v * pp + p)] for v in range(vpp)]
-            m2 = [per_key["exp_avg_sq"][(t, v * pp + p)] for v in range(vpp)]
+            chunks = {key: [per_key[key][(t, v * pp + p)] for v in range(vpp)] for key in per_key}
+            m1, m2 = chunks["exp_avg"], chunks["exp_avg_sq"]
             names = _opt_names(m1)
             n_decay = sum(1 for v, k in names if m1[v][k].ndim >= 2)
             state = {i: {"step": meta["step"].clone() if hasattr(meta["step"], "clone") else meta["step"],
                          "exp_avg": m1[v][k], "exp_avg_sq": m2[v][k]} for i, (v, k) in enumerate(names)}
             groups = [dict(meta["groups"][0], params=list(range(n_decay))),
                       dict(meta["groups"][1], params=list(range(n_decay, len(names))))]
-            out[(t, p)] = {"optimizer": {"state": state, "param_groups": groups}, "grad_scaler": meta["grad_scaler"]}
+            inner: dict[str, Any] = {"state": state, "param_groups": groups}
+            if "master" in chunks:
+                ms = chunks["master"]
+                inner[MASTERS] = [[ms[v][k] for v, k in names[:n_decay]], [ms[v][k] for v, k in names[n_decay:]]]
+            out[(t, p)] = {"optimizer": inner, "grad_scaler": meta["grad_scaler"]}
+    return out
+
+
+# ------------------------------------------------------------------------------------------- RNG state
+# What each rank of a run saves (hpcmeg/train/trainer.py, hpcmeg/checkpoint/safe.py): rng_state = [one
+# entry] holding the default stream (python, numpy, torch CPU and CUDA generators: seeded alike on every
+# TP and DP rank of a stage, seed + 100 x pp_rank, by build.py's seed_everything) and, in
+# rng_tracker_states, the TP stream (hpcmeg/parallel/random.py: seeded seed + 2718 + tp_rank, the same on
+# every stage). A target shard keeps its source shard's entry where the source has the same (tp, pp)
+# coordinate; otherwise the default stream comes from the same source stage (TP ranks of one stage must
+# draw the same masks on replicated activations) or, for a stage the source lacks, is seeded as a fresh
+# run seeds it, and the TP stream is seeded as a fresh run seeds it. CUDA states of fresh streams are
+# left out: the trainer then keeps the ones its fresh start seeded, which is the same rule.
+
+STAGE_SEED_STRIDE = 100  # build.py: seed_everything(train.seed + 100 * pp_rank)
+
+
+def fresh_default_stream(seed: int) -> dict[str, Any]:
+    """The rng_state entry seed_everything(seed) leaves (capture_rng_state's format), no CUDA state and
+    no TP stream; computed without touching this process's generators."""
+    kind, keys, pos, has_gauss, gauss = np.random.RandomState(seed).get_state()
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return {"random_rng_state": random.Random(seed).getstate(),
+            "np_rng_state": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+            "torch_rng_state": gen.get_state(), "cuda_rng_state": None, "rng_tracker_states": {}}
+
+
+def fresh_tp_stream(seed: int, tp_rank: int) -> dict[str, Any]:
+    """The rng_tracker_states of TP rank `tp_rank` at a fresh start (CPU state only)."""
+    return RNGStreams(seed, tp_rank, torch.device("cpu")).state_dict()
+
+
+def target_rng_states(src: dict[tuple[int, int], Any], tp: int, pp: int, seed: int) -> dict[tuple[int, int], Any]:
+    """{(tp, pp) of the target: its rng_state list} from the source shards' rng_state lists (the rules
+    above). A source without any RNG state gives None everywhere (a resume then starts the streams fresh)."""
+    if not any(src.values()):
+        return {(t, p): None for p in range(pp) for t in range(tp)}
+    out = {}
+    for p in range(pp):
+        for t in range(tp):
+            own = src.get((t, p))
+            if own:
+                out[(t, p)] = own
+                continue
+            stage = src.get((0, p)) or [fresh_default_stream(seed + STAGE_SEED_STRIDE * p)]
+            out[(t, p)] = [dict(entry, rng_tracker_states=fresh_tp_stream(seed, t)) for entry in stage]
     return out
 
 
@@ -239,13 +322,17 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
         extra["optimizer_dropped"] = str(e)  # weights-only: start from it with checkpoint.load
         on_note(f"optimizer state not resharded ({e}); the new checkpoint holds weights, schedule and "
                 f"counters: start from it with checkpoint.load")
-    ck.shard_models = ck.shard_optimizers = None
+    seed = getattr(a, "seed", None)
+    if not isinstance(seed, int):
+        seed = int(((ck.recipe or {}).get("train") or {}).get("seed", 1234))  # Megatron's default seed
+    rngs = target_rng_states(ck.shard_rng or {}, tp, pp, seed)
+    ck.shard_models = ck.shard_optimizers = ck.shard_rng = None
     iteration_value = 0 if ck.iteration == RELEASE_DIRNAME else int(ck.base.get("iteration", ck.iteration))
     states = {}
     for key, model in split_full(full, tp, pp, a.num_layers, a.num_attention_heads, vpp).items():
         st = make_checkpoint_dict(args=args, iteration=iteration_value, model=model, optimizer=optimizers.get(key),
                                   opt_param_scheduler=ck.base.get("opt_param_scheduler"),
-                                  rng_state=ck.base.get("rng_state"),
+                                  rng_state=rngs[key],
                                   recipe=recipe, data_state=hp.get("data_state"), extra=extra)
         st.update(kept)
         states[key] = st
