@@ -72,7 +72,7 @@ origin() {
     [[ $c == /* ]] || c=${SLURM_SUBMIT_DIR:-$PWD}/$c
     while [ ! -f "$c" ] && [[ $c == *" "* ]]; do c=${c% *}; done
   fi
-  readlink -f "$c"
+  readlink -f "$c" || printf '%s\n' "$c"
 }
 # slurm/common.sh: $HPCMEG_ROOT/slurm when HPCMEG_ROOT is set, else beside this script, else $SLURM_SUBMIT_DIR/slurm
 common_sh() {
