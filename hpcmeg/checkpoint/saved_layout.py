@@ -1,11 +1,13 @@
 """The parallel layout a checkpoint directory was saved with, read without loading its tensors.
 
 Contract
-- ``saved_layout(ckpt_dir) -> SavedLayout | None``: the newest committed iteration of ``ckpt_dir``
-  (the tracker latest_checkpointed_iteration.txt, or ``release``) that has shard files, with its
-  tensor/pipeline sizes and model chunks per stage. None when the directory holds no committed
-  checkpoint (absent, empty, no tracker: the trainer starts fresh there). ValueError names the
-  tracker when its content is neither a number nor ``release`` (the trainer would refuse it too).
+- ``saved_layout(ckpt_dir) -> SavedLayout | None``: the iteration the trainer would resume from
+  ``ckpt_dir`` (the newest one with shard files not newer than the tracker
+  latest_checkpointed_iteration.txt, or ``release``; without a tracker the newest of all, as
+  hpcmeg.checkpoint.store.load_checkpoint does), with its tensor/pipeline sizes and model chunks per
+  stage. None when the directory holds no checkpoint (absent, empty): the trainer starts fresh there.
+  ValueError names the tracker when its content is neither a number nor ``release`` (the trainer
+  would refuse it too).
 
 Where each size comes from: tp and pp from hpcmeg_manifest.json when the iteration has one (hpcmeg
 wrote it), else from the ``mp_rank_TT[_PPP]`` directory names (a Megatron-LM checkpoint); the model
@@ -81,14 +83,13 @@ def saved_layout(ckpt_dir: str) -> Optional[SavedLayout]:
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
         return None
     tracker = read_tracker(ckpt_dir)
-    if tracker is None:
-        return None
     if tracker == RELEASE_DIRNAME:
         candidates: list[Union[int, str]] = [RELEASE_DIRNAME]
     else:
-        # newest first, none newer than the tracker (those are an interrupted save's leftovers)
+        # newest first; with a tracker none newer than it (an interrupted save's leftovers), without
+        # one every iteration directory (store.load_checkpoint then loads the newest valid one)
         found = (parse_iter_dirname(e) for e in os.listdir(ckpt_dir))
-        candidates = sorted((i for i in found if i is not None and i <= tracker), reverse=True)
+        candidates = sorted((i for i in found if i is not None and (tracker is None or i <= tracker)), reverse=True)
     for it in candidates:
         grid = _shard_grid(os.path.join(ckpt_dir, iter_dirname(it)))
         if grid is not None:
