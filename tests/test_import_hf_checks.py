@@ -93,6 +93,8 @@ CASES = {
     "epsilon_nan": ({"layer_norm_epsilon": float("nan")}, None, ["layer_norm_epsilon=nan", "finite number > 0"]),
     "resid_pdrop_1.5": ({"resid_pdrop": 1.5}, None, ["resid_pdrop=1.5", "[0, 1)", "mlp.c_proj"]),
     "embd_pdrop_negative": ({"embd_pdrop": -0.1}, None, ["embd_pdrop=-0.1", "[0, 1)"]),
+    "embd_pdrop_differs": ({"embd_pdrop": 0.0}, None, ["embd_pdrop=0.0 differs from resid_pdrop=0.1",
+                                                        "transformer.wte", "set both to one value"]),
     "attn_pdrop_string": ({"attn_pdrop": "0.1"}, None, ["attn_pdrop='0.1'", "[0, 1)"]),
     "initializer_range_negative": ({"initializer_range": -0.02}, None, ["initializer_range=-0.02", "> 0"]),
     "n_inner_not_integer": ({"n_inner": 64.5}, None, ["n_inner=64.5", "positive integer"]),

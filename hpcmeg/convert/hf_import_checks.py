@@ -7,7 +7,8 @@ Contract
                                           the options hpcmeg's GPT implements, positive integer sizes
                                           (n_inner null or positive), n_head dividing n_embd,
                                           layer_norm_epsilon and initializer_range finite and > 0,
-                                          resid_pdrop / embd_pdrop / attn_pdrop numbers in [0, 1)
+                                          resid_pdrop / embd_pdrop / attn_pdrop numbers in [0, 1),
+                                          embd_pdrop equal to resid_pdrop (one hidden dropout)
   check_hf_weights(cfg, sd, where) -> [line]
                                           the weights against a config that passed check_hf_config:
                                           n_layer = the number of transformer.h.N blocks (more or fewer
@@ -101,6 +102,11 @@ def check_hf_config(cfg: dict[str, Any], path: str) -> list[str]:
         if not _is_number(v) or not 0 <= v < 1:
             out.append(f"{path}: {key}={v!r} must be a dropout probability in [0, 1) (GPT-2 uses 0.1); it drops "
                        f"{_USED_BY[key]}")
+    # Megatron's GPT has one hidden_dropout for the embeddings' sum and the blocks' outputs.
+    emb, resid = cfg.get("embd_pdrop", 0.1), cfg.get("resid_pdrop", 0.1)
+    if all(_is_number(v) and 0 <= v < 1 for v in (emb, resid)) and emb != resid:
+        out.append(f"{path}: embd_pdrop={emb!r} differs from resid_pdrop={resid!r}; hpcmeg's GPT applies one hidden "
+                   f"dropout to {_USED_BY['embd_pdrop']} and to {_USED_BY['resid_pdrop']}: set both to one value")
     return out
 
 
