@@ -9,7 +9,8 @@ Contract (pure functions of a ``ClusterConfig``; no torch, importable from the r
 - ``submission_values(c)``: what the submitting process must carry in its environment while
   it runs sbatch: secret values given in ``cluster.env`` (pass-through values already are there).
 - ``problems(c, environ, lenient)``: one line per name that is malformed, doubly given, or has no
-  value to pass (``lenient``: a dry run on a machine without the variables: those become warnings).
+  value to pass (``lenient``: a dry run on a machine without the variables: those become warnings),
+  and per written ``cluster.env`` entry holding a secret's value (``copied_secrets``: refused).
 - ``redact_recipe_dict(d)``: a ``recipe.to_dict`` result without the secret values (the one root
   every recipe copy goes through: recipe.yaml, train_recipe.yaml, the copy inside checkpoints).
 - ``secret_looking(c)``: ``cluster.env`` names that look like credentials but are not marked secret.
@@ -64,7 +65,24 @@ def problems(c, environ: Mapping[str, str], lenient: bool = False) -> tuple[list
             line = (f"{key}: {n} is not set in this environment; export it before submitting (its value "
                     f"is handed to the jobs and written to no file)")
             (warnings if lenient else errors).append(line + ("; the dry run goes on without it" if lenient else ""))
+    errors += copied_secrets(c, environ)
     return errors, warnings
+
+
+def copied_secrets(c, environ: Mapping[str, str]) -> list[str]:
+    """One line per cluster.env entry that is written (not in cluster.secret_env) but holds a secret's
+    value, from cluster.env or the submitting environment: refused, since recipe.yaml and the batch
+    scripts would carry the secret in clear under the second name."""
+    values: dict[str, str] = {}
+    for n in c.secret_env:
+        if not isinstance(n, str):
+            continue
+        v = c.env[n] if n in c.env else environ.get(n)
+        if v is not None and str(v) != "":
+            values.setdefault(str(v), n)
+    return [f"cluster.env: {k} holds the value of the secret {values[v]} (cluster.secret_env), and would write it "
+            f"in clear into recipe.yaml and the job scripts; add {k} to cluster.secret_env as well, or remove it"
+            for k, v in written_env(c).items() if v in values]
 
 
 def secret_looking(c) -> list[str]:
