@@ -2,7 +2,8 @@
 the forward, chunk by chunk, on the loss weights TrainStep passes. Checked against 'grad_in_forward'
 (same gradients), for what it keeps between forward and backward (no [tokens, vocab] tensor), for
 its promise check (a different upstream gradient is an error), and end to end through TrainStep
-with the main-grad sinks, a loss mask, eager and compiled."""
+with the main-grad sinks, a loss mask, eager and compiled.
+Tolerances: tests/TOLERANCES.md's cases, named at each comparison."""
 
 import pytest
 import torch
@@ -35,9 +36,12 @@ def test_matches_grad_in_forward(chunk):
     hidden, weight, labels, w = _inputs()
     ref = _grads("grad_in_forward", hidden, weight, labels, w)
     out = _grads("backward_in_forward", hidden, weight, labels, w, loss_weights=w, chunk_tokens=chunk)
+    # the same CE, its backward GEMMs in chunks of tokens: d weight sums the chunks' products in another
+    # grouping (case 2 over n <= 40 tokens: a few u, hence rtol 1e-6; atol 1e-7 for gradient entries
+    # ~1e-3 that cancel), the loss and d hidden the same arithmetic
     for a, b, name in zip(out, ref, ("loss", "d hidden", "d weight")):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
-    # without the weights, or without grad, it is grad_in_forward
+    # without the weights, or without grad, it is grad_in_forward (case 1 under case 5's default tolerance)
     torch.testing.assert_close(_grads("backward_in_forward", hidden, weight, labels, w)[2], ref[2])
     with torch.no_grad():
         torch.testing.assert_close(linear_cross_entropy(hidden, weight, labels, impl="backward_in_forward",
@@ -87,8 +91,9 @@ def test_train_step_matches_grad_in_forward(masked):
     h_ref, w_ref, s_ref = _train("grad_in_forward", masked=masked)
     h, w, s = _train("backward_in_forward", masked=masked)
     assert s == s_ref == 4 * 2 + 1
-    assert h == pytest.approx(h_ref, rel=1e-6)
-    for k in w_ref:
+    assert h == pytest.approx(h_ref, rel=1e-6)  # the losses: the same forward arithmetic, a few u at most
+    for k in w_ref:  # the weights after Adam steps (lr 1e-3) from case-2 gradients: Adam's g / sqrt(v)
+        # lifts a ~0 gradient's round-off to up to ~1e-3 of a step, ~1e-6 absolute: atol 2e-6
         torch.testing.assert_close(w[k], w_ref[k], rtol=1e-5, atol=2e-6, msg=k)
 
 
@@ -100,7 +105,7 @@ def test_compiled_train_step_matches_compiled_grad_in_forward():
     h_c, w_c, _ = _train("backward_in_forward", compile=True, steps=1)
     h_g, w_g, _ = _train("grad_in_forward", compile=True, steps=1)
     assert h_c == pytest.approx(h_g, rel=1e-6)
-    for k in w_g:
+    for k in w_g:  # one step, both compiled by Inductor into the same kernels but the LM head's: a few u
         torch.testing.assert_close(w_c[k], w_g[k], rtol=1e-6, atol=1e-7, msg=k)
 
 
@@ -188,5 +193,6 @@ def test_through_the_main_grad_sinks_as_grad_in_forward():
         buf, opt = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
         TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
         main[impl] = buf.grad_data.clone()
+    # case 2 (the chunked d weight) through two layers; atol 1e-6 for main grads of a mean loss (~1e-3)
     torch.testing.assert_close(main["backward_in_forward"], main["grad_in_forward"], atol=1e-6, rtol=1e-5)
     assert main["grad_in_forward"].abs().sum() > 0

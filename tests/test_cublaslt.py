@@ -2,7 +2,8 @@
 (opcheck), the model's MLP with it against the Triton GELU path (eager, compiled, with main-grad
 sinks), and, where a libcublasLt is at hand ($HPCMEG_CUBLASLT_LIB, e.g. from the nvidia-cublas
 wheel), that the library accepts every descriptor the module builds (the GEMMs themselves need a
-GPU: bench/gpu_agreement.py --parts lt checks them against the twins on the H200)."""
+GPU: bench/gpu_agreement.py --parts lt checks them against the twins on the H200).
+Tolerances: tests/TOLERANCES.md's cases, named at each comparison."""
 from __future__ import annotations
 
 import ctypes
@@ -22,6 +23,8 @@ def test_twins_against_autograd():
     torch.manual_seed(0)
     x, w1, b1, w2 = torch.randn(10, 8), torch.randn(12, 8), torch.randn(12), torch.randn(6, 12)
     g, h = cublaslt.reference_gelu_aux(x, w1, b1)
+    # the twin calls F.linear itself (case 1, under case 5's default tolerance); its written-out tanh
+    # formula against torch's GELU kernel: the same formula, a few roundings apart (case 5)
     torch.testing.assert_close(h, F.linear(x, w1, b1))
     torch.testing.assert_close(g, F.gelu(h, approximate="tanh").to(g.dtype))
     # dh = (dy W2) * GELU'(h) and its row sum: autograd of out = GELU(h) W2^T
@@ -29,6 +32,7 @@ def test_twins_against_autograd():
     dy = torch.randn(10, 6)
     (want,) = torch.autograd.grad(F.linear(F.gelu(hh, approximate="tanh"), w2), hh, dy)
     dh, db = cublaslt.reference_dgelu_bgrad(dy, w2, h)
+    # case 2: gelu'(h) written out against autograd's tanh-GELU backward, then a row sum
     torch.testing.assert_close(dh, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(db, want.sum(0), atol=1e-5, rtol=1e-5)
 
@@ -45,6 +49,7 @@ def test_ops_opcheck_and_cpu_path():
     assert dh.shape == (16, 24) and db.shape == (24,)
     # gelu_impl 'cublaslt_dgelu''s two: dh alone, and fc1's weight gradient with its bias gradient
     torch.library.opcheck(cublaslt.linear_dgelu, (dy, w2, h))
+    # on CPU the op runs the twin, and reference_dgelu is reference_dgelu_bgrad's dh: case 1 (default tolerance)
     torch.testing.assert_close(torch.ops.hpcmeg.linear_dgelu(dy, w2, h), cublaslt.reference_dgelu(dy, w2, h))
     torch.testing.assert_close(cublaslt.reference_dgelu(dy, w2, h), dh)
     flat = torch.randn(3 + 24 * 8)  # the main grad of a [24, 8] weight at offset 3, already holding a sum
@@ -52,11 +57,12 @@ def test_ops_opcheck_and_cpu_path():
     before = flat.clone()
     db_f = torch.ops.hpcmeg.wgrad_bgrad_(flat, dh, x, 3)
     assert db_f.dtype == dh.dtype and db_f.shape == (24,)
-    torch.testing.assert_close(db_f, dh.sum(0))
+    torch.testing.assert_close(db_f, dh.sum(0))  # the same row sum, maybe in another order: case 5
     dh16 = dh.bfloat16()  # bf16 gradients: the bias gradient summed in fp32, rounded once to bf16
     assert torch.equal(torch.ops.hpcmeg.wgrad_bgrad_(flat.clone(), dh16, x.bfloat16(), 3),
                        dh16.float().sum(0).bfloat16())
-    torch.testing.assert_close(flat[3:].view(24, 8), before[3:].view(24, 8) + dh.t() @ x)  # added, not set
+    # added, not set: the op's GEMM accumulating into the slice against GEMM then add, one rounding apart (case 5)
+    torch.testing.assert_close(flat[3:].view(24, 8), before[3:].view(24, 8) + dh.t() @ x)
     assert torch.equal(flat[:3], before[:3])  # nothing outside the weight's slice
 
 
@@ -82,10 +88,12 @@ def test_model_mlp_matches_the_triton_gelu_path_eager_compiled_and_sunk():
             m.zero_grad()
             lc = torch.compile(m)(tok, tok).mean()
             lc.backward()
+            # compiled against eager: Inductor's fused kernels reorder (case 2) on a scalar mean loss ~5,
+            # within the default's atol 1e-5 (~30 ulps of it); the gradients through two layers: case 3
             torch.testing.assert_close(lc, loss)
             for n, p in m.named_parameters():
                 torch.testing.assert_close(p.grad, grads[impl][1][n], atol=1e-5, rtol=1e-4, msg=n)
-    for impl in impls[1:]:
+    for impl in impls[1:]:  # the GELU twins of other modules: the loss as above, the gradients case 3
         torch.testing.assert_close(grads[impl][0], grads["triton"][0])
         for n, want in grads["triton"][1].items():
             torch.testing.assert_close(grads[impl][1][n], want, atol=1e-5, rtol=1e-4, msg=f"{impl} {n}")
@@ -101,7 +109,7 @@ def test_model_mlp_matches_the_triton_gelu_path_eager_compiled_and_sunk():
         assert buf.is_sunk(m.encoder.layers[0].mlp.dense_4h_to_h.weight)
         TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
         main[impl] = {n: buf.grad_data[slice(*buf.locate(p))].clone() for n, p in m.named_parameters()}
-    for impl in impls[1:]:
+    for impl in impls[1:]:  # case 3; atol 1e-6: two micro batches' gradients of a mean loss, mostly ~1e-3..1e-2
         for n, want in main["triton"].items():
             torch.testing.assert_close(main[impl][n], want, atol=1e-6, rtol=1e-4, msg=f"{impl} {n}")
     with pytest.raises(ValueError, match="gelu_impl"):

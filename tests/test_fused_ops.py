@@ -1,6 +1,7 @@
 """Each fast op of hpcmeg/model/fused.py against its plain twin in hpcmeg/model/ops.py (fp32, CPU).
 
 The GPU/bf16 side of the same check is bench/gpu_agreement.py (run on the H200).
+Tolerances: tests/TOLERANCES.md's cases, named at each comparison.
 """
 import dataclasses
 
@@ -11,6 +12,8 @@ from hpcmeg.model import fused, fused_ce, ops
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 
+# case 2 (fp32, reordered): fused/compiled ops against the plain ones, the same math with other
+# reduction orders (LayerNorm's row statistics, softmax sums, GEMMs) and tanh/exp implementations
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -59,13 +62,16 @@ def test_cross_entropy_from_logits_bf16_and_fp32():
     logits, labels = torch.randn(4, 9, 300) * 3, torch.randint(0, 300, (4, 9))
     labels[0, :3] = 7
     g = torch.rand(4, 9)
+    # bf16 logits, case 4: both sides compute (softmax - onehot) * g in fp32 from the same bf16 values
+    # (case-2 apart) and round it once to bf16, to nearest: at most one bf16 ulp apart, <= 2^-7 of the
+    # value, under rtol 2e-2; the atol is not needed by that bound
     for dt, tol in ((torch.float32, TOL), (torch.bfloat16, dict(rtol=2e-2, atol=2e-3))):
         a = logits.to(dt).clone().requires_grad_()
         b = logits.to(dt).clone().requires_grad_()
         la = fused_ce._ce_fused(a, labels)
         lb = torch.nn.functional.cross_entropy(b.float().flatten(0, 1), labels.flatten(), reduction="none").view(4, 9)
         assert la.dtype == torch.float32
-        torch.testing.assert_close(la, lb, **TOL)
+        torch.testing.assert_close(la, lb, **TOL)  # fp32 losses from the same values either way: case 2
         (la * g).sum().backward()
         (lb * g).sum().backward()
         assert a.grad.dtype == dt
@@ -84,6 +90,8 @@ for dt in (torch.float32, torch.bfloat16):
     logits[1, 8999] = 30.0  # a large target logit in the tail chunk: the running max must rescale
     loss, lse = triton_ce.ce_forward(logits, labels)
     rl, rlse = triton_ce.reference(logits, labels)
+    # case 2: logsumexp over 9000 columns in 4096-column chunks (an online max and rescaled sums) against
+    # torch's one pass, numpy's exp/log against torch's
     torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss, rl, rtol=1e-5, atol=1e-5)
     assert loss[1] < 0.01 and loss.dtype == torch.float32
@@ -92,11 +100,17 @@ for dt in (torch.float32, torch.bfloat16):
     a, b = full.clone(), full.clone()
     gl = triton_ce.ce_forward_grad_(a[:, :9000], labels)
     rg = triton_ce.reference_grad_(b[:, :9000], labels)
-    torch.testing.assert_close(gl, rg, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gl, rg, rtol=1e-5, atol=1e-5)  # the same losses: case 2
+    # the written gradient softmax - onehot: fp32 case 2 (atol 1e-6: the entries are probabilities,
+    # most far below 1e-2, each exp(x - lse) a few roundings from the twin's); bf16 case 4 (the
+    # interpreter truncates, the twin rounds to nearest: one bf16 ulp, <= 2^-7 of the value, under
+    # rtol 2e-2; the atol is not needed by that bound)
     tol = dict(rtol=1e-5, atol=1e-6) if dt == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(a, b, **tol)
     assert torch.equal(a[:, 9000:], full[:, 9000:])
-    torch.testing.assert_close(a[:, :9000].float().sum(-1), torch.zeros(5), atol=5e-3, rtol=0)  # rows sum to 0
+    # rows sum to 0: 9000 stored entries, each within its dtype's rounding (bf16: 2^-9 of up to 1), 5e-3
+    # ~ sqrt(9000) * 2^-9 * the entries' scale ~ 0.2 bounds their random-signed sum; a wrong row is ~1 off
+    torch.testing.assert_close(a[:, :9000].float().sum(-1), torch.zeros(5), atol=5e-3, rtol=0)
     # the launches (CELaunch): prefetch, a reversed second sweep and rows looped by 2 programs give the
     # default's bits; another chunk size sums in another order (within rounding)
     for launch in (triton_ce.CELaunch(prefetch=1), triton_ce.CELaunch(reverse=1, programs=2),
@@ -107,6 +121,8 @@ for dt in (torch.float32, torch.bfloat16):
         if launch.block == triton_ce.BLOCK:
             assert torch.equal(lc, gl) and torch.equal(c, a), launch
         else:
+            # another chunk size: the same sums in another grouping, ~sqrt(V / block) roundings: case 2
+            # with a tighter bound (a few u on O(1) losses); the written gradient as above
             torch.testing.assert_close(lc, gl, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(c, a, **tol)
 torch.library.opcheck(triton_ce.cross_entropy_lse, (torch.randn(6, 300), torch.randint(0, 300, (6,))))
@@ -183,7 +199,7 @@ def test_bias_dropout_add_layer_norm_eval_and_train():
     # training: the same RNG stream gives the same dropout mask in both
     torch.manual_seed(3); f = fused.bias_dropout_add(x, bias, res, 0.3, True)
     torch.manual_seed(3); p = ops.bias_dropout_add(x, bias, res, 0.3, True)
-    torch.testing.assert_close(f, p, **TOL)
+    torch.testing.assert_close(f, p, **TOL)  # elementwise, the same mask: a rounding or two (case 5 would do)
     assert not torch.allclose(f, res + x + bias)  # dropout really dropped something
     torch.manual_seed(4); f = fused.dropout(x, 0.3, True)  # CPU: both are torch's dropout
     torch.manual_seed(4); p = ops.dropout(x, 0.3, True)
@@ -199,7 +215,7 @@ def test_causal_attention_matches_math():
     # causality: changing the last position changes no earlier output
     k2 = k.clone(); k2[:, -1] += 5
     out2 = fused.causal_attention(q, k2, v, 0.0, False)
-    torch.testing.assert_close(out2[:, :-1], fo[0][:, :-1], **TOL)
+    torch.testing.assert_close(out2[:, :-1], fo[0][:, :-1], **TOL)  # SDPA's blocking may change with k: case 2
 
 
 @pytest.mark.parametrize("impl", ["fused", "grad_in_forward", "compiled", "chunked"])
@@ -260,6 +276,7 @@ def test_triton_dropout_path_inside_the_compiled_model(monkeypatch):
     y = fused.dropout(x, 0.25, True)
     y.sum().backward()
     kept = y != 0
+    # x * keep / (1 - p) against x / 0.75: one or two roundings apart (case 5)
     torch.testing.assert_close(y[kept], x[kept] / 0.75)
     torch.testing.assert_close(x.grad, kept.float() / 0.75)
     assert 0 < kept.sum() < kept.numel()
@@ -322,7 +339,7 @@ def test_packed_keep_bits_give_the_same_function():
         got.append(o + g)
         assert any(t is k for t in saved) and not any(t.dtype == torch.bool and t is not k for t in saved)
     for a, c in zip(*got):
-        torch.testing.assert_close(a, c, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=0, atol=0)  # case 1: the same values, the same arithmetic
 
 
 def test_triton_bits_model_eager_and_compiled(monkeypatch):
@@ -347,6 +364,8 @@ def test_triton_bits_model_eager_and_compiled(monkeypatch):
     (la, ga), (lb, gb) = run("triton"), run("triton_bits")
     (lc, gc), (ld, gd) = run("triton", compiled=True), run("triton_bits", compiled=True)
     assert torch.equal(la, lb) and not torch.equal(la, lc)  # (a different mask: a real comparison)
+    # eager: the same masks through the same ops (case 1); compiled: Inductor fuses the unpacking of
+    # the bits into other kernels than the bool mask's, so its reductions may group differently (case 2)
     torch.testing.assert_close(ld, lc, **TOL)
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], rtol=0, atol=0, msg=n)
@@ -393,4 +412,4 @@ def test_bias_dropout_add_layer_norm_without_a_stream_gradient():
         (y * torch.arange(32.0)).sum().backward()
         grads.append([t.grad for t in leaves])
     for a, c in zip(*grads):
-        torch.testing.assert_close(a, c, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=0, atol=0)  # case 1: out_grad only drops a term that is zero

@@ -4,6 +4,7 @@ several dbias partial rows); the twins against ops.bias_gelu, F.gelu and autogra
 (opcheck, CPU path).
 
 The kernels compiled for the GPU are checked (and timed) by bench/gelu_probe.py on the H200.
+Tolerances: tests/TOLERANCES.md's cases, named at each comparison.
 """
 
 import pytest
@@ -22,7 +23,7 @@ from hpcmeg.model import ops
 from hpcmeg.model import triton_gelu as tg
 
 def within_one_ulp(a, b):
-    # a, b in bf16/fp16: |a - b| <= one rounding step of b (2^-7 resp. 2^-10 of |b| bounds the
+    # case 4. a, b in bf16/fp16: |a - b| <= one rounding step of b (2^-7 resp. 2^-10 of |b| bounds the
     # spacing): the interpreter casts fp32 -> bf16 by truncation, torch rounds to nearest. Plus 1e-5:
     # the fp32 twin's 1 + tanh(u) cancels for h ~ -5 (~1e-6 absolute off, the kernels are not)
     step = 2.0 ** -7 if b.dtype == torch.bfloat16 else 2.0 ** -10
@@ -39,8 +40,9 @@ def check(shape, dtype, blocks=tg.DEFAULT_BLOCKS, rows=None, scale=3.0):
     assert g.shape == h.shape and g.dtype == dtype and dh.shape == h.shape and dh.dtype == dtype
     assert dbias.shape == (shape[-1],) and dbias.dtype == dtype  # the bias's dtype in the fused MLP
     if dtype == torch.float32:
-        # vs the fp32 twins: their 1 + tanh(u) and 1 - tanh^2(u) cancel for |h| ~ 3..6, ~1e-6 absolute
-        # off there (the kernels' sigmoid form does not cancel); vs the fp64 formula: tight
+        # case 2 vs the fp32 twins: their 1 + tanh(u) and 1 - tanh^2(u) cancel for |h| ~ 3..6, ~1e-6
+        # absolute off there (the kernels' sigmoid form does not cancel); vs the fp64 formula: tight
+        # (numpy's exp2 in fp32 against the exact value: a few u, under rtol 1e-5 / atol 1e-6)
         torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dh, rdh, rtol=1e-5, atol=1e-5)
         hd = h.double()
@@ -50,7 +52,8 @@ def check(shape, dtype, blocks=tg.DEFAULT_BLOCKS, rows=None, scale=3.0):
         within_one_ulp(g, rg)
         within_one_ulp(dh, rdh)
     # dbias sums the fp32 dh before rounding on both sides, then rounds once: fp32 tolerance for
-    # fp32, one rounding step for bf16/fp16 (against the fp32 sums of the twin on fp32 copies)
+    # fp32 (case 2; atol 5e-5: sums of up to 200 rows of dh ~ 1 whose round-off adds up where the
+    # sum cancels), one rounding step for bf16/fp16 (against the fp32 sums of the twin on fp32 copies)
     if dtype == torch.float32:
         torch.testing.assert_close(dbias, rdbias, rtol=1e-5, atol=5e-5)
     else:
@@ -76,6 +79,7 @@ h = torch.tensor([[-100.0, -30.0, -9.0, -1e-3, 0.0, 1e-3, 9.0, 30.0, 100.0]])
 dg = torch.ones_like(h)
 g, (dh, dbias) = tg.gelu_forward(h), tg.gelu_backward(dg, h)
 assert torch.isfinite(g).all() and torch.isfinite(dh).all()
+# case 2 (no cancellation: the extremes' GELU is 0, h, or a tiny product)
 torch.testing.assert_close(g, tg.reference_forward(h), rtol=1e-5, atol=1e-6)
 torch.testing.assert_close(dh, tg.reference_backward(dg, h)[0], rtol=1e-5, atol=1e-6)
 # no rows: dh empty, dbias zeros
@@ -93,6 +97,8 @@ def test_forward_twin_is_bias_gelu_and_torch_gelu():
     torch.manual_seed(1)
     h = torch.randn(4, 7, 96) * 3
     g = tg.reference_forward(h)
+    # the same tanh formula with the bias add of 0 (exact) and maybe another grouping of the
+    # polynomial: a few u of |h| <= ~12 in absolute terms, atol 1e-6; torch's GELU kernel: case 2
     torch.testing.assert_close(g, ops.bias_gelu(h, torch.zeros(96)), rtol=0, atol=1e-6)
     torch.testing.assert_close(g, F.gelu(h, approximate="tanh"), rtol=1e-5, atol=1e-6)
     hb = h.bfloat16()
@@ -107,9 +113,11 @@ def test_twin_derivative_and_bias_gradient_match_autograd():
     b = torch.zeros(40, dtype=torch.float64, requires_grad=True)
     dg = torch.randn(3, 11, 40, dtype=torch.float64)
     dx, db = torch.autograd.grad(ops.bias_gelu(x, b), (x, b), dg)
+    # fp64: the written-out derivative against autograd's, ~10 roundings of u = 2^-53 apart; 1e-12 is ~9000 u
     torch.testing.assert_close(dg * tg.gelu_grad(x.detach()), dx, rtol=1e-12, atol=1e-12)
     dh, dbias = tg.reference_backward(dg.float(), x.detach().float())  # fp32 math
     assert dh.dtype == torch.float32 and dbias.shape == (40,)
+    # fp32 math against fp64: case 2 (dbias: a sum of 33 rows, atol 1e-5 where it cancels)
     torch.testing.assert_close(dh.double(), dx, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dbias.double(), db, rtol=1e-5, atol=1e-5)
     # bf16 inputs: dh is rounded to bf16, dbias is the fp32 sum of the unrounded values, rounded to bf16
@@ -117,6 +125,8 @@ def test_twin_derivative_and_bias_gradient_match_autograd():
     dhb, dbiasb = tg.reference_backward(dgb, hb)
     exact = dgb.double() * tg.gelu_grad(hb.double())
     assert dhb.dtype == dbiasb.dtype == torch.bfloat16  # dbias: the fp32 sum, rounded once
+    # rounded once to nearest: half a bf16 ulp, <= 2^-8 of the value (atol 1e-5 for the fp32 sum's own
+    # round-off where it cancels)
     torch.testing.assert_close(dbiasb.double(), exact.sum((0, 1)), rtol=2.0**-8, atol=1e-5)
     rounded = exact.bfloat16().double().sum((0, 1))  # what summing the stored bf16 dh would give
     assert (rounded - exact.sum((0, 1))).abs().max() > 1e-3  # so the check above tells them apart

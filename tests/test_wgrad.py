@@ -5,6 +5,7 @@ With fp32 operands (CPU) the sink computes the same mm as autograd's weight grad
 to a zeroed main grad, so one micro batch agrees bitwise; across micro batches both add in the
 same order. The fused model's other gradients (dx through the sink's matmul, the bias sums) are
 written differently from autograd's own, so whole-model comparisons allow fp32 round-off.
+Tolerances: tests/TOLERANCES.md's cases, named at each comparison.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def test_linear_sink_adds_the_weight_gradient_and_returns_none():
     w = lin.weight.grad
     assert torch.equal(flat[64:64 + 96].view(12, 8), w + w)
     assert torch.count_nonzero(flat[:64]) == 0 and torch.count_nonzero(flat[160:]) == 0  # nothing else written
+    # dx through the sink's own matmul and db its own row sum, against autograd's: case 5
     torch.testing.assert_close(dx, 2 * x.grad)
     torch.testing.assert_close(db, 2 * lin.bias.grad)
     assert wgrad.linear(x, lin.weight, lin.bias, None).grad_fn.name() != "_LinearSinkBackward"
@@ -105,9 +107,13 @@ def test_sunk_buffer_layout_and_gradients_match_the_hook_path(n_micro, ce):
     assert not any(bk.sunk for bk in ref.buckets)
     for name in g_ref:
         # the last step's main grads: weights through the sink, the rest through hooks
+        # case 2 (the header: dx and the bias sums written differently); atol 1e-7: these main grads
+        # are of a mean loss and mostly ~1e-4..1e-2, so 1e-7 still covers a ~0 sum's round-off
         torch.testing.assert_close(g_sink[name], g_ref[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-    assert h_sink == pytest.approx(h_ref, rel=1e-6)
+    assert h_sink == pytest.approx(h_ref, rel=1e-6)  # the loss: a few ulps of case-2 difference
     for k in w_ref:
+        # the weights after two Adam steps at lr 1e-2: Adam's g / sqrt(v) turns a case-2 difference in
+        # a ~0 gradient into up to ~1e-3 of a step, i.e. ~1e-5 absolute: atol 2e-5
         torch.testing.assert_close(w_sink[k], w_ref[k], rtol=1e-5, atol=2e-5)
 
 
@@ -118,8 +124,8 @@ def test_compiled_sink_step_matches_eager_hooks():
     Inductor) against the eager model's default one: one compile for both checks."""
     _, g_c, w_c, h_c = _grads(True, 2, compile=True, ce="grad_in_forward")
     _, g_e, w_e, h_e = _grads(False, 2)
-    assert h_c == pytest.approx(h_e, rel=1e-5)
-    for name in g_e:
+    assert h_c == pytest.approx(h_e, rel=1e-5)  # compiled, another CE implementation: case 2 on the loss
+    for name in g_e:  # case 3 (compiled model against eager); atol 1e-6 for main grads of a mean loss
         torch.testing.assert_close(g_c[name], g_e[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -178,5 +184,5 @@ def test_dp2_with_sinks_equals_one_process_accumulating(dist_pool):
             else:
                 assert hist == pytest.approx(ref_hist, rel=1e-6)
                 for k, v in ref_w.items():  # Adam's g / sqrt(v) lifts round-off of ~0 gradients to
-                    # ~1 % of a step (lr 1e-2)
+                    # ~1 % of a step (lr 1e-2): 1e-4 absolute, and rtol 1e-4 likewise
                     torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-4)
