@@ -241,8 +241,9 @@ def loop_config(recipe: Recipe, derived: Derived):
 
 
 def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=None, on_step_time=lambda s: None,
-                  on_save_time=lambda s: None):
-    """Everything from the recipe (module docstring); resumes if it can. Returns (trainer, ctx)."""
+                  on_save_time=lambda s: None, on_context=lambda ctx: None):
+    """Everything from the recipe (module docstring); resumes if it can. Returns (trainer, ctx).
+    on_context(ctx) runs as soon as the process group exists (the caller's failure report uses it)."""
     from hpcmeg.model.flops import flops_per_token
     from hpcmeg.parallel.context import init_distributed
     from hpcmeg.train.data import build_datasets, eval_batches, vocab_checked
@@ -257,6 +258,7 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
     ctx = init_distributed(dims, rank=env.rank, local_rank=env.local_rank, master_addr=env.master_addr,
                            master_port=env.master_port, device=train.device)
     try:
+        on_context(ctx)
         dev = ctx.device
         share_cpu_threads(env, dev)
         if ctx.is_rank0:
@@ -319,10 +321,6 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
                       f"{n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused}"
                       f"{' (' + kernels_of(model.cfg) + ')' if model.cfg.fused else ''} | "
                       f"compile {step.compile} | {optimizer.name} | {resumed}")
-        planned = derive(recipe).world_size
-        if planned != ctx.world_size:
-            metrics.print(f"note: the recipe plans {planned} process(es) (cluster section), {ctx.world_size} are "
-                          f"running; gradient accumulation {derived.grad_accum_steps} keeps the global batch")
         return trainer, ctx
     except BaseException:
         ctx.destroy()

@@ -2,11 +2,11 @@
 
 Contract
 - `train(recipe, *, environ=None, exit_interval=None) -> int` (exit code) runs on one process, or on
-  each of N processes started by torchrun / srun (ranks from hpcmeg.launch.env). Data parallel over
-  all processes (tensor/pipeline parallel: a later issue; sizes > 1 are refused). The process count
-  actually present decides data-parallel size and gradient accumulation:
-  accumulation = global_batch / (micro_batch x DP), so the recipe's global batch holds whatever the
-  rank count. Resumes from the latest valid checkpoint in derived.checkpoint_dir; with none there
+  each of N processes started by torchrun / srun (ranks from hpcmeg.launch.env), in the recipe's
+  tensor / pipeline layout. The process count actually present decides data-parallel size and
+  gradient accumulation: accumulation = global_batch / (micro_batch x DP), so the recipe's global
+  batch holds whatever the rank count; a count other than cluster.nodes x tasks per node is one
+  warning line (rank 0), not a refusal. Resumes from the latest valid checkpoint in derived.checkpoint_dir; with none there
   and checkpoint.load set, starts from that checkpoint's weights at iteration 0 (e.g. a 'release'
   import). `exit_interval` (library/test use, Megatron's --exit-interval): save and stop with
   EXIT_REQUEUE when iteration % exit_interval == 0.
@@ -22,6 +22,14 @@ Contract
 - Files: `<run_dir>/train_recipe.yaml` (the recipe as this run resolved it; `recipe.yaml` too when the
   run dir has none), metrics.jsonl + tensorboard/ (hpcmeg/train/metrics.py), checkpoints.
 - Only global rank 0 prints metric lines; other ranks print errors only (prefixed with their rank).
+- A failure on any rank reaches every rank (hpcmeg/train/peers.py, through the rendezvous store): the
+  rank that failed prints its line(s), once when several ranks found the same; the others stop with
+  one line naming it ("stopping: rank 1 failed", rank 0 adding its line) and its exit code, no
+  traceback. Start-up ends with that agreement, so a rank that fails to build or load never leaves
+  the others to their first collective.
+- Signals: the handlers (hpcmeg/train/signals.py) are installed before anything slow (cli_train:
+  before the recipe loads and torch imports). A stop asked before the first step ends the run there
+  with one line ("stopping before the first step ...: resume me") and EXIT_REQUEUE: nothing new to save.
 """
 from __future__ import annotations
 
@@ -84,24 +92,26 @@ def _wall_clock_end(r: Recipe, ctx) -> float | None:
     return min(ends) if ends else None
 
 
-def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built=None) -> int:
+def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built=None, signals=None) -> int:
     """Train `r` in this process group; returns an exit code (see the module docstring).
 
     on_built(trainer) runs after everything is built and before the first step (hooks for fault
-    injection in tests, or extra instrumentation)."""
+    injection in tests, or extra instrumentation). signals: an ExitSignal the caller installed
+    earlier (cli_train: before the recipe loads and torch imports); None = installed here."""
     from hpcmeg.parallel.context import DeviceUnavailableError
     from hpcmeg.train.build import build_trainer
     from hpcmeg.checkpoint.safe import UnreadableCheckpointError, UnsafeCheckpointError
     from hpcmeg.checkpoint.store import CheckpointLoadError, CheckpointWarning
     from hpcmeg.train.data import TokenIdError
+    from hpcmeg.train.peers import PeerFailed, PeerReport
     from hpcmeg.train.signals import ExitSignal, WallTimeGuard
     from hpcmeg.train.trainer import TrainingDiverged
 
     env = dist_env(environ)
     tag = f"hpcmeg train [rank {env.rank}]" if env.world_size > 1 else "hpcmeg train"
+    sig = signals if signals is not None else ExitSignal().install()  # a SIGTERM in start-up is kept
     run_dir = derive(r).run_dir
-    sig = ExitSignal().install()  # first: a SIGTERM during start-up must not kill us half-way
-    trainer = ctx = None
+    trainer = ctx = peers = None
     guard = WallTimeGuard(None, WALLTIME_MARGIN_S)
 
     def stop():
@@ -111,20 +121,65 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
             return f"wall-time guard ({guard.remaining_s():.0f} s left)"
         return None
 
+    def on_context(c) -> None:
+        nonlocal peers
+        peers = PeerReport.of(c)  # from here on a failure on any rank is seen by every rank
+
+    def iteration():
+        return trainer.state.iteration if trainer else None
+
+    def failed(code: int, lines: list[str], same_everywhere: bool = False) -> int:
+        """This rank's failure: its lines (once, when several ranks found the same), recorded for
+        the other ranks and, on rank 0, in train_status.json."""
+        if peers is not None:
+            show = peers.fail(code, lines)
+        else:  # before the process group: a recipe problem is found alike by every rank
+            show = env.rank == 0 or not same_everywhere
+        if show:
+            for line in lines:
+                print(f"{tag}: {line}", file=sys.stderr)
+        if env.rank == 0:
+            _record_failure(run_dir, iteration(), code, lines[0])
+        return code
+
+    def stopped_by(e: PeerFailed) -> int:
+        """Another rank failed (it printed its own line): one line naming it, its exit code."""
+        first, code, lines = e.failures[0]
+        print(f"{tag}: stopping: {e}" + (f": {lines[0]}" if env.rank == 0 else " (its own line names the problem)"),
+              file=sys.stderr)
+        if env.rank == 0:
+            _record_failure(run_dir, iteration(), code, f"rank {first}: {lines[0]}")
+        peers.acknowledge()
+        return code
+
     try:
+        if env.rank == 0:
+            _process_count_warning(r, env.world_size, tag)
         caught: list = []
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", CheckpointWarning)
                 trainer, ctx = build_trainer(r, env, stop=stop, exit_interval=exit_interval,
-                                             on_step_time=guard.record_step, on_save_time=guard.record_save)
+                                             on_step_time=guard.record_step, on_save_time=guard.record_save,
+                                             on_context=on_context)
         except (CheckpointLoadError, UnsafeCheckpointError, UnreadableCheckpointError):
             # the error line names the checkpoint files already: it alone is the report
             caught = [w for w in caught if not issubclass(w.category, CheckpointWarning)]
             raise
         finally:
             _show_warnings(caught, tag)
+        if peers is not None:
+            peers.startup_done()  # every rank learns here whether another one failed to start
         guard.end_time = _wall_clock_end(r, ctx)
+        if ctx.all_reduce_max(sig.flag):  # a stop asked before the first step: nothing new to save
+            reason = f"signal {sig.received.name}" if sig.flag else "a signal on another rank"
+            it = trainer.state.iteration
+            trainer.metrics.write({"kind": "event", "what": "preempted", "iteration": it, "reason": reason})
+            trainer.metrics.print(f"stopping before the first step at iteration {it} ({reason}): nothing new "
+                                  f"to save; resume me")
+            if env.rank == 0:
+                _write_status(run_dir, "preempted", it, EXIT_REQUEUE, reason)
+            return EXIT_REQUEUE
         if on_built is not None:
             on_built(trainer)
         out = trainer.run()
@@ -132,29 +187,22 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
         if env.rank == 0:
             _write_status(run_dir, out.status, out.iteration, code, out.reason)
         return code
+    except PeerFailed as e:
+        return stopped_by(e)
     except RecipeError as e:
-        if env.rank == 0:
-            for line in e.problems:
-                print(f"{tag}: {line}", file=sys.stderr)
-            _record_failure(run_dir, None, EXIT_BAD_RECIPE, e.problems[0])
-        return EXIT_BAD_RECIPE
+        return failed(EXIT_BAD_RECIPE, list(e.problems), same_everywhere=True)
     except (TokenIdError, DeviceUnavailableError) as e:  # the recipe does not fit the data / the machine
-        print(f"{tag}: {one_line(e)}", file=sys.stderr)
-        if env.rank == 0:
-            _record_failure(run_dir, trainer.state.iteration if trainer else None, EXIT_BAD_RECIPE, one_line(e))
-        return EXIT_BAD_RECIPE
+        return failed(EXIT_BAD_RECIPE, [one_line(e)])
     except (TrainingDiverged, OSError, ValueError, CheckpointLoadError, UnsafeCheckpointError,
             UnreadableCheckpointError) as e:  # data and runtime faults whose message names the file and fix
-        print(f"{tag}: {one_line(e)}", file=sys.stderr)
-        if env.rank == 0:
-            _record_failure(run_dir, trainer.state.iteration if trainer else None, EXIT_ERROR, one_line(e))
-        return EXIT_ERROR
+        return failed(EXIT_ERROR, [one_line(e)])
     except Exception as e:  # noqa: BLE001 - report, mark, exit non-zero
+        # a collective that lost its peer: the rank that failed recorded why (PeerReport)
+        peer = peers.peer_failures() if peers is not None and isinstance(e, RuntimeError) else None
+        if peer is not None:
+            return stopped_by(peer)
         traceback.print_exc()
-        print(f"{tag}: error: {type(e).__name__}: {e}", file=sys.stderr)
-        if env.rank == 0:
-            _record_failure(run_dir, trainer.state.iteration if trainer else None, EXIT_ERROR, str(e))
-        return EXIT_ERROR
+        return failed(EXIT_ERROR, [f"error: {type(e).__name__}: {one_line(e)}"])
     finally:
         try:
             if trainer is not None:
@@ -163,12 +211,35 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
         finally:
             if ctx is not None:
                 ctx.destroy()
-            sig.restore()
+            if peers is not None:
+                peers.linger()  # a failed rank waits for the others' lines (kill-on-bad-exit)
+            if signals is None:
+                sig.restore()
+
+
+def _process_count_warning(r: Recipe, running: int, tag: str) -> None:
+    """One line when the processes running are not the recipe's cluster.nodes x tasks per node. Not
+    refused: data parallelism takes whatever count runs (one process to debug, torchrun on a
+    workstation, srun in an allocation), keeping the global batch by gradient accumulation."""
+    c = r.cluster
+    planned = c.world_size()
+    if planned == running:
+        return
+    per = "cluster.gpus_per_node" if c.gpus_per_node > 0 else "cluster.cpu_tasks_per_node"
+    print(f"{tag}: warning: {running} process(es) are running but the recipe plans {planned} (cluster.nodes "
+          f"{c.nodes} x {per} {c.tasks_per_node()}); data parallelism and gradient accumulation follow the "
+          f"{running} running (train.global_batch_size {r.train.global_batch_size} is kept); start "
+          f"{planned} to run as planned", file=sys.stderr)
 
 
 def cli_train(args) -> int:
-    r = load_recipe(args.recipe, args.overrides, args.profile)
-    return train(r)
+    from hpcmeg.train.signals import ExitSignal
+
+    # first: a SIGTERM while the recipe loads and torch imports is kept (the run then stops before
+    # its first step with a line), not fatal
+    with ExitSignal() as sig:
+        r = load_recipe(args.recipe, args.overrides, args.profile)
+        return train(r, signals=sig)
 
 
 def cli_prepare_cache(args) -> int:

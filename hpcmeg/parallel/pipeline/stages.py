@@ -82,6 +82,7 @@ class StageModel(nn.Module):
             flat = from_megatron_model(m)
             if c.word_embeddings_for_head is None:
                 flat.pop(HEAD_KEY, None)  # pp 1 or not the last stage: tied to the embedding
+            _check_shapes(c, flat)
             missing, unexpected = c.load_state_dict(flat, strict=False)
             if missing or unexpected:
                 raise ValueError(f"checkpoint model does not match the recipe's model: missing {missing[:4]}, "
@@ -106,6 +107,16 @@ def megatron_models(model: nn.Module, pp_rank: int = 0, pp: int = 1) -> list[dic
     return [to_megatron_model(model.state_dict(), is_last_stage=True, pp_size=1)]
 
 
+def _check_shapes(module: nn.Module, flat: dict) -> None:
+    """ValueError naming the first checkpoint tensor whose shape is not this rank's (load_state_dict's
+    own RuntimeError lists every mismatch over many lines)."""
+    own = module.state_dict()
+    for k, v in flat.items():
+        if k in own and hasattr(v, "shape") and tuple(v.shape) != tuple(own[k].shape):
+            raise ValueError(f"the checkpoint's {k} has shape {list(v.shape)}, this rank's model "
+                             f"{list(own[k].shape)}: the shard was saved by another model or layout")
+
+
 def load_megatron_models(model: nn.Module, models: list[dict]) -> None:
     if isinstance(model, StageModel):
         model.load_megatron_models(models)
@@ -114,6 +125,7 @@ def load_megatron_models(model: nn.Module, models: list[dict]) -> None:
         raise ValueError(f"the checkpoint holds {len(models)} virtual-pipeline chunks; this run has none: reshard it")
     flat = from_megatron_model(models[0])
     flat.pop(HEAD_KEY, None)  # tied: equals the word embeddings
+    _check_shapes(model, flat)
     missing, unexpected = model.load_state_dict(flat, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint model does not match the recipe's model: missing {missing[:4]}, "
