@@ -181,7 +181,8 @@ def stage_status(stage: str, info: dict, markers: dict, cancelled: bool, executo
         t = next(iter(tasks.values()))
         bits = []
         if info.get("checkpoint_dir"):
-            bits.append(f"checkpoint iteration {latest_iteration(info['checkpoint_dir'])}/{info.get('train_iters', '?')}")
+            it, total = latest_iteration(info["checkpoint_dir"]), info.get("train_iters", "?")
+            bits.append(f"checkpoint iteration {it}/{total}" if it is not None else f"checkpoint none yet (0/{total})")
         if t.get("restarts"):
             bits.append(f"restarts {t['restarts']}")
         ev = markers.get("train", {})
