@@ -114,14 +114,15 @@ def _launch(fw: _Forwarder, argv: list[str], log: Path, env: dict) -> subprocess
     return p
 
 
-def _wait_all(fw: _Forwarder, procs: list[subprocess.Popen], echo: Optional[tuple[str, Path]] = None,
+def _wait_all(fw: _Forwarder, procs: list[subprocess.Popen], echo: Optional[tuple[str, LogFollower]] = None,
               tick: Optional[Ticker] = None) -> int:
     """Wait for every process; the first non-zero exit stops the rest. Returns the first failure's code.
 
-    ``echo`` = (stage, log of task/rank 0): the lines ``watch.shown`` picks from it go to the console
-    as they are written, and ``tick`` prints a heartbeat when it has been quiet for its interval."""
+    ``echo`` = (stage, follower of task/rank 0's log, made before the launch): the lines ``watch.shown``
+    picks from what this launch appends go to the console as they are written, and ``tick`` prints a
+    heartbeat when it has been quiet for its interval."""
     first_bad = 0
-    follower = LogFollower(echo[1]) if echo else None
+    follower = echo[1] if echo else None
     t_start = time.time()
     def show() -> None:
         if follower is not None and tick is not None:
@@ -147,12 +148,19 @@ def _wait_all(fw: _Forwarder, procs: list[subprocess.Popen], echo: Optional[tupl
         time.sleep(0.2)
 
 
+def _new_lines_of(log: Path) -> LogFollower:
+    """A follower of what is appended to ``log`` from now on. A chain started again (a resume by hand)
+    appends to the same files (tag "local", restart 0), and the earlier chain's lines are not news."""
+    return LogFollower(log, from_start=False)
+
+
 def _simple(fw, run: RunDir, stage: str, task: Optional[int], argv: list[str], env: dict, tick: Ticker) -> None:
     tag = "local" if task is None else f"local_{task}"
     write_marker(run, stage, "started", task=task)
     tick.say(f"{stage}{'' if task is None else ' ' + str(task)}: running {S.q(argv)}")
     log = run.logs(stage) / f"{stage}.{tag}.r0.0.log"
-    rc = _wait_all(fw, [_launch(fw, argv, log, env)], (stage, log), tick)
+    follower = _new_lines_of(log)
+    rc = _wait_all(fw, [_launch(fw, argv, log, env)], (stage, follower), tick)
     if fw.signal is not None:
         write_marker(run, stage, "interrupted", task=task, exit_code=rc)
         raise _Stopped()
@@ -181,12 +189,13 @@ def _train(fw, prep, env: dict, tick: Ticker) -> None:
         tick.say(f"train: {world} rank(s) x {S.q(argv)}" + (f" (restart {restart})" if restart else ""))
         procs = []
         attempt_start = time.time()
+        rank0 = run.logs("train") / f"train.local.r{restart}.0.log"
+        follower = _new_lines_of(rank0)
         for rank in range(world):
             renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             procs.append(_launch(fw, argv, run.logs("train") / f"train.local.r{restart}.{rank}.log", renv))
-        rank0 = run.logs("train") / f"train.local.r{restart}.0.log"
-        rc = effective_train_rc(_wait_all(fw, procs, ("train", rank0), tick), run.root, attempt_start)
+        rc = effective_train_rc(_wait_all(fw, procs, ("train", follower), tick), run.root, attempt_start)
         end_it = latest_iteration(d.checkpoint_dir)
         if fw.signal is not None:
             write_marker(run, "train", "interrupted", exit_code=rc, iteration=end_it, restart=restart)

@@ -9,7 +9,8 @@ Contract:
   and says when it last printed, so a caller can keep the console from going silent.
 - ``watch_run(run_dir, poll_s, heartbeat_s) -> exit code``: follows a Slurm chain until every stage
   is final: a line per stage transition (queued with the reason, running on which node, done or
-  failed), the rank-0 / task-0 log lines ``shown`` picks, and a heartbeat line when nothing else
+  failed), the rank-0 / task-0 log lines ``shown`` picks from the logs of the stage's current job
+  only (never those of an earlier submit's job of the same run), and a heartbeat line when nothing else
   was printed for ``heartbeat_s`` (default 10 s, so never 15 s of silence). Ends with the status
   table; when a stage failed, one last line on stderr names the stage, the failing task's own
   error line and log (hpcmeg.launch.causes) and the ``hpcmeg logs`` command. Ctrl-C stops watching
@@ -115,9 +116,16 @@ def describe_stage(s: dict) -> str:
     return state
 
 
-def _rank0_log(run_dir: Path, stage: str) -> Optional[Path]:
+def _rank0_log(run_dir: Path, stage: str, job_id: str) -> Optional[Path]:
+    """Task 0's log of this job's newest attempt, None until it has one. The stage's folder also holds
+    the logs of the jobs an earlier submit of the same run made (a resume by hand): those are not
+    this job's news, however recent, so a log counts only when its tag is this job's id (or, for an
+    array, the id and a task: '123_4')."""
     logs = task_logs(run_dir, stage)
-    return logs[0][1] if logs else None
+    if not logs or not job_id:
+        return None
+    tag = logs[0][1].name.split(".")[1]  # <stage>.<tag>.r<restart>.<task>.log
+    return logs[0][1] if tag == job_id or tag.startswith(job_id + "_") else None
 
 
 def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: float = 10.0,
@@ -150,7 +158,7 @@ def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: floa
             else:
                 done = False
             for stage in started:  # the logs of every stage that has run, rank 0 / task 0
-                log = _rank0_log(root, stage)
+                log = _rank0_log(root, stage, str(st["stages"].get(stage, {}).get("job_id", "")))
                 if log is not None:
                     f = followers.setdefault(log, LogFollower(log))
                     for line in f.new_lines():
