@@ -13,6 +13,9 @@ Contract
 - Each train line/record also carries elapsed_s (since this process started) and eta_s (iterations
   left x wall time per iteration since this process's first logged line), so a console shows how
   long the run has left; per-process numbers are labelled per GPU, or per rank on CPU (``per=``).
+- The loss is the mean over the log interval's iterations; a shorter window (the first after a
+  resume between two log points, or the run's last) carries loss_note, e.g. 'avg of 3 iterations
+  since resume', printed after the loss.
 - Units: times in seconds (step_time_s), memory in GiB (peak_mem_gib: CUDA max allocated; on
   CPU the process's max RSS), lr plain, tokens/s and TFLOP/s per GPU.
 - `peak_flops_for(device)`: measured dense bf16 matmul FLOP/s on CUDA (hpcmeg.model.flops), None
@@ -95,7 +98,7 @@ def format_train_line(r: dict, train_iters: int, per: str = "gpu") -> str:
     parts = [
         f"iteration {r['iteration']:>{w}}/{train_iters}",
         f"consumed samples {r['consumed_samples']}",
-        f"loss {_fmt(r['loss'], '.4f')}",
+        f"loss {_fmt(r['loss'], '.4f')}" + (f" ({r['loss_note']})" if r.get("loss_note") else ""),
         f"lr {_fmt(r['lr'], '.3e')}",
         f"grad norm {_fmt(r['grad_norm'], '.3f')}",
     ]

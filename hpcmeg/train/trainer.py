@@ -124,7 +124,7 @@ class Trainer:
         batches = TrainBatches(self.train_dataset, state.consumed_train_samples, config.micro_batch_size,
                                config.grad_accum_steps, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device,
                                num_workers=config.num_workers, seed=config.seed)
-        win = _Window()
+        win = _Window(after_resume=state.iteration > 0)
         self.model.train()
         pending = None  # (PendingStep, iteration, lr): queued on the device, numbers not checked yet
         last_reason = None
@@ -240,8 +240,15 @@ class Trainer:
         loss = float(s[0] / s[1]) if s[1] > 0 else math.nan
         from hpcmeg.train.metrics import peak_memory_gib
 
+        # a window shorter than log_interval (the first after a resume that was not at a multiple of it,
+        # or the last one) says how many iterations its loss averages
+        n = win.n
+        partial = win.steps < self.config.log_interval
+        note = (f"avg of {n} iteration{'s' if n != 1 else ''}{' since resume' if win.after_resume else ''}"
+                if partial else None)
         rec = {"iteration": self.state.iteration, "consumed_samples": self.state.consumed_train_samples,
-               "loss": loss, "lr": win.lr, "grad_norm": win.grad_norm, "loss_scale": win.loss_scale,
+               "loss": loss, "loss_iterations": n, "loss_note": note, "lr": win.lr, "grad_norm": win.grad_norm,
+               "loss_scale": win.loss_scale,
                "skipped": win.skipped, **self.throughput.compute(win.steps, now - win.t0),
                "peak_mem_gib": peak_memory_gib(self.ctx.device)}
         bubble = getattr(self.step, "bubble", None)  # pipeline: the last step's measured and ideal idle share
@@ -351,7 +358,8 @@ class Trainer:
 class _Window:
     """Per-log-interval accumulators (plain floats: TrainStep already returned host values)."""
 
-    def __init__(self):
+    def __init__(self, after_resume: bool = False):
+        self.after_resume = after_resume  # the first window of a run resumed from a checkpoint
         self.t0 = time.perf_counter()
         self.loss_sum, self.n, self.steps, self.skipped = 0.0, 0, 0, 0
         self.lr = self.grad_norm = self.loss_scale = None
