@@ -66,13 +66,32 @@ def attention_backend_for(backend: str, device: torch.device, precision: str,
     return "triton" if major == 9 else backend
 
 
-def kernels_of(cfg) -> str:
-    """The fused model's kernel choices in one phrase for the start line and record, e.g.
-    'attention triton, GELU cublaslt_dgelu, LayerNorm triton, dropout triton_bits, CE grad_in_forward'
-    (what 'auto' resolved to on this device; a cuBLASLt fallback at run time warns on its own)."""
+# the implementations that run a Triton or cuBLASLt kernel on CUDA and their PyTorch twin elsewhere
+_GPU_KERNEL = {"attention": ("triton",), "GELU": ("triton", "cublaslt", "cublaslt_dgelu"),
+               "LayerNorm": ("triton", "triton_forward"), "CE": ("fused", "grad_in_forward", "backward_in_forward")}
+
+
+def kernels_of(cfg, device: torch.device | None = None) -> str:
+    """What the model computes with on this device, in one phrase for the start line and record.
+    CUDA (or no device given: the configuration's names), e.g. 'attention triton, GELU cublaslt_dgelu,
+    LayerNorm triton, dropout triton_bits, CE grad_in_forward' (what 'auto' resolved to; a cuBLASLt
+    fallback at run time warns on its own). Elsewhere (CPU) the Triton/cuBLASLt kernels are never
+    launched: their ops run their PyTorch twins, attention other than 'triton' is plain SDPA and
+    dropout is torch's. model.fused off: the plain ops of hpcmeg/model/ops.py, none of these."""
+    if not cfg.fused:
+        return "plain PyTorch ops (model.fused off)"
     recompute = f", GELU recomputed in {cfg.recompute_gelu_layers} layer(s)" if cfg.recompute_gelu_layers else ""
-    return (f"attention {cfg.attention_backend}, GELU {cfg.gelu_impl}, LayerNorm {cfg.layernorm_impl}, "
-            f"dropout {cfg.dropout_impl}, CE {cfg.fused_ce}{recompute}")
+    if device is None or device.type == "cuda":
+        return (f"attention {cfg.attention_backend}, GELU {cfg.gelu_impl}, LayerNorm {cfg.layernorm_impl}, "
+                f"dropout {cfg.dropout_impl}, CE {cfg.fused_ce}{recompute}")
+    where = device.type
+
+    def named(part: str, impl: str) -> str:
+        return f"{part} {impl} (PyTorch twin on {where})" if impl in _GPU_KERNEL[part] else f"{part} {impl}"
+
+    attention = named("attention", cfg.attention_backend) if cfg.attention_backend == "triton" else "attention SDPA"
+    return (f"{attention}, {named('GELU', cfg.gelu_impl)}, {named('LayerNorm', cfg.layernorm_impl)}, "
+            f"dropout native, {named('CE', cfg.fused_ce)}{recompute}")
 
 
 def share_cpu_threads(env: DistEnv, device: torch.device) -> None:
@@ -308,7 +327,7 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
                        "sequence_parallel": plan.sequence_parallel, "grad_accum_steps": derived.grad_accum_steps,
                        "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
                        "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
-                       "fused": model.cfg.fused, "kernels": kernels_of(model.cfg), "compile": step.compile,
+                       "fused": model.cfg.fused, "kernels": kernels_of(model.cfg, dev), "compile": step.compile,
                        "optimizer": optimizer.name,
                        "n_params": n_params, "flops_per_token": fpt,
                        "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
@@ -319,7 +338,7 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
         metrics.print(f"hpcmeg train: {recipe.run.name} | {ctx.world_size} process(es) on {name} | {tp}DP {ctx.dp_size} x "
                       f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
                       f"{n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused}"
-                      f"{' (' + kernels_of(model.cfg) + ')' if model.cfg.fused else ''} | "
+                      f"{' (' + kernels_of(model.cfg, dev) + ')' if model.cfg.fused else ''} | "
                       f"compile {step.compile} | {optimizer.name} | {resumed}")
         return trainer, ctx
     except BaseException:
