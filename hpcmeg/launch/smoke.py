@@ -14,12 +14,17 @@ known; while waiting a line comes at least every ``HEARTBEAT_S`` seconds.
 
 The run directory is ``<--output-root>/hpcmeg-smoke``; a previous smoke run there is replaced (it is
 recognised by its ``.hpcmeg-smoke`` file; another directory of that name is never touched).
+
+Stopped (Ctrl-C, SIGTERM, SIGHUP) once jobs may be in the queue: the jobs are cancelled on the way out
+(one line), exit 128 + the signal's number. A signal during the submission itself is acted on once the
+submission returns, so every job submitted is recorded and cancelled. ``--timeout`` must be > 0.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -217,9 +222,58 @@ def _prepare(args):
     return prep
 
 
+class Stopped(Exception):
+    """A stop signal arrived while the smoke jobs may be queued."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class StopSignals:
+    """SIGINT, SIGTERM and SIGHUP raise Stopped, or, while `defer` is set (the submission: a job
+    submitted must also be recorded to be cancelled), are recorded and raised once it is cleared."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.received: int | None = None
+        self.defer = False
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if self.received is None:
+            self.received = signum
+        if not self.defer:
+            raise Stopped(self.received)
+
+    def __enter__(self) -> "StopSignals":
+        self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def resume(self) -> None:
+        """End of a deferred part: raise Stopped for a signal that came meanwhile."""
+        self.defer = False
+        if self.received is not None:
+            raise Stopped(self.received)
+
+    def ignore(self) -> None:
+        """While cancelling: further signals must not cut the cancellation short."""
+        for s in self.SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
 def cli_smoke(args) -> int:
     from hpcmeg.launch.checks import DataError
 
+    if not args.timeout > 0:  # (NaN too)
+        print(f"hpcmeg smoke: error: argument --timeout: {args.timeout:g} is not a positive number of seconds; "
+              f"see 'hpcmeg smoke --help'", file=sys.stderr)
+        return 2
     with Reporter() as rep:
         try:
             return _smoke(args, rep)
@@ -229,23 +283,40 @@ def cli_smoke(args) -> int:
 
 
 def _smoke(args, rep: Reporter) -> int:
-    from hpcmeg.launch import status as ST
-    from hpcmeg.launch.provenance import describe, fingerprint
-    from hpcmeg.launch.rundir import read_markers
     from hpcmeg.launch.submit import submit_plan, write_run_files
 
     rep.line(f"hpcmeg smoke with profile {args.profile}: checking the profile and the compute-node interpreter")
     prep = _prepare(args)  # RecipeError: one line per problem, exit 2 (nothing submitted)
+    run = prep.run
+    rep.waiting = "submitting"
+    write_run_files(prep)
+    with StopSignals() as stop:
+        try:
+            stop.defer = True
+            try:
+                ids = submit_plan(prep)
+            except Exception as e:  # noqa: BLE001 - Slurm's own refusal, in one line
+                rep.line(f"FAIL submission: {' '.join(str(e).split())[:400]}")
+                _cancel(run)  # a job submitted before the refusal
+                return 1
+            stop.resume()
+            return _watch(args, rep, prep, ids)
+        except Stopped as e:
+            stop.ignore()
+            _cancel(run)
+            rep.line(f"stopped by {e}: cancelled the smoke jobs (hpcmeg status {run.root})")
+            return 128 + e.signum
+
+
+def _watch(args, rep: Reporter, prep, ids: dict) -> int:
+    """From the submitted jobs to the verdict (Stopped may come from any line: the caller cancels)."""
+    from hpcmeg.launch import status as ST
+    from hpcmeg.launch.provenance import describe, fingerprint
+    from hpcmeg.launch.rundir import read_markers
+
     r, run = prep.recipe, prep.run
     c = r.cluster
     gpus = c.gpus_per_node > 0
-    rep.waiting = "submitting"
-    write_run_files(prep)
-    try:
-        ids = submit_plan(prep)
-    except Exception as e:  # noqa: BLE001 - Slurm's own refusal, in one line
-        rep.line(f"FAIL submission: {' '.join(str(e).split())[:400]}")
-        return 1
     ranks_desc = f"{c.tasks_per_node()} {'GPU' if gpus else 'CPU'} rank(s) on 1 node"
     rep.line(f"submitted {', '.join(f'{s} {j}' for s, j in ids.items())} ({ranks_desc}); run directory {run.root}")
     mine = fingerprint()
