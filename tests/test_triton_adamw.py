@@ -123,6 +123,8 @@ def run(kernel):
 # |g| (the clip coefficient scales both) up to a relative ~20u from rounding and the fp32 betas
 # (0.9, 0.95), and eps only shrinks q, so |q| <= lr (1 + 20u): together
 # |twin - kernel| <= 2u max|new master| + 13u lr (1 + 20u) < eps max|new master| + 7 eps lr, eps = 2u.
+# (Measured: at most 0.46 of that on an AMD EPYC, 0.35 on an Intel Xeon: a LayerNorm weight ~1 one
+# ulp apart.)
 # (Later steps would compare chaos: an ulp in a weight moves the attention key biases' gradients,
 # zero in exact arithmetic, and Adam scales that noise into lr-sized steps.)
 po, to = run("plain"), run("triton")

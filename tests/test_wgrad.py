@@ -68,6 +68,7 @@ def test_embedding_sink_adds_the_weight_gradient_and_returns_none():
     assert emb.weight.grad is None
     F.embedding(ids, emb.weight).square().sum().backward()
     w = emb.weight.grad
+    # index_add_ of the same rows in the same order against autograd's embedding backward: case 5
     torch.testing.assert_close(flat[20:80].view(10, 6), 2 * w)
     assert torch.count_nonzero(flat[:20]) == 0 and torch.count_nonzero(flat[80:]) == 0
     assert torch.count_nonzero(w[2]) == 0 and torch.count_nonzero(w[1]) == 6  # untouched / repeated rows
@@ -178,10 +179,10 @@ def test_dp2_with_sinks_equals_one_process_accumulating(dist_pool):
     round-off, not bitwise."""
     for distributed, ce in ((False, "fused"), (True, "fused"), (True, "grad_in_forward")):
         for (ref_hist, ref_w), (hist, weights) in dist_pool(2).run(_dp_sink_case, distributed, ce):
-            if ce == "fused":
+            if ce == "fused":  # case 1 (the docstring)
                 assert hist == ref_hist
                 assert all(torch.equal(weights[k], v) for k, v in ref_w.items())
-            else:
+            else:  # grad norms from main grads one fp32 rounding apart (the docstring): a few u
                 assert hist == pytest.approx(ref_hist, rel=1e-6)
                 for k, v in ref_w.items():  # Adam's g / sqrt(v) lifts round-off of ~0 gradients to
                     # ~1 % of a step (lr 1e-2): 1e-4 absolute, and rtol 1e-4 likewise
