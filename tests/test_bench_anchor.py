@@ -43,6 +43,7 @@ def test_dropout_zero_is_the_baseline_function(baseline):
     ref, m = _pair(baseline, 0.0)
     x = torch.randint(0, V, (2, 1024))
     y = torch.randint(0, V, (2, 1024))
+    # bit for bit (tests/TOLERANCES.md, case 1): the same modules and operations, dropout 0 adds none
     torch.testing.assert_close(m(x, y), ref(x, y), rtol=0, atol=0)
     m(x, y).backward()
     ref(x, y).backward()
@@ -55,7 +56,7 @@ def test_dropout_only_in_training(baseline):
     x, y = torch.randint(0, V, (2, 1024)), torch.randint(0, V, (2, 1024))
     assert not torch.equal(m(x, y), ref(x, y))  # training mode: dropout changes the loss
     m.eval()
-    torch.testing.assert_close(m(x, y), ref(x, y), rtol=0, atol=0)
+    torch.testing.assert_close(m(x, y), ref(x, y), rtol=0, atol=0)  # eval: no dropout, case 1 as above
 
 
 def test_batches_are_next_token_windows(tmp_path):

@@ -108,6 +108,7 @@ def test_hooks_sum_micro_batches_and_zero_unused_params():
     for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
         a, b = buf.locate(p)
         assert p.grad is None
+        # two half batches accumulated against one batch: reordered sums (tests/TOLERANCES.md, case 2)
         torch.testing.assert_close(buf.grad_data[a:b].view(p.shape), q.grad, rtol=1e-5, atol=1e-6, msg=name)
     # a step in which the position embeddings get no gradient: their stale gradient must not survive
     pos = m.embedding.position_embeddings.weight

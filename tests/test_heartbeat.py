@@ -67,5 +67,5 @@ def test_parse():
 
 
 def test_suite_runs_with_it(pytestconfig):
-    if os.environ.get(heartbeat.ENV, "").strip() != "0":
-        assert pytestconfig.pluginmanager.has_plugin("hpcmeg-heartbeat")
+    on = heartbeat.parse(os.environ.get(heartbeat.ENV)) is not None
+    assert pytestconfig.pluginmanager.has_plugin("hpcmeg-heartbeat") == on

@@ -78,6 +78,7 @@ def test_qkv_rows_are_per_head_q_k_v(fused):
         outs.append(s.softmax(-1) @ v)
     want = torch.cat(outs, -1) @ attn.dense.weight.T
     got, bias = attn(x)
+    # the written-out attention against the module's fused QKV GEMM and SDPA (tests/TOLERANCES.md, case 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert bias is attn.dense.bias
 
@@ -109,7 +110,7 @@ def test_forward_shapes_tying_and_loss(fused):
     loss = m(x, y)
     assert loss.dtype == torch.float32 and loss.shape == (3, 20)
     ref = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(3, 20)
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)  # another CE implementation: case 2 (tests/TOLERANCES.md)
     # tied output layer: the logits are hidden @ word_embeddings^T, so a change of one
     # embedding row of a token absent from x moves that logit column only
     with torch.no_grad():
@@ -123,7 +124,7 @@ def test_forward_shapes_tying_and_loss(fused):
 def test_position_ids_and_too_long_input():
     m = GPT(tiny(hidden_dropout=0.0, attention_dropout=0.0)).eval()
     x = torch.randint(0, 128, (1, 8))
-    torch.testing.assert_close(m(x, position_ids=torch.arange(8)[None]), m(x))
+    torch.testing.assert_close(m(x, position_ids=torch.arange(8)[None]), m(x))  # the same positions: case 1
     assert not torch.allclose(m(x, position_ids=torch.arange(8, 16)[None]), m(x))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         m(torch.zeros(1, 33, dtype=torch.long))
