@@ -100,6 +100,18 @@ def test_one_ranks_load_failure_is_reported_by_every_rank(tp2, bad):
     assert status["reason"].startswith("rank 1: ") if bad == 1 else "final_layernorm" in status["reason"]
 
 
+def test_a_problem_every_rank_finds_is_printed_once_by_rank_0(tp2):
+    """The recipe's model differs from the checkpoint's: both ranks find it; rank 0 alone prints it
+    (its log is the one `hpcmeg status` reads first), rank 1 prints nothing, both exit 2."""
+    out, prefix = tp2
+    shutil.copytree(out / "base", out / "arch")
+    codes, errs = _wait_all(Ranks(2, _args(out, prefix, "arch", TP2 + ["model.num_layers=3"]), _env()))
+    assert codes == [EXIT_BAD_RECIPE, EXIT_BAD_RECIPE], errs
+    lines = [[ln for ln in e.splitlines() if ln.startswith("hpcmeg train")] for e in errs]
+    assert len(lines[0]) == 1 and lines[1] == [], errs
+    assert lines[0][0].startswith("hpcmeg train [rank 0]: ") and "num_layers: checkpoint 2 vs recipe 3" in lines[0][0]
+
+
 def test_a_sigterm_while_the_recipe_loads_stops_before_the_first_step(tmp_path):
     """The recipe is a FIFO: the process is provably inside its start-up (reading the recipe) when the
     signal comes, before torch is imported. It must not die of it: it finishes start-up, stops before

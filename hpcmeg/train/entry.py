@@ -23,7 +23,7 @@ Contract
   run dir has none), metrics.jsonl + tensorboard/ (hpcmeg/train/metrics.py), checkpoints.
 - Only global rank 0 prints metric lines; other ranks print errors only (prefixed with their rank).
 - A failure on any rank reaches every rank (hpcmeg/train/peers.py, through the rendezvous store): the
-  rank that failed prints its line(s), once when several ranks found the same; the others stop with
+  rank that failed prints its line(s) (rank 0 alone when several found the same); the others stop with
   one line naming it ("stopping: rank 1 failed", rank 0 adding its line) and its exit code, no
   traceback. Start-up ends with that agreement, so a rank that fails to build or load never leaves
   the others to their first collective.
@@ -129,8 +129,8 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
         return trainer.state.iteration if trainer else None
 
     def failed(code: int, lines: list[str], same_everywhere: bool = False) -> int:
-        """This rank's failure: its lines (once, when several ranks found the same), recorded for
-        the other ranks and, on rank 0, in train_status.json."""
+        """This rank's failure: its lines (by rank 0 alone when several ranks found the same),
+        recorded for the other ranks and, on rank 0, in train_status.json."""
         if peers is not None:
             show = peers.fail(code, lines)
         else:  # before the process group: a recipe problem is found alike by every rank

@@ -9,8 +9,10 @@ collective it is in, and still answers after a rank destroyed its process group.
 
 Protocol (keys under hpcmeg/train/, one set per rendezvous: torchrun's restarts get their own prefix)
 - A failing rank takes an ordinal n = add("failures", 1) and sets "failure/<n>" to
-  "<rank>\\t<exit code>\\t<its lines>". It prints its lines unless an earlier ordinal holds the same
-  lines (a recipe problem every rank finds is printed once).
+  "<rank>\\t<exit code>\\t<its lines>". Rank 0 prints its lines; another rank prints its own unless
+  rank 0 records the same ones within SAME_WAIT_S (a recipe problem every rank finds is printed once,
+  by rank 0, whose log is the one `hpcmeg status` reads first); during start-up rank 0's "rank0/ok"
+  key, set when it ends its start-up without a failure, cuts that wait short.
 - Start-up agreement (`startup_done`): every rank ends start-up by add("started", 1), the failed ones
   too (after their failure is recorded); the add that reaches the world size sets "started/all".
   A rank that built everything waits for that key (one wait per rank; a failed rank never blocks it),
@@ -31,6 +33,7 @@ import time
 
 PREFIX = "hpcmeg/train/"
 PEER_WAIT_S = 10.0  # a peer records its failure within milliseconds of raising; this is the slack
+SAME_WAIT_S = 3.0  # how long a failed rank waits to see whether rank 0 found the same problem
 LINGER_S = 30.0
 POLL_S = 0.1
 
@@ -88,15 +91,28 @@ class PeerReport:
                 self.store.set(PREFIX + "started/all", "1")
 
     def fail(self, code: int, lines: list[str]) -> bool:
-        """Record this rank's failure; True when this rank should print its lines (no earlier record
-        holds the same ones). Never raises: the store may be gone with rank 0."""
+        """Record this rank's failure; True when this rank should print its lines (rank 0 always;
+        another rank unless rank 0 records the same lines). Never raises: the store may be gone."""
         self.failed_here = True
+        after_startup = self.counted  # then rank0/ok says nothing about rank 0 now
         try:
             n = self._add("failures", 1)
             self.store.set(f"{PREFIX}failure/{n}", f"{self.rank}\t{code}\t" + "\n".join(lines))
             self._count_started()
-            earlier = (self._entry(k, 5.0) for k in range(1, n))
-            return not any(e is not None and e[2] == lines for e in earlier)
+            if self.rank == 0:
+                return True
+            end, seen = time.monotonic() + SAME_WAIT_S, 0
+            while after_startup or not self.store.check([PREFIX + "rank0/ok"]):
+                total = self._add("failures", 0)
+                for k in range(seen + 1, total + 1):
+                    e = self._entry(k, 1.0)
+                    if e is not None and e[0] == 0:
+                        return e[2] != lines
+                seen = total
+                if time.monotonic() >= end:
+                    break
+                time.sleep(POLL_S)
+            return True
         except Exception:  # noqa: BLE001 - reporting must not hide the failure being reported
             return True
 
@@ -106,6 +122,8 @@ class PeerReport:
 
     def startup_done(self) -> None:
         """End of start-up on a rank that built everything: raises PeerFailed if any rank failed."""
+        if self.rank == 0:
+            self.store.set(PREFIX + "rank0/ok", "1")
         self._count_started()
         self.store.wait([PREFIX + "started/all"], self.timeout)
         found = self.failures()
