@@ -17,7 +17,8 @@ Contract
     megatron_models()      [nested Megatron model dict per chunk] (stage-local layer numbers)
     load_megatron_models() the inverse; the head copy is loaded, not re-tied
 - `megatron_models(model)` / `load_megatron_models(model, models)`: the same for a GPT (PP 1) or a
-  StageModel, what the trainer's checkpoints use.
+  StageModel, what the trainer's checkpoints use. Loading refuses a tensor whose shape is not this
+  rank's, or missing / unexpected tensors, with a one-line ValueError naming them.
   The tied weight on a rank that is both first and last stage (pp 1) is the embedding itself.
 - `tied_parameters(model) -> list`: the word embedding (first stage) and/or the head copy (last
   stage) of this rank: their gradients are summed over the embedding group after the DP reduction.
