@@ -105,14 +105,15 @@ def test_fused_cpu_run_names_the_twins_it_runs(tmp_path):
                        "twin on cpu), dropout native, CE grad_in_forward (PyTorch twin on cpu)"), kernels
 
 
-def test_example_apptainer_profile_sends_cpu_stages_to_a_cpu_partition(tmp_path):
+@pytest.mark.parametrize("profile,gpu", [("example-apptainer", "gpu"), ("example-pyxis", "batch")])
+def test_example_profiles_send_cpu_stages_to_a_cpu_partition(tmp_path, profile, gpu):
     (tmp_path / "in.jsonl").write_text(json.dumps({"content": "def f():\n    return 1\n"}) + "\n")
-    hpcmeg("submit", RECIPE, "--profile", "example-apptainer", "--set", f"run.output_root={tmp_path}",
+    hpcmeg("submit", RECIPE, "--profile", profile, "--set", f"run.output_root={tmp_path}",
            "--set", f"data.inputs=[{tmp_path}/in.jsonl]", "--dry-run", cwd=tmp_path)
     scripts = tmp_path / "codeparrot-tiny" / "scripts"
     part = {s: re.findall(r"^#SBATCH --partition=(\S+)$", (scripts / f"{s}.sbatch").read_text(), re.M)
             for s in ("preprocess", "train", "convert")}
-    assert part == {"preprocess": ["cpu"], "train": ["gpu"], "convert": ["cpu"]}, part
+    assert part == {"preprocess": ["cpu"], "train": [gpu], "convert": ["cpu"]}, part
 
 
 @pytest.mark.slurm
