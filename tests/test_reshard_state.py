@@ -95,6 +95,13 @@ def diff(a, b, path=(), skip=SKIP, same_tensor=torch.equal) -> list[str]:
     return [] if type(a) is type(b) and a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
+def _rewrite(path: str, edit) -> None:
+    """Load a shard file, edit its dict in place, save it back (a hand-made change to a real shard)."""
+    st = torch.load(path, weights_only=False)
+    edit(st)
+    torch.save(st, path)
+
+
 # ------------------------------------------------------------------------------------- item 1: state
 
 @pytest.mark.parametrize("name", ["tp2pp2v2", "dp2dist", "tp2sp"])
@@ -119,13 +126,34 @@ def test_identity_reshard_is_the_checkpoint_and_resumes_bit_exact(runs, name):
         assert diff(final_ref[key], final[key], skip=skip) == [], key
 
 
+def _bf16_weights_copy(src_dir: str, dst: str, iteration: int, tp: int, pp: int) -> str:
+    """One iteration of `src_dir` with the model's tensors in bf16 (optimizer and masters untouched);
+    without its manifest, whose sizes no longer hold."""
+    it = os.path.join(dst, iter_dirname(iteration))
+    shutil.copytree(os.path.join(src_dir, iter_dirname(iteration)), it)
+    os.remove(os.path.join(it, MANIFEST_FILENAME))
+    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(f"{iteration}\n")
+
+    def cast(d):
+        return {k: cast(v) if isinstance(v, dict) else v.bfloat16() for k, v in d.items()}
+
+    for p in range(pp):
+        for t in range(tp):
+            _rewrite(checkpoint_path(dst, iteration, t, p, pp),
+                     lambda st: st.update({k: cast(v) for k, v in st.items() if k.startswith("model")}))
+    return dst
+
+
+@pytest.mark.filterwarnings("ignore::hpcmeg.checkpoint.store.CheckpointWarning")  # the bf16 copy has no manifest
 def test_layout_changes_keep_masters_moments_and_give_each_rank_its_streams(runs, tmp_path):
     from hpcmeg.checkpoint.safe import capture_rng_state, restore_rng_state
     from hpcmeg.convert.reshard import STAGE_SEED_STRIDE, fresh_default_stream
     from hpcmeg.parallel.random import RNGStreams
     from hpcmeg.train.build import seed_everything
 
-    src_dir = ckpt(runs("tp2pp2v2"))
+    # the weights as a GPU bf16 run saves them (bf16 parameters beside their fp32 masters)
+    src_dir = _bf16_weights_copy(ckpt(runs("tp2pp2v2")), str(tmp_path / "bf16"), 3, 2, 2)
     one, back, four = (str(tmp_path / n) for n in ("tp1", "tp2", "pp4"))
     reshard(src_dir, one, 1, 2, 2, iteration=3)
     reshard(one, back, 2, 2, 2)
@@ -133,6 +161,11 @@ def test_layout_changes_keep_masters_moments_and_give_each_rank_its_streams(runs
     seed, padded = src[(0, 0)]["args"].seed, src[(0, 0)]["args"].padded_vocab_size
     kept = shards(one, 1, 2, 3)[(0, 0)]["args"].padded_vocab_size  # 50304: TP1 pads to 128, TP2 to 256
     assert kept < padded
+    qkv = src[(0, 0)]["model0"]["language_model"]["encoder"]["layers.0.self_attention.query_key_value.weight"]
+    assert qkv.dtype == torch.bfloat16
+    masters = [m for group in src[(0, 0)]["optimizer"]["optimizer"]["fp32_from_fp16_params"] for m in group]
+    assert any(m.shape == qkv.shape and torch.equal(m.bfloat16(), qkv) and not torch.equal(m, qkv.float())
+               for m in masters)  # the master is more than its bf16 parameter: rebuilding it would round it
     for (t, p), s in src.items():
         g = got[(t, p)]
         rows = padded // 2
@@ -184,12 +217,6 @@ def _mixed(src_dir: str, dst: str, iteration: int) -> str:
     with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(f"{iteration}\n")
     return dst
-
-
-def _rewrite(path: str, edit) -> None:
-    st = torch.load(path, weights_only=False)
-    edit(st)
-    torch.save(st, path)
 
 
 def _no_save_id(st: dict) -> None:

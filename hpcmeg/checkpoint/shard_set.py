@@ -34,6 +34,7 @@ Contract
 """
 from __future__ import annotations
 
+import argparse
 import secrets
 import zlib
 from dataclasses import dataclass, field
@@ -69,10 +70,21 @@ def with_save_id(state: dict[str, Any], save_id: str) -> dict[str, Any]:
 
 
 def _args_dict(args: Any) -> dict[str, Any] | None:
+    """The args namespace as a dict without the per-process fields; None when the shard has none."""
     if args is None:
         return None
-    d = vars(args) if hasattr(args, "__dict__") else dict(args) if isinstance(args, dict) else {"args": args}
-    return {k: v for k, v in d.items() if k not in PER_PROCESS_ARGS}
+    if isinstance(args, argparse.Namespace):
+        args = vars(args)
+    if not isinstance(args, dict):
+        return {"args": args}
+    return {k: v for k, v in args.items() if k not in PER_PROCESS_ARGS}
+
+
+def _iteration_problem(path: str, got: Any, iteration: int | str) -> str | None:
+    if isinstance(iteration, int) and isinstance(got, int) and got != iteration:
+        return (f"{path}: holds iteration {got} but sits in the directory of iteration {iteration}: it was "
+                f"copied from another save; {_FIX}")
+    return None
 
 
 def _int_iteration(state: dict[str, Any]) -> int | None:
@@ -83,10 +95,9 @@ def _int_iteration(state: dict[str, Any]) -> int | None:
 def own_shard_problem(state: dict[str, Any], path: str, iteration: int | str,
                       manifest_save_id: str | None) -> str | None:
     """See the file header. `iteration`: the directory's (an int, or "release": not compared)."""
-    got = _int_iteration(state)
-    if isinstance(iteration, int) and got is not None and got != iteration:
-        return (f"{path}: holds iteration {got} but sits in the directory of iteration {iteration}: it was "
-                f"copied from another save; {_FIX}")
+    problem = _iteration_problem(path, _int_iteration(state), iteration)
+    if problem is not None:
+        return problem
     sid = save_id_of(state)
     if manifest_save_id is not None and sid != manifest_save_id:
         return (f"{path}: written by another save than the rest of its iteration (save id {sid or 'none'}, "
@@ -136,9 +147,9 @@ def check_shard_set(shards: dict[tuple[int, int], ShardInfo], tp: int, pp: int, 
     order = [(t, p) for p in range(pp) for t in range(tp)]
     for key in order:
         s = shards[key]
-        if isinstance(iteration, int) and isinstance(s.iteration, int) and s.iteration != iteration:
-            raise ShardMismatchError(f"{s.path}: holds iteration {s.iteration} but sits in the directory of "
-                                     f"iteration {iteration}: it was copied from another save; {_FIX}")
+        problem = _iteration_problem(s.path, s.iteration, iteration)
+        if problem is not None:
+            raise ShardMismatchError(problem)
         if s.iteration != ref.iteration:
             raise ShardMismatchError(f"{s.path}: holds iteration {s.iteration}, {ref.path} iteration {ref.iteration}: "
                                      f"the shards come from different saves; {_FIX}")
