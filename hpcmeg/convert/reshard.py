@@ -226,7 +226,8 @@ def target_rng_states(src: dict[tuple[int, int], Any], tp: int, pp: int, seed: i
             if own:
                 out[(t, p)] = own
                 continue
-            stage = src.get((0, p)) or [fresh_default_stream(seed + STAGE_SEED_STRIDE * p)]
+            stage = [e for e in src.get((0, p)) or [] if isinstance(e, dict)]
+            stage = stage or [fresh_default_stream(seed + STAGE_SEED_STRIDE * p)]
             out[(t, p)] = [dict(entry, rng_tracker_states=fresh_tp_stream(seed, t)) for entry in stage]
     return out
 
@@ -326,6 +327,11 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
     if not isinstance(seed, int):
         seed = int(((ck.recipe or {}).get("train") or {}).get("seed", 1234))  # Megatron's default seed
     rngs = target_rng_states(ck.shard_rng or {}, tp, pp, seed)
+    new_ranks = [k for k in rngs if rngs[k] is not None and not (ck.shard_rng or {}).get(k)]
+    if new_ranks:
+        on_note(f"{len(new_ranks)} shard(s) of the new layout have no source shard at their (tp, pp) rank, e.g. "
+                f"{new_ranks[0]}: their RNG streams start as a fresh run's, so the resumed losses follow the old "
+                f"run's closely, not bit for bit")
     ck.shard_models = ck.shard_optimizers = ck.shard_rng = None
     iteration_value = 0 if ck.iteration == RELEASE_DIRNAME else int(ck.base.get("iteration", ck.iteration))
     states = {}
