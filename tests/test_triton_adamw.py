@@ -1,11 +1,12 @@
 """hpcmeg/train/triton_adamw.py (train.optimizer_kernel 'triton'): the AdamW update kernel against its
 plain twin (optim.adamw_master_update_) in Triton's CPU interpreter, on its own and inside FlatAdamW
-over a model's buffers for a few steps; the kernel compiled for sm90 (vector loads, IEEE division,
+over a model's buffers for one step; the kernel compiled for sm90 (vector loads, IEEE division,
 no contracted multiply-adds); how the update kernel is chosen, and the recipe key.
 
 What can be compared to the bit, and what cannot (the same on every x86-64 CPU):
 - exp_avg and exp_avg_sq: multiplies and adds only, IEEE-rounded one by one in the twin (ATen's
-  binary kernels, any ISA) and in the interpreter (numpy): equal to the bit.
+  binary kernels, any ISA) and in the interpreter (numpy): equal to the bit. (Divisions too: torch
+  divides by the 0-d hp entries IEEE-rounded on the CPU, not as a multiply by the reciprocal.)
 - The master weights: the kernel divides and takes the square root IEEE-rounded (div_rn, sqrt_rn;
   numpy's in the interpreter), so its masters equal, to the bit, the twin's expressions evaluated with
   every operation IEEE-rounded (`ieee_master` below; what the twin gives on the GPU). The CPU twin's
