@@ -4,7 +4,7 @@ With `-q` pytest prints one dot per finished test, and some of hpcmeg's tests (S
 training) run for minutes on 2 cores: the terminal then shows nothing for that long. This plugin
 prints, on the terminal pytest started with, a line such as
 
-    [heartbeat] still running: tests/test_demo_slurm.py::test_demo (1 min 30 s; suite 6 min 2 s)
+    [heartbeat] still running: tests/test_demo_slurm.py::test_demo_then_rerun_says_nothing_to_do (1 min 30 s; suite 6 min 2 s)
 
 once a test (its setup, call and teardown; session fixtures included) has run FIRST seconds, and then
 every EVERY seconds until it ends; also while collecting. HPCMEG_TEST_HEARTBEAT=FIRST[,EVERY] sets
