@@ -173,7 +173,7 @@ def main(argv=None) -> int:
                "--vocab-file", "gpt2/vocab.json", "--merge-file", "gpt2/merges.txt"] + common
 
     def hp_cmd(inp, prefix):
-        return [sys.executable, "-m", "hpcmeg.data.preprocess", "--input", inp, "--output-prefix", prefix,
+        return [sys.executable, "-m", "hpcmeg.data.preprocess_cli", "--input", inp, "--output-prefix", prefix,
                 "--vocab-file", vocab, "--merge-file", merges, "--quiet"] + common
 
     base_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

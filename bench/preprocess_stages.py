@@ -3,7 +3,7 @@
 Each stage runs alone in this process (or, for interpreter start and imports, in a fresh child),
 timed by CPU time (time.process_time / getrusage), not wall time, so that other load on a shared
 host inflates the numbers less; the median of --repeat runs is reported. Stages: interpreter start,
-the imports of `python -m hpcmeg.data.preprocess`, building the GPT-2 tokenizer (vocab.json,
+the imports of `import hpcmeg.data.preprocess`, building the GPT-2 tokenizer (vocab.json,
 merges.txt, tiktoken), reading the input as line batches, JSON parsing and validation
 (parse_document), tokenizing with tiktoken's fast split pattern, encode_batch (parse + tokenize + arrays, what a worker does), and writing the
 .bin/.idx. Then the CLI end to end with --workers N, whose CPU beyond the sum of the stages is the
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     times: dict[str, list] = {k: [] for k in ["interpreter start (python -c pass)",
                                               "imports of hpcmeg.data.preprocess"] + list(in_process)}
     e2e = []
-    hp_cmd = [py, "-m", "hpcmeg.data.preprocess", "--input", corpus, "--output-prefix",
+    hp_cmd = [py, "-m", "hpcmeg.data.preprocess_cli", "--input", corpus, "--output-prefix",
               os.path.join(args.workdir, "e2e"), "--vocab-file", vocab, "--merge-file", merges,
               "--json-keys", "content", "--append-eod", "--workers", str(args.workers), "--quiet"]
     for _ in range(args.repeat):

@@ -141,7 +141,7 @@ def test_interrupted_run_leaves_no_valid_dataset(tmp_path):
     write_stdlib_corpus(src, key="content", include_tests=False)
     out = str(tmp_path / "killed")
     env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcmeg.data.preprocess", "--input", src, "--output-prefix", out,
+    proc = subprocess.Popen([sys.executable, "-m", "hpcmeg.data.preprocess_cli", "--input", src, "--output-prefix", out,
                              "--json-keys", "content", "--workers", "1", "--quiet"], env=env)
     deadline = time.time() + 60
     while not any(".tmp" in f for f in os.listdir(tmp_path)) and time.time() < deadline and proc.poll() is None:
@@ -155,7 +155,7 @@ def test_interrupted_run_leaves_no_valid_dataset(tmp_path):
     for f in os.listdir(tmp_path):
         if ".tmp" in f:
             os.remove(tmp_path / f)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcmeg.data.preprocess", "--input", src, "--output-prefix", out,
+    proc = subprocess.Popen([sys.executable, "-m", "hpcmeg.data.preprocess_cli", "--input", src, "--output-prefix", out,
                              "--json-keys", "content", "--workers", "1", "--quiet"], env=env)
     while not any(".tmp" in f for f in os.listdir(tmp_path)) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.005)

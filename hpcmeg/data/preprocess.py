@@ -3,8 +3,8 @@ tools/preprocess_data.py.
 
 This file owns PreprocessConfig/PreprocessStats, preprocess_files (the library entry point), the
 worker-side batch encoder, ordering/partitioning, progress lines and bad-line handling. The command
-line (flags, config from flags, deprecation warnings, exit codes via faults.run_tool) is
-hpcmeg.data.preprocess_cli; `python -m hpcmeg.data.preprocess` still runs it (guard at the end).
+line (flags, config from flags, deprecation warnings, exit codes via faults.run_tool, and
+`python -m hpcmeg.data.preprocess_cli`) is hpcmeg.data.preprocess_cli, which imports this file.
 
 Pipeline (streaming, bounded memory): the parent reads ~256 KB batches of whole lines -> worker
 processes parse, validate, (split sentences,) tokenize and return numpy token arrays -> the parent
@@ -44,9 +44,6 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Sequence
-
-if __name__ == "__main__":  # `python -m hpcmeg.data.preprocess`: as `hpcmeg preprocess` (cli.no_blas_threads says why)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 
@@ -402,9 +399,3 @@ def _write_results(results, cfg: PreprocessConfig, builders: dict, nparts: int, 
         st.documents += res["docs"]
         st.input_bytes += res["nbytes"]
         progress.update(st)
-
-
-if __name__ == "__main__":  # `python -m hpcmeg.data.preprocess` (tests, bench): the command line, as before
-    from hpcmeg.data.preprocess_cli import main
-
-    sys.exit(main())

@@ -5,8 +5,8 @@ PreprocessConfig (including the default --workers: the cores this process may ru
 run preprocess_files under a StopSignal, then print the warnings, the skipped-line summary and the
 "wrote ..." lines, with faults.run_tool turning faults into one stderr line and an exit code.
 The preprocessing itself (and its contract) is hpcmeg.data.preprocess; this module imports it,
-never the other way round (except that module's lazy `python -m` guard).
-Entry points: `hpcmeg preprocess` (hpcmeg.cli PASSTHROUGH) and `python -m hpcmeg.data.preprocess`.
+never the other way round.
+Entry points: `hpcmeg preprocess` (hpcmeg.cli PASSTHROUGH) and `python -m hpcmeg.data.preprocess_cli`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import argparse
 import os
 import sys
 from typing import Sequence
+
+if __name__ == "__main__":  # `python -m hpcmeg.data.preprocess_cli`: as `hpcmeg preprocess` (cli.no_blas_threads says why)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy is imported below
 
 from hpcmeg.data.faults import OneLineArgumentParser, StopSignal, positive_int, run_tool
 from hpcmeg.data.preprocess import PreprocessConfig, preprocess_files
@@ -117,3 +120,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return run_tool("hpcmeg preprocess", body)
 
+
+if __name__ == "__main__":
+    sys.exit(main())
