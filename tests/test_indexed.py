@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from hpcmeg.data import indexed
-from hpcmeg.data.indexed import (DType, IndexedDataset, IndexedDatasetBuilder, dataset_exists, merge_datasets, merge_main, open_indexed_dataset)
-from hpcmeg.data.indexed_legacy import LegacyIndexedDataset
+from hpcmeg.data.indexed import DType, IndexedDataset, IndexedDatasetBuilder, dataset_exists, merge_datasets, merge_main
+from hpcmeg.data.indexed_legacy import LegacyIndexedDataset, open_indexed_dataset
 
 
 def _build(prefix, docs, dtype):

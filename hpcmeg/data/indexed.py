@@ -1,9 +1,10 @@
 """Megatron's indexed dataset on disk: the MMIDIDX `.idx` + raw `.bin` pair, byte for byte.
 
 Owns the format (docs/megatron-interop.md §1): writer (`IndexedDatasetBuilder`), reader
-(`IndexedDataset`), merge (`merge_datasets`, what Megatron's tools/merge_datasets.py does) and a
-read-only reader for the pre-2023 TNTIDX "lazy"/"cached" format (`LegacyIndexedDataset`, which
-lives in `indexed_legacy.py`; open_indexed_dataset picks it for such files).
+(`IndexedDataset`), merge (`merge_datasets`, what Megatron's tools/merge_datasets.py does), and
+the format constants and path helpers the pre-2023 TNTIDX reader shares (that reader,
+`LegacyIndexedDataset`, and `open_indexed_dataset`, which picks a reader by the magic bytes, live in
+`indexed_legacy.py` and import this file).
 
 Contract
 - A dataset is a path prefix P: tokens in `P.bin` (all sequences concatenated, no header), index in
@@ -350,15 +351,6 @@ class IndexedDataset:
         self.close()
 
 
-def open_indexed_dataset(prefix: str, mmap: bool = True):
-    """Open either format by sniffing the magic bytes (Megatron's old `--data-impl infer`)."""
-    with open(index_file_path(prefix), "rb") as f:
-        magic = f.read(9)
-    if magic[:8] == TNTIDX_MAGIC:
-        return LegacyIndexedDataset(prefix, cached=not mmap)
-    return IndexedDataset(prefix, mmap=mmap)
-
-
 def merge_datasets(prefixes: Sequence[str], out_prefix: str, stop: StopSignal | None = None) -> None:
     """Concatenate datasets in the given order into `out_prefix` (documents and sequences kept).
     Raises MissingPathError for a missing pair, DatasetFormatError for an unreadable one or mixed
@@ -429,7 +421,3 @@ def merge_main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     return run_tool("hpcmeg merge-datasets", body)
-
-
-# open_indexed_dataset's legacy reader, imported last: it builds on DType and the path helpers above
-from hpcmeg.data.indexed_legacy import LegacyIndexedDataset  # noqa: E402

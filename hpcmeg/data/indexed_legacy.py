@@ -4,6 +4,7 @@ The format (docs/megatron-interop.md §1.2): magic b"TNTIDX\0\0", uint64 version
 code and element size, uint64 item count and sizes count, uint64 document count, then int64
 dim_offsets, data_offsets (in ELEMENTS), sizes and doc_idx. hpcmeg only reads it (to take old
 Megatron datasets in); it always writes MMIDIDX (``hpcmeg.data.indexed``).
+``open_indexed_dataset(prefix, mmap)`` opens either format by its magic bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import struct
 
 import numpy as np
 
-from hpcmeg.data.indexed import TNTIDX_MAGIC, DType, data_file_path, index_file_path
+from hpcmeg.data.indexed import TNTIDX_MAGIC, DType, IndexedDataset, data_file_path, index_file_path
 
 
 class LegacyIndexedDataset:
@@ -88,3 +89,12 @@ class LegacyIndexedDataset:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def open_indexed_dataset(prefix: str, mmap: bool = True):
+    """Open either format by sniffing the magic bytes (Megatron's old `--data-impl infer`)."""
+    with open(index_file_path(prefix), "rb") as f:
+        magic = f.read(9)
+    if magic[:8] == TNTIDX_MAGIC:
+        return LegacyIndexedDataset(prefix, cached=not mmap)
+    return IndexedDataset(prefix, mmap=mmap)
