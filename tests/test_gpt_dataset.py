@@ -13,7 +13,7 @@ import pytest
 from hpcmeg import fsutil
 from hpcmeg.data import index_cache
 from hpcmeg.data.blended import (blending_indices, blending_indices_loop, build_train_valid_test_datasets,
-                                 exhaustive_blending_indices, parse_blend, size_per_dataset)
+                                 exhaustive_blending_indices, parse_blend, prepare_cache, size_per_dataset)
 from hpcmeg.data.gpt_dataset import (GPTDatasetConfig, build_document_index, build_gpt_datasets, build_gpt_indices,
                                      build_sample_index, build_sample_index_loop, num_epochs_for,
                                      num_samples_per_split, separate_final_epoch, split_ranges)
@@ -230,7 +230,7 @@ def test_interrupted_build_is_not_a_cache_hit(tmp_path):
 def test_prepare_cache_then_training_loads(golden_data, tmp_path):
     cfg = GPTDatasetConfig(seq_length=64, seed=1234, split="90,8,2", cache_dir=str(tmp_path / "c"))
     blend = ["0.5", golden_data["A"], "0.5", golden_data["B"]]
-    index_cache.prepare_cache(cfg, blend, (400, 40, 8))
+    prepare_cache(cfg, blend, (400, 40, 8))
     n_files = len(os.listdir(tmp_path / "c"))
     assert n_files >= 3 * 2 * 4 + 3 * 3  # member GPT indices + blend indices (+ lock files)
     ds = build_train_valid_test_datasets(cfg, blend, (400, 40, 8))

@@ -12,7 +12,8 @@ docs/megatron-interop.md §3.5):
 `blending_indices` is numpy, no compile step, bit-identical to that loop: picks are proposed by
 copying the sequence p steps back (it is nearly periodic) and every pick is re-checked in double
 (`blend_speculative`), ~0.15 us/sample for 2-3 datasets; `blending_indices_loop` is the plain one-step twin
-(~1.3 us/sample). The arrays are cached like the GPT indices (`index_cache.load_or_build`).
+(~1.3 us/sample). The arrays are cached like the GPT indices (`index_cache.load_or_build`);
+`prepare_cache` builds every index a training run will load, ahead of time.
 """
 
 from __future__ import annotations
@@ -338,3 +339,15 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig, blend: Sequence[st
             size = None if num_samples[i] is None else min(num_samples[i], sum(lengths))
             out.append(BlendedDataset(split_members, lengths, size, config))
     return out
+
+
+def prepare_cache(config, blend, num_samples: Sequence[int | None]) -> list:
+    """Build (or find) every index file that training with these arguments will load (the
+    `hpcmeg prepare-cache` command: a login node, not rank 0 of a 1000-GPU job, should pay for it).
+
+    config: `hpcmeg.data.gpt_dataset.GPTDatasetConfig` (cache_dir on the parallel filesystem);
+    blend: a list of prefixes, or Megatron's `--data-path` form ["0.3", "A", "0.7", "B"];
+    num_samples: requested (train, valid, test) samples, e.g. from `gpt_dataset.num_samples_per_split`.
+    Returns the built datasets (train, valid, test; None for an empty split), whose indices are now cached.
+    """
+    return build_train_valid_test_datasets(config, blend, num_samples)

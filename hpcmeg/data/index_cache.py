@@ -2,8 +2,8 @@
 
 Owns: naming (`<cache_dir>/<md5>-<kind>-<split>-<name>.npy` plus `...-description.txt`, the layout
 Megatron's mcore uses, docs/megatron-interop.md §3.4), the build-once protocol and atomic writes.
-`prepare_cache` builds every index of a data config ahead of time (the `hpcmeg prepare-cache`
-command; a login node, not rank 0 of a 1000-GPU job, should pay for it).
+Building every index of a data config ahead of time (`hpcmeg prepare-cache`) is
+`hpcmeg.data.blended.prepare_cache`, which builds the datasets through this cache.
 
 Protocol (why it is safe without torch.distributed):
 - Hit: all files exist -> load with mmap_mode="r" (pages shared by all ranks of a node). No lock.
@@ -111,16 +111,3 @@ def load_or_build(cache_dir: str | None, kind: str, split: str, description: dic
                 atomic_write_bytes(paths["description"], text.encode("utf-8"))
                 return {name: arrays[name] for name in names}
     return {name: np.load(paths[name], mmap_mode="r", allow_pickle=False) for name in names}
-
-
-def prepare_cache(config, blend, num_samples: Sequence[int | None]) -> list:
-    """Build (or find) every index file that training with these arguments will load.
-
-    config: `hpcmeg.data.gpt_dataset.GPTDatasetConfig` (cache_dir on the parallel filesystem);
-    blend: a list of prefixes, or Megatron's `--data-path` form ["0.3", "A", "0.7", "B"];
-    num_samples: requested (train, valid, test) samples, e.g. from `gpt_dataset.num_samples_per_split`.
-    Returns the built datasets (train, valid, test; None for an empty split), whose indices are now cached.
-    """
-    from hpcmeg.data.blended import build_train_valid_test_datasets  # here to avoid an import cycle
-
-    return build_train_valid_test_datasets(config, blend, num_samples)

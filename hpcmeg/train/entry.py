@@ -244,7 +244,7 @@ def cli_train(args) -> int:
 
 def cli_prepare_cache(args) -> int:
     """Build the GPT dataset index cache the training run will load (run it on a login node)."""
-    from hpcmeg.data.index_cache import prepare_cache
+    from hpcmeg.data.blended import prepare_cache
     from hpcmeg.train.data import blend_arg, check_inputs_exist, dataset_config, index_cache_dir, requested_samples
 
     r = load_recipe(args.recipe, args.overrides, args.profile)
