@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hpcmeg.launch.job_states import BAD
+
 _HPCMEG = re.compile(r"^hpcmeg(?: [a-z][\w-]*)?(?: \[rank \d+\])?: \S")
 _NOT_CAUSE = re.compile(r"^hpcmeg[^:]*: (?:warning|note|wrote|skipped \d+ bad)|\s\|\s")
 _PY_ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt|Exit)\b.*")
@@ -120,7 +122,6 @@ def failure_lines(run_dir: str | os.PathLike, st: dict) -> list[tuple[str, str]]
     """(stage, one-line cause) of every failed stage, upstream first; a stage cancelled because an
     earlier one failed is not listed separately."""
     from hpcmeg.launch.rundir import read_markers
-    from hpcmeg.launch.status import BAD
 
     markers = read_markers(Path(run_dir))
     out = []

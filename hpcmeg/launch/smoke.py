@@ -311,6 +311,7 @@ def _smoke(args, rep: Reporter) -> int:
 def _watch(args, rep: Reporter, prep, ids: dict) -> int:
     """From the submitted jobs to the verdict (Stopped may come from any line: the caller cancels)."""
     from hpcmeg.launch import status as ST
+    from hpcmeg.launch.job_states import BAD
     from hpcmeg.launch.provenance import describe, fingerprint
     from hpcmeg.launch.rundir import read_markers
 
@@ -331,7 +332,7 @@ def _watch(args, rep: Reporter, prep, ids: dict) -> int:
             last_status = now
         states = {s: v["state"] for s, v in st["stages"].items()}
         _progress(rep, prep, markers, states, mine, describe)
-        failed = [s for s in ("preprocess", "merge", "train", "convert") if states.get(s) in ST.BAD]
+        failed = [s for s in ("preprocess", "merge", "train", "convert") if states.get(s) in BAD]
         if failed or rep.failed:
             if failed:  # the first stage that failed; what it cancelled downstream is "not reached"
                 s = next((x for x in failed if states[x] != "CANCELLED"), failed[0])

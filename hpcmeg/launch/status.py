@@ -4,8 +4,8 @@ Contract: ``run_status(run_dir) -> dict`` ({"run_dir", "executor", "stages": {st
 "state", "tasks": {task: {...}}, "detail"}}}); ``cli_status(run, as_json)`` (1 when a stage failed, with one
 stderr line naming the failing task's own cause and ``hpcmeg logs``), ``cli_logs(run, follow, stage,
 rank, lines)``, ``cli_cancel(run)`` (only jobs not yet final; an ended chain: "nothing to cancel" and
-the run is not marked cancelled) return exit codes; ``wait_for_run(run_dir)`` follows the chain until
-every job is final (hpcmeg.launch.watch; 0 if all COMPLETED). ``parse_squeue/parse_sacct(text, job_id)`` and
+the run is not marked cancelled) return exit codes (following a chain until every job is final is
+hpcmeg.launch.watch, which builds on this file). ``parse_squeue/parse_sacct(text, job_id)`` and
 ``parse_scontrol(text)`` are the pure parsers of the three commands' output (squeue and sacct share one
 line loop for their ``|``-separated lines).
 
@@ -28,12 +28,10 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from hpcmeg.launch.causes import failure_lines
+from hpcmeg.launch.job_states import BAD, FINAL
 from hpcmeg.launch.rundir import (STAGES, RunDir, marker_state, read_jobs, read_markers, write_atomic)
 from hpcmeg.megatron.names import latest_iteration
-
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
-         "SPECIAL_EXIT", "REVOKED"}
-BAD = FINAL - {"COMPLETED"}
 
 
 def _run(cmd: list[str], timeout: float = 30) -> Optional[str]:
@@ -240,8 +238,6 @@ def cli_status(run, as_json: bool = False, quiet: bool = False) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"hpcmeg status: {e}", file=sys.stderr)
         return 2
-    from hpcmeg.launch.causes import failure_lines
-
     bad = failure_lines(run, st)
     if as_json:
         print(json.dumps(st, indent=2))
@@ -261,13 +257,6 @@ def cli_status(run, as_json: bool = False, quiet: bool = False) -> int:
                   f"{'preprocess' if stage == 'merge' else stage}", file=sys.stderr)
         return 1
     return 0
-
-
-def wait_for_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: float = 10.0) -> int:
-    """Follow the chain until every stage is final (hpcmeg.launch.watch); 0 when all COMPLETED."""
-    from hpcmeg.launch.watch import watch_run
-
-    return watch_run(run_dir, poll_s=poll_s, heartbeat_s=heartbeat_s)
 
 
 # ----------------------------------------------------------------------------- logs

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from hpcmeg.launch.causes import failure_lines, task_logs
+from hpcmeg.launch.job_states import FINAL
+from hpcmeg.launch.status import cli_status, run_status
 
 _SHOWN = re.compile(r"^(iteration \s*\d+/\d+ \||validation at iteration|saved (checkpoint )?iteration|already at "
                     r"iteration|hpcmeg train: .* \| .*process\(es\)|note: |Processed \d+ documents|wrote |"
@@ -133,8 +135,6 @@ def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: floa
     """See the module docstring. Slurm is asked every ``poll_s`` (squeue/scontrol: cheap, but not to be
     hammered); the logs are read every ``tick_s`` and the heartbeat is checked as often, so the longest
     silence is about ``heartbeat_s`` plus one Slurm query."""
-    from hpcmeg.launch.status import FINAL, cli_status, run_status
-
     root = Path(run_dir)
     tick = Ticker(out, heartbeat_s)
     seen: dict[str, str] = {}
