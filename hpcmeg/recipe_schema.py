@@ -170,7 +170,8 @@ class ModelConfig:
     fused_inductor, compiled, chunked (least memory: logits recomputed in backward), or
     backward_in_forward (grad_in_forward whose backward GEMMs run in the forward, chunk by chunk, so
     the [tokens, vocab] gradient is never kept: ~103 MB less per sequence of 1024 at GPT-2's
-    vocabulary, same FLOPs; untimed on the GPU so far)."""
+    vocabulary, same FLOPs; on an H100 ~1 % slower at 124M, and what lets 355M run micro batch 16
+    within nanoGPT's memory, bench/results/user_path_h100_s19.md)."""
 
 
 @dataclass

@@ -75,14 +75,17 @@ class GPTConfig:
     token chunks, logits recomputed in backward (least memory); 'backward_in_forward':
     'grad_in_forward' with the LM head's backward GEMMs run in the forward, chunk by chunk, on the
     loss weights TrainStep passes (no [tokens, vocab] tensor kept between forward and backward; same
-    FLOPs; untimed on the GPU so far)."""
+    FLOPs). On an H100 it is about 1 % slower than 'grad_in_forward' at 124M (micro 16) and makes
+    355M's micro 16 fit within nanoGPT's memory, the fastest 355M row (bench/results/
+    user_path_h100_s18.md, user_path_h100_s19.md)."""
 
     dropout_impl: str = "triton_bits"
     """Fused path on CUDA only. 'triton': the keep-mask from hpcmeg/model/triton_dropout.py (one
     Philox call per 8 elements, 16-bit thresholds: p in steps of 2**-16; a bool mask that Inductor
-    reads in its fused bias-dropout-add+LN kernel; a Triton bias-dropout-add+LN kernel drawing the
-    mask itself was slower on the H200, 1.60 vs 1.44 ms fwd+bwd at 124M's shape, and was removed:
-    bench/results/user_path_h200_s12.md); 'triton_bits' (the default): 'triton' with the residual
+    reads in its fused bias-dropout-add+LN kernel. A Triton bias-dropout-add+LN kernel that draws the
+    mask itself measured slower at 124M's shape on the H200, 1.60 vs 1.44 ms fwd+bwd,
+    bench/results/user_path_h200_s12.md; layernorm_impl 'triton_forward' runs one, aimed at hidden
+    sizes above 1024); 'triton_bits' (the default): 'triton' with the residual
     branches' masks (the ones the bias-dropout-add + LayerNorm saves for its backward) packed eight
     to a byte (triton_dropout.dropout_keep_bits): the same bits, 1.75 B less saved per hidden
     element per layer (0.26 GB at 124M, micro batch 16, where the peak fell 9.54 -> 9.20 GB), and
@@ -101,14 +104,14 @@ class GPTConfig:
     fused kernel re-reads each row above hidden 1024 (92 us per [8192, 2048] call on the H100, 3.7 %
     of the 1.3B step: bench/results/profile_h100_s19_1.3B_gbs64.md)."""
     gelu_impl: str = "cublaslt_dgelu"
-    """Fused path only. 'cublaslt_dgelu' (the default since session 19): no GELU pass in either
+    """Fused path only. 'cublaslt_dgelu' (the default): no GELU pass in either
     direction, as Transformer Engine does it: fc1's GEMM applies the GELU in its cuBLASLt epilogue
     (GELU_AUX_BIAS), fc2's input-gradient GEMM applies gelu' in its DGELU epilogue, and fc1's
     weight-gradient GEMM sums fc1's bias gradient (BGRADB). On an H100 (bench/results/
     user_path_h100_s19.md): +0.4 % tokens/s at 124M micro 16, +0.5 % at 355M, +1.2 % at 1.3B
     against 'cublaslt'; loss parity with HF kept (largest gap 0.019 over 400 steps). 'cublaslt':
     the forward epilogue only, the backward 'triton''s (cuBLASLt's combined DGELU_BGRAD epilogue
-    measured 2.1x slower than the GEMM + Triton pass; session 16's default). Where no libcublasLt
+    measured 2.1x slower than the GEMM + Triton pass). Where no libcublasLt
     is loaded or its heuristic offers no algorithm for the shape, either takes the 'triton' path
     with a warning (hpcmeg/model/cublaslt.py). 'triton': the MLP's GELU forward and backward (with
     its bias gradient) are hpcmeg/model/triton_gelu.py's kernels (exp2-based tanh; one pass each);

@@ -13,21 +13,20 @@ can do both inside the GEMMs' epilogues (what Transformer Engine uses on Hopper)
     gelu'(h) in its epilogue and sums the bias gradient: dh and db1 without the pass that read dg
     and h and wrote dh.
 GELU here is GPT-2's tanh approximation, cuBLASLt's GELU (computed in fp32 in the epilogue).
-Measured on an H100 (session 15, bench/results/gpu_agreement_h100_s15_lt.json, CUDA-graph replays):
+Measured on an H100 (bench/results/gpu_agreement_h100_s15_lt.json, CUDA-graph replays):
 the forward 0.119 ms against 0.142 for the GEMM + Triton GELU at 124M's [12288, 768] x [768, 3072]
 (355M 0.185 vs 0.212, 1.3B 0.454 vs 0.489); the backward 0.362 against 0.174 (2.1x slower; 355M
-0.606 vs 0.253, 1.3B 0.950 vs 0.525). So the model (fused._MLPCublasLt) uses the forward epilogue
-only; linear_dgelu_bgrad stays for bench/gpu_agreement.py --parts lt, which times it on each GPU.
-In the 124M user path on an H100 (session 16, bench/results/user_path_h100_s16.md): +0.9 %
-tokens/s, so gelu_impl 'cublaslt' became the default; a library that does not load warns once and
-the MLP takes the 'triton' path.
-The backward without the GELU pass the other way (gelu_impl 'cublaslt_dgelu', the default since
-session 19, what Transformer Engine does): fc2's input-gradient GEMM with the DGELU epilogue alone
+0.606 vs 0.253, 1.3B 0.950 vs 0.525). So the model never calls DGELU_BGRAD: linear_dgelu_bgrad
+is here for bench/gpu_agreement.py --parts lt, which times it on each GPU. The forward epilogue
+alone (gelu_impl 'cublaslt', fused._MLPCublasLt, the backward as 'triton''s) was +0.9 % tokens/s
+against the Triton GELU in the 124M user path on an H100 (bench/results/user_path_h100_s16.md).
+Where the library does not load, a warning is printed once and the MLP takes the 'triton' path.
+The backward without a GELU pass, done the other way (gelu_impl 'cublaslt_dgelu', the default;
+what Transformer Engine does): fc2's input-gradient GEMM with the DGELU epilogue alone
 (no bias gradient in it: linear_dgelu), and fc1's bias gradient summed by fc1's weight-gradient
 GEMM, which reads dh anyway, with the BGRADB epilogue into the fp32 main grad (wgrad_bgrad_).
-Against the shipped backward (GEMM, then the Triton pass reading dg and h and writing dh) it
-writes dh once from the GEMM. Measured on an H100 (session 19, bench/results/
-mlp_bwd_probe_h100_s19.json): the MLP backward 0.260 against 0.269 ms at 124M (micro 12), 0.339
+Against 'cublaslt''s backward (GEMM, then the Triton pass reading dg and h and writing dh) it
+writes dh once from the GEMM. Measured on an H100 (bench/results/mlp_bwd_probe_h100_s19.json): the MLP backward 0.260 against 0.269 ms at 124M (micro 12), 0.339
 against 0.361 (micro 16), 0.402 against 0.414 at 355M, 0.964 against 0.973 at 1.3B; in the user
 path +0.4 % (124M), +0.5 % (355M), +1.2 % (1.3B) tokens/s (bench/results/user_path_h100_s19.md).
 That cuBLASLt offers BGRADB beside an fp32 D only with an fp32 bias gradient (not dy's type, as
@@ -394,7 +393,7 @@ def wgrad_bgrad_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, offset: 
     if lib is not None:
         main, t = flat[offset:offset + out_f * in_f], dy2.shape[0]
         # the bias gradient in dy's type (what Transformer Engine asks for beside an fp32 D), else in
-        # fp32 (D's type): the H100's cuBLASLt 13 offers an algorithm only for that (session 19), so
+        # fp32 (D's type): the H100's cuBLASLt 13 offers an algorithm only for that, so
         # the first try is quiet and only the last one's miss is said
         for bias_dtype in (dy.dtype, torch.float32):
             db = torch.empty(out_f, dtype=bias_dtype, device=dy.device)

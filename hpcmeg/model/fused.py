@@ -35,8 +35,8 @@ What "fused" means here, op by op:
     482.7K tokens/s (+2.5 %).
   * mlp with gelu_impl 'cublaslt': no GELU forward pass, the GELU in fc1's cuBLASLt GEMM epilogue
     (hpcmeg/model/cublaslt.py); the backward is the Triton path's. +0.9 % tokens/s in the 124M
-    user path on an H100 (bench/results/user_path_h100_s16.md). 'cublaslt_dgelu' (the default
-    since session 19): the backward's GELU in fc2's input-gradient GEMM's epilogue too, and fc1's
+    user path on an H100 (bench/results/user_path_h100_s16.md). 'cublaslt_dgelu' (the default):
+    the backward's GELU in fc2's input-gradient GEMM's epilogue too, and fc1's
     bias gradient in fc1's weight-gradient GEMM (no GELU pass in either direction): +0.4 to +1.2 %
     tokens/s at 124M to 1.3B on an H100 (bench/results/user_path_h100_s19.md).
   * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
@@ -206,7 +206,7 @@ def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2, dgelu: bool):
     else:
         # fc2's input gradient, then the Triton GELU backward with fc1's bias gradient: cuBLASLt's
         # DGELU_BGRAD epilogue (linear_dgelu_bgrad) measured 2.1x slower than the two on an H100
-        # (0.362 vs 0.174 ms at 124M's shape, gpu_agreement --parts lt, session 15)
+        # (0.362 vs 0.174 ms at 124M's shape, bench/results/gpu_agreement_h100_s15_lt.json)
         dh, db1 = torch.ops.hpcmeg.gelu_tanh_backward(dy.matmul(w2), h)
     dw2 = None
     if flat2 is not None:

@@ -207,11 +207,11 @@ class _LinearCEBackwardInForward(torch.autograd.Function):
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         # With a sink, the chunks' GEMMs accumulate d W into this fp32 buffer (beta 1) and the
         # backward adds it into the main grad, and d hidden = g * (G @ W) is formed in the backward
-        # from the incoming gradient (the same values: the caller promises it equals g). Session 17
-        # (Inductor's code on CPU): with d hidden complete in the forward, nothing of the model's
-        # backward depended on the incoming gradient, so AOTAutograd's partitioner moved all of it
-        # into the forward graph, and there the main grad's mutations made it clone the whole
-        # buffer (0.5 GB at 124M) per micro batch, keep the clone and copy it back.
+        # from the incoming gradient (the same values: the caller promises it equals g). Why (as
+        # Inductor's generated code shows on CPU): were d hidden complete in the forward, nothing of
+        # the model's backward would depend on the incoming gradient, so AOTAutograd's partitioner
+        # would move all of it into the forward graph, where the main grad's mutations make it
+        # clone the whole buffer (0.5 GB at 124M) per micro batch, keep the clone and copy it back.
         local_sink = None if flat is None else d_weight.view(-1)
         gf = g.reshape(-1, 1).float()
         for i in range(0, n, chunk):

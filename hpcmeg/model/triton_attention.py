@@ -88,8 +88,8 @@ class Blocks:
     # the keep-bits kernel (_attn_bits_kernel): tiles of bits_rows x 16 * bits_groups columns,
     # bits_warps warps; bits_loop 1: one program per row block looping over its tiles (no programs
     # right of the diagonal that only return). Knobs for bench/attention_probe.py --bits: the kernel
-    # took 0.044-0.050 ms per 124M layer call where its static SASS (142 instructions per Philox
-    # call) predicts ~0.02 at full issue rate.
+    # took 0.044-0.050 ms per 124M layer call where its static SASS (106 instructions per Philox
+    # call) predicts ~0.015 at full issue rate.
     bits_rows: int = 64
     bits_groups: int = 8
     bits_warps: int = 4
@@ -97,8 +97,8 @@ class Blocks:
     # 1: each forward program first draws and stores the keep words of the tiles it will visit (one
     # Philox call per 16 scores), then runs as without it: no separate bits kernel (6.2 ms of the
     # 1.3B step on the H100, profile_h100_s19_1.3B_gbs64.md), its Philox work overlapping other
-    # programs' matmuls on the same SM. Opt-in, untimed (session 20; bench/lease.sh a1.3B times
-    # it). With fwd_m > the backward's tiles the backward reads some words right of the diagonal
+    # programs' matmuls on the same SM. Opt-in, not yet timed on a GPU (bench/attention_probe.py
+    # times it: --fwd fwd_draw=1). With fwd_m > the backward's tiles the backward reads some words right of the diagonal
     # that nothing wrote; they only select between values the causal mask has already zeroed.
     fwd_draw: int = 0
 

@@ -22,28 +22,26 @@ H200, more than the whole attention without dropout: bench/results/attention_pro
 A tile reads its bits as one [rows, cols / 16] block of words, expanded in registers (_keep_words): at
 124M, p = 0.1, forward 0.144 ms and backward 0.270 ms against 0.218 and 0.385 when every element
 loaded its own word (bench/results/attention_probe_h200_s9a.json). Drawing the bits costs
-0.044 ms per layer (Philox's 32-bit multiplies: 4.7 M calls). In the 124M user path
-(profile_h200_s12_124M_gbs192_triton_attn.md) these kernels took 0.455 ms per layer against cuDNN's
-0.445 + 0.026 for its q/k/v gradient concatenation, and the step ran at the same 505.6K tokens/s:
-even end to end then. Session 15's backward (dQ first, computing delta itself; the QKV bias gradient
-from the kernels' row sums) made them 12 % faster than cuDNN per layer on an H100 (0.395 vs 0.451 ms,
-attention_probe_h100_s15.json) and +1.2 % end to end (user_path_h100_s16.md): the trainer's
-'auto' on Hopper (hpcmeg/train/build.attention_backend_for).
+0.044 ms per layer (Philox's 32-bit multiplies: 4.7 M calls). With the backward above (dQ first,
+computing delta itself; the QKV bias gradient from the kernels' row sums) these kernels are 12 %
+faster than cuDNN per layer on an H100 (0.395 vs 0.451 ms forward + backward at 124M,
+attention_probe_h100_s15.json) and +1.2 % tokens/s end to end (user_path_h100_s16.md): the
+trainer's 'auto' on Hopper (hpcmeg/train/build.attention_backend_for).
 The backward carries the dropout scale s inside P, through its log-sum-exp (lse - log2 s): it
 computes P s, so dV = (P s keep)^T dO and dS = (P s)(dP keep - delta / s) need no multiply by s
 per element.
 
 Cost notes (static sm90 SASS, Triton 3.6's ptxas, head dim 64, p = 0.1; instructions per iteration
 of the main loops): forward 432 (277 without dropout), dK/dV 356 / 310, dQ 185 / 248. The bits
-kernel: 106 instructions per Philox call (16 keep bits) since session 14's byte-parallel packing
-(_pack16), 142 before; at full issue rate its 4.7 M calls per 124M layer take ~15 us, while it
+kernel: 106 instructions per Philox call (16 keep bits) with _pack16's byte-parallel packing (142
+packing bit by bit); at full issue rate its 4.7 M calls per 124M layer take ~15 us, while it
 measured 0.044-0.050 ms, so its launch shape is a knob (Blocks.bits_*, bench/attention_probe.py --bits).
-Tried and removed (session 13, bench/results/user_path_h200_s13.md): a second copy of the bits for
-the forward, ordered as the wgmma accumulator's columns, applied to bf16 pairs by one byte permute
-and one AND in inline PTX. With session 12's cuts it took the forward loop from 495 to 344
-instructions, but the forward kernel ran only ~4 % faster than session 12's probe (0.099 -> 0.095 ms
-at 124M; it is not bound by instruction issue) while the bits kernel, writing both layouts, went
-from 0.038 to 0.050 ms per layer: a net loss.
+Why the forward reads the same bits as the backward (measured, bench/results/user_path_h200_s13.md):
+a second copy of the bits for the forward, ordered as the wgmma accumulator's columns and applied to
+bf16 pairs by one byte permute and one AND in inline PTX, took the forward loop from 495 to 344
+instructions, but the forward kernel ran only ~4 % faster (0.099 -> 0.095 ms at 124M; it is not
+bound by instruction issue) while the bits kernel, writing both layouts, went from 0.038 to 0.050 ms
+per layer: a net loss.
 Without Triton (a CPU-only install) this module defines nothing; the ops run the twin.
 """
 from __future__ import annotations

@@ -28,13 +28,12 @@ Contract
       scale the kept values' factor. out = residual + (x + bias) * keep * scale, y = LayerNorm(out)
       over H (biased variance, eps), both [..., H] contiguous in x's dtype. The bias is rounded to
       x's dtype first, as the plain ops do (bias.to(x.dtype)).
-  reference_forward(...): the twin, the plain ops that _BiasDropoutAddLayerNorm ran before this
-      kernel: each op in x's dtype, then F.layer_norm.
+  reference_forward(...): the twin, the plain ops: each op in x's dtype, then F.layer_norm.
   bda_layer_norm_drawn(x, bias, residual, seed, p, weight, ln_bias, eps) -> (out, y, bits): the same
       with the keep-mask drawn inside the kernel from seed ([1] int64) and p, and written packed,
       bits = triton_dropout.dropout_keep_bits(seed, x.shape, p) bit for bit (the same Philox counter
       per 8 elements), scale = triton_dropout.keep_scale(p); H % 8 == 0. What the model runs with
-      dropout_impl 'triton_bits' (session 20): the separate keep-bits kernel (5.4 ms of the 1.3B
+      dropout_impl 'triton_bits': the separate keep-bits kernel (5.4 ms of the 1.3B
       step on the H100, profile_h100_s19_1.3B_gbs64.md, Philox-bound) goes, and its Philox calls
       (one per thread per row) run while the next row's loads are in flight. Twin
       reference_forward_drawn; custom op hpcmeg::bda_layer_norm_drawn.
@@ -44,8 +43,9 @@ Contract
   tests/test_triton_bda_layernorm.py checks the kernel against the twin in Triton's interpreter
   (the drawn bits against triton_dropout's), the ops (opcheck), and the fused model with
   'triton_forward' against 'triton'.
-Untimed on a GPU so far: `bench/lease.sh bdaln` times the kernel (reading bits and drawing them)
-against Inductor's, and `u1.3B` runs the model with it beside the shipped row.
+Not yet timed on a GPU: `bench/gpu_agreement.py --parts bdaln` times the kernel (reading bits and
+drawing them) against Inductor's, and bench/user_path.py's item
+`hpcmeg:set=model.layernorm_impl=triton_forward` runs the model with it beside the default.
 """
 from __future__ import annotations
 

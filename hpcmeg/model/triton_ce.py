@@ -98,8 +98,10 @@ def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, n_rows, V:
     flight fit it. (0.95 ms at [12288, 50304] on the H200 with one row per program, 2.6 TB/s of
     reads + writes; a persistent grid of 1-8 programs per SM was no faster, 0.97-2.1 ms, with 8
     warps and one chunk in flight: bench/results/user_path_h200_s12.md.)
-    LOOP: rows pid, pid + G, ... (G programs), else one row per program. Launch knobs (CELaunch,
-    untimed on the GPU so far): PREFETCH the first sweep's next chunk loaded before this one's
+    LOOP: rows pid, pid + G, ... (G programs), else one row per program. Launch knobs (CELaunch;
+    bench/ce_probe.py times them: on an H100 BLOCK 8192, 16 warps, PREFETCH and REVERSE ran 14 %
+    under the default launch alone but +0.2 % / -0.1 % tokens/s in the 124M / 355M user path, within
+    its noise, so the default stays): PREFETCH the first sweep's next chunk loaded before this one's
     reductions (_row_lse_prefetch); REVERSE the second sweep from the row's end, so the chunks the
     first sweep read last, the likeliest still in L2, are re-read first. At one BLOCK and warp count every
     setting gives the same bits (another BLOCK or warp count sums in another order)."""
@@ -118,9 +120,9 @@ def _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, row, stride_row, V: tl.co
     base = logits_ptr + row * stride_row
     # the target logit is read BEFORE the row's reductions: every thread reads it, and one thread's
     # second sweep overwrites it; the reductions' CTA barriers (bar.sync) order all those reads
-    # before any of the sweep's writes. Read after them (until session 17), a warp that reached the
-    # sweep first could overwrite it under another's read: a wrong loss for that token (its
-    # gradient, from lse and the label alone, unaffected). Seen on an H100: one cold-cache call of
+    # before any of the sweep's writes. Read after them, a warp that reached the sweep first could
+    # overwrite it under another's read: a wrong loss for that token (its gradient, from lse and
+    # the label alone, unaffected). That order was seen to fail on an H100: one cold-cache call of
     # bench/ce_probe.py gave losses that no later call repeated; tests/test_fused_ops.py checks
     # the order in the compiled PTX.
     label = tl.load(labels_ptr + row)

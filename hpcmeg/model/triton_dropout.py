@@ -6,10 +6,10 @@ tl.rand per element, i.e. one full Philox4x32-10 (10 rounds) per element of whic
 of the four 32-bit outputs. On the H200 at [12, 1024, 768] bf16 that made the kernel 61 us instead
 of 18 us. This file draws the mask in a separate cheap kernel and writes a bool keep-mask (1 byte
 per element); the Inductor-fused kernel then only reads it (x * keep * keep_scale(p)).
-The kernel is bound by Philox's 32-bit multiplies, not by its 1-byte stores: with four 32-bit
-uniforms per call (sessions 4-10) it took 13.7 us per [12, 1024, 768] mask on the H200
+The kernel is bound by Philox's 32-bit multiplies, not by its 1-byte stores: using each call's four
+32-bit words as four elements' uniforms, it took 13.7 us per [12, 1024, 768] mask on the H200
 (profile_h200_s9_124M_gbs192.md: 25 masks per 124M micro batch, 0.34 ms, 1.4 % of it; the 9.4 MB
-of stores alone are ~2.5 us). Each 32-bit Philox word now gives two elements, one per 16-bit half,
+of stores alone are ~2.5 us). So each 32-bit Philox word gives two elements here, one per 16-bit half,
 so half the Philox calls; the price is that p is applied in steps of 2**-16 (p_eff = t / 65536 with
 t = round(p * 65536): 0.100006 for p = 0.1), and keep_scale(p) = 65536 / (65536 - t) keeps the
 expectation exact. (The attention kernels' mask uses 8-bit thresholds, 16 per call; 16 bits keep
