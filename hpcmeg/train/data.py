@@ -7,8 +7,9 @@ Contract
   on the SAME first eval_iters global batches of the validation split every time (Megatron walks
   on through fresh validation samples at each evaluation), so validation curves are smooth and
   comparable across runs and frameworks. test = eval_iters x global batch (Megatron).
-- `build_datasets(recipe, derived, ctx)`: global rank 0 builds missing index files first, then
-  the other ranks load them (the file lock in index_cache covers other jobs sharing a cache).
+- `build_datasets(recipe, derived, barrier, is_rank0)`: global rank 0 (is_rank0) builds missing
+  index files first; after barrier() the other ranks load them (the file lock in index_cache covers
+  other jobs sharing a cache).
 - `TrainBatches`: an iterator of steps; each step is a list of `grad_accum_steps` micro batches
   (tokens int64 [mbs, L], labels int64 [mbs, L]) already on the device. The order is Megatron's
   pretraining sampler from `consumed_samples` (resume is arithmetic: same consumed -> same

@@ -5,8 +5,11 @@ Owns:
   param_groups(model, weight_decay) -> two groups: decayed (matrices and embeddings) and not
     decayed (biases and LayerNorm weights: every tensor with ndim < 2), as Megatron does. Their
     order (group by group, model.parameters() order inside) is the checkpoint's optimizer order.
+  build_optimizer(model, lr, ...) -> (buffer, optimizer): the model's parameters moved into a
+    ParamAndGradBuffer (DP / TP / PP groups, distributed optimizer or not) and a FlatAdamW over it.
   FlatAdamW(buffer, groups, lr, betas, eps): Megatron's mixed-precision optimizer over the flat
-    buffers of hpcmeg/parallel/grad_buffer.py (see its docstring below).
+    buffers of hpcmeg/parallel/grad_buffer.py (see its docstring below); the gradient norm's
+    squares summed in fp64 (sum_of_squares_fp64, compiled on CUDA).
   adamw_master_update_: the update (plain PyTorch; on CUDA compiled by Inductor to one Triton kernel,
     or hpcmeg/train/triton_adamw.py's hand-written kernel: FlatAdamW's `update_kernel`).
   DynamicLossScaler: Megatron-style dynamic loss scale for fp16 (initial 2**32, x0.5 on overflow
