@@ -55,7 +55,7 @@ Contract
       as triton_dropout.pack_bits does (H % 8 == 0: 1/8 B per element), or None; scale the kept values'
       factor (triton_dropout.keep_scale(p) for its masks, 1 / (1 - p) for torch's). dx, d_branch [..., H] contiguous in dy's
       dtype; dw, db, dbias [H] in weight's dtype (fp32 sums, rounded once: in the sum kernel, so
-      bf16 parameters take no cast kernels, 74 per 124M micro batch before). d_branch is empty (numel 0) when keep is None, and dbias too
+      bf16 parameters take no cast kernels, 74 per 124M micro batch otherwise). d_branch is empty (numel 0) when keep is None, and dbias too
       unless bias_grad: then dbias = sum_rows(dx) (no dropout: the branch's gradient is dx itself).
   reference_backward(dy, x, weight, eps, d_res=None, keep=None, scale=1.0, bias_grad=False): the twin,
       same outputs: aten's own LayerNorm backward in fp32 (native_layer_norm_backward, what autograd
