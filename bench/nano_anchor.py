@@ -12,6 +12,18 @@ this twin of its `Nano`, extended the way nanoGPT's model.py and train.py do it:
     uint16 token file (here the same .bin hpcmeg trains on), pinned and copied non-blocking.
 At dropout 0 the model computes exactly anchors_gpt2.Nano's function (tests/test_bench_anchor.py
 checks it on CPU with the same weights).
+
+Vocabulary: 50304 (NANOGPT_VOCAB), nanoGPT's GPTConfig default when it trains GPT-2 from scratch
+(50257 padded up to a multiple of 64 "for efficiency"); the token file's ids stay < 50257, the
+extra rows of the tied embedding / LM head are padding that no label names. hpcmeg pads the same
+way (Megatron's make-vocab-size-divisible-by), so both sides run the same LM-head shape.
+
+Peak memory (PEAK_MEMORY; bench/user_path.py reports hpcmeg's rows by the same definition): the
+CUDA caching allocator's max_memory_allocated, reset once the model and optimizer exist and before
+the first step, read after the timed steps, so warm-up counts (compilation and CUDA-graph capture:
+a CUDA-graphed step allocates its activations only while its graphs are recorded; replays bypass
+the allocator, so a reset after warm-up would not see them), less what this process held before
+the run (earlier rows of the same bench process); GB = 1e9 bytes.
 """
 from __future__ import annotations
 
@@ -25,12 +37,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+GPT2_VOCAB = 50257  # GPT-2's tokenizer: every token id is < 50257
+NANOGPT_VOCAB = 50304  # nanoGPT's GPTConfig.vocab_size: GPT-2's 50257 padded to a multiple of 64
+PEAK_MEMORY = ("peak allocated: max_memory_allocated from a reset before the first step (model and optimizer "
+               "built) to the end of the timed steps, warm-up included, less memory held before the run; GB = 1e9 B")
+
+
+def peak_mem_gb(peak_bytes: float, held_before_bytes: float = 0.0) -> float:
+    """PEAK_MEMORY in GB from the allocator's peak and what the process held before the run (bytes)."""
+    return round((peak_bytes - held_before_bytes) / 1e9, 2)
+
+
 @dataclass(frozen=True)
 class NanoConfig:
     n_layer: int = 12
     n_embd: int = 768
     n_head: int = 12
-    vocab_size: int = 50257   # unpadded, as nanoGPT's GPT-2 default
+    vocab_size: int = NANOGPT_VOCAB
     block_size: int = 1024
     dropout: float = 0.0
 
@@ -94,9 +117,11 @@ class Batches:
 def run(c: NanoConfig, bin_path: str, micro: int, accum: int, steps: int, warmup: int = 3,
         compile: bool = True) -> dict:
     """Train `warmup + steps` optimizer steps of `accum` micro batches of `micro` sequences; returns
-    tokens/s over the timed steps, the peak memory (reset before warm-up, so the compiled graphs'
-    memory counts, as hpcmeg's trainer reports it) and the last loss."""
+    tokens/s over the timed steps, the peak memory (PEAK_MEMORY, as user_path reports hpcmeg's rows)
+    and the last loss."""
     torch.manual_seed(0)
+    torch.cuda.synchronize()
+    held_before = torch.cuda.memory_allocated()  # earlier rows of this process: not this run's memory
     m = Nano(c).cuda()
     n_params = sum(p.numel() for p in m.parameters())
     opt = torch.optim.AdamW(m.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -128,6 +153,6 @@ def run(c: NanoConfig, bin_path: str, micro: int, accum: int, steps: int, warmup
     dt = (time.perf_counter() - t0) / steps
     toks = micro * accum * c.block_size / dt
     return dict(n_params=n_params, step_ms=round(dt * 1e3, 2), tokens_per_s=round(toks),
-                peak_mem_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                peak_mem_GB=peak_mem_gb(torch.cuda.max_memory_allocated(), held_before),
                 loss=round(loss.item() * accum, 3) if math.isfinite(loss.item()) else None,
                 warmup_s=round(warm_s, 1))

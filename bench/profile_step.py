@@ -171,13 +171,13 @@ def profile_trainer(size: str, data: dict, warm: int, active: int, extra: list[s
 
 
 def profile_nano(size: str, warm: int, active: int, mb: int = 12) -> dict:
-    A = tt._anchor_module(size, mb, 10)
+    A = tt._anchor_module(size, mb, 10, vocab=tt.anchor_vocab("nano_compile"))  # nanoGPT's padded 50304
     torch.manual_seed(0)
     m = A.Nano().to("cuda")
     opt = torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     fn = torch.compile(lambda x, y: m(x, torch.roll(y, -1, 1)))
     gen = torch.Generator(device="cuda").manual_seed(1)
-    data = [torch.randint(0, A.V, (mb, A.T), device="cuda", generator=gen) for _ in range(4)]
+    data = [torch.randint(0, tt.VOCAB, (mb, A.T), device="cuda", generator=gen) for _ in range(4)]  # GPT-2 ids
 
     def step(i):  # bench/anchors_gpt2.py run()'s step(), line for line
         x = data[i % 4]

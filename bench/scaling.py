@@ -6,7 +6,8 @@ bench/scaling.py --worker ...` once per kind:
   * hpcmeg: build_trainer + Trainer.run (bench/train_throughput.run_trainer) with rank detection
     from hpcmeg.launch.env, exactly as `hpcmeg train` under torchrun: DDP over NCCL (gloo on CPU),
     micro batch --mb per rank, global batch mb x n (no accumulation), stdlib .bin/.idx data;
-  * nano: bench/anchors_gpt2.py's Nano model (same shapes), DistributedDataParallel, torch.compile
+  * nano: bench/anchors_gpt2.py's Nano model (same shapes, vocabulary 50304 as nanoGPT's
+    GPTConfig default, token ids < 50257), DistributedDataParallel, torch.compile
     (CUDA only), fused AdamW, bf16 autocast, random tokens; same micro batch per rank.
 Per row: tokens/s (all ranks), tokens/s per GPU, MFU (6N + 12*L*d*T FLOPs/token against the bf16
 peak measured on rank 0 / a 1,000 TFLOP/s nominal on CPU = n/a), scaling efficiency = (tokens/s per
@@ -80,7 +81,8 @@ def _worker_nano(a, size) -> dict:
 
     from hpcmeg.launch.env import dist_env
     L, D, H = size
-    os.environ.update(LDH=f"{L},{D},{H}", MB=str(a.mb))
+    import nano_anchor
+    os.environ.update(LDH=f"{L},{D},{H}", MB=str(a.mb), VOCAB=str(nano_anchor.NANOGPT_VOCAB))  # nanoGPT's padded default
     import anchors_gpt2 as an
     env = dist_env()
     cuda = a.device != "cpu" and torch.cuda.is_available()
@@ -99,7 +101,8 @@ def _worker_nano(a, size) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, **({"fused": True} if cuda else {}))
         fwd = torch.compile(ddp) if cuda else ddp
         gen = torch.Generator(device=dev).manual_seed(1 + env.rank)
-        data = [torch.randint(0, an.V, (a.mb, a.seq), device=dev, generator=gen) for _ in range(4)]
+        data = [torch.randint(0, nano_anchor.GPT2_VOCAB, (a.mb, a.seq), device=dev, generator=gen)  # ids < 50257
+                for _ in range(4)]
 
         def step(i):
             x = data[i % 4]

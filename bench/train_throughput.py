@@ -13,7 +13,10 @@ Owns the benchmark table of issue 4 point 5, and the helpers the other train ben
     TrainStep + MasterWeightAdamW, which gathered the grads after backward), for the same-run
     comparison of the two storage designs (bench/legacy.py extracts that code from git);
   * the anchors of bench/anchors_gpt2.py (a verbatim copy of ../shared/bench/anchors_gpt2.py),
-    imported with LDH/MB/STEPS set, so their numbers come from the same GPU and process.
+    imported with LDH/MB/STEPS/VOCAB set, so their numbers come from the same GPU and process:
+    `nano_compile` at vocabulary 50304 (nanoGPT's GPTConfig default for GPT-2 from scratch), the
+    `hf_*` anchors at Hugging Face GPT-2's 50257 (anchor_vocab). The copy's random tokens span its
+    vocabulary; the ids' values do not change the work of a step.
 Prints one table: tokens/s, MFU (6N + 12*L*d*T FLOPs/token against the bf16 matmul peak measured
 here), peak memory, ratio to each anchor. Writes <out>/train_throughput_<tag>.{json,md}.
 
@@ -35,6 +38,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import nano_anchor  # noqa: E402  (bench/: the nanoGPT anchor's vocabulary)
 
 from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.model.config import GPTConfig  # noqa: E402
@@ -262,9 +267,17 @@ def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int,
                 optimizer=impl, warmup_s=round(compile_s, 1))
 
 
-def _anchor_module(size: str, mb: int, steps: int):
+def anchor_vocab(name: str) -> int:
+    """The vocabulary each anchor's users train at: nanoGPT's GPTConfig default (50304, GPT-2's
+    padded) for the nanoGPT-style `nano*` anchors, Hugging Face GPT-2's 50257 for `hf*`."""
+    return nano_anchor.NANOGPT_VOCAB if name.startswith("nano") else VOCAB
+
+
+def _anchor_module(size: str, mb: int, steps: int, vocab: int = VOCAB):
+    """bench/anchors_gpt2.py at this size; `vocab` sets its model's vocabulary (its VOCAB): 50257 is
+    Hugging Face GPT-2's, nanoGPT trains GPT-2 from scratch at 50304 (nano_anchor.NANOGPT_VOCAB)."""
     L, D, H = SIZES[size]
-    os.environ.update(LDH=f"{L},{D},{H}", MB=str(mb), STEPS=str(steps))
+    os.environ.update(LDH=f"{L},{D},{H}", MB=str(mb), STEPS=str(steps), VOCAB=str(vocab))
     os.environ.pop("OUT", None)  # the anchor module would write its own JSON there
     import anchors_gpt2
     return importlib.reload(anchors_gpt2)  # re-read the env: module constants are per size
@@ -332,7 +345,6 @@ def main() -> None:
         report["sizes"][size] = rows
         # one ordered list: hpcmeg variants, and anchors written "a:NAME" (or given by --anchors)
         items = [x for x in a.variants.split(",") if x] + [f"a:{x}" for x in a.anchors.split(",") if x]
-        anchors = _anchor_module(size, a.mb, a.steps) if any(i.startswith("a:") for i in items) else None
         for item in items:
             if a.budget_s and time.time() - t_start > a.budget_s:
                 rows.append(dict(variant=item, error="skipped: over --budget-s"))
@@ -340,7 +352,7 @@ def main() -> None:
                 continue
             try:
                 if item.startswith("a:"):
-                    rows.append(anchors.run(item[2:]))
+                    rows.append(_anchor_module(size, a.mb, a.steps, anchor_vocab(item[2:])).run(item[2:]))
                 elif item.startswith("step:"):
                     rows.append(_step_variant(size, item[5:], a.mb, a.steps, a.warmup))
                 elif item.startswith("legacy:"):

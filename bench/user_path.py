@@ -10,9 +10,19 @@ step, dropout 0, the trainer built in-process); a user runs `hpcmeg train recipe
     (compilation and CUDA-graph capture stay in the first); peak memory from the same records.
   * `nano[:k=v,...]`: bench/nano_anchor.py, the compiled nanoGPT-style model and train loop with
     nanoGPT's dropout and gradient accumulation, on batches from the same .bin; same micro batch,
-    same global batch and same dropout as the hpcmeg row before it unless told otherwise.
+    same global batch and same dropout as the hpcmeg row before it unless told otherwise;
+    vocabulary 50304, nanoGPT's GPTConfig default for GPT-2 from scratch (the data's ids < 50257).
   * `ref`: bench/anchors_gpt2.py's `nano_compile` (the project's baseline: dropout 0, one micro
-    batch, random tokens), so the rows connect to the README's bench-path table.
+    batch, random tokens) at the same vocabulary 50304, so the rows connect to the README's
+    bench-path table.
+Peak memory, one definition for both sides (nano_anchor.PEAK_MEMORY): CUDA max_memory_allocated
+from a reset before the first step (model and optimizer built) to the end of the run, warm-up
+included, in GB (1e9 bytes). hpcmeg: its trainer resets the counter after building model and
+optimizer and logs the running peak in every metrics.jsonl record (GiB); the row takes the largest
+over every window, the first included. nano: nano_anchor.run resets before its warm-up steps and
+subtracts what this process held before the run. Warm-up counts on both sides because a
+CUDA-graphed step (hpcmeg's compiled step) allocates its activations only while recording its
+graphs; replays bypass the allocator, so a reset after warm-up would miss them on one side only.
   * `attn`: SDPA forward + backward at this size's attention shape per backend, dropout 0 and 0.1.
 Keys: d (hidden and attention dropout), hd, ad, mb, gbs, iters, only (the sizes the item runs at,
 joined by '|'; default every size in --sizes, so one call can run each size's own rows); hpcmeg
@@ -128,11 +138,18 @@ def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 
     n = _hpcmeg_params(L, D)
     return dict(tokens_per_s=round(toks), step_ms=round(1e3 * secs / its, 1), n_params=n,
                 mfu_pct=round(100 * toks * flops_per_token(n, L, D, 1024) / peak, 1),
-                peak_mem_GB=round(max(r["peak_mem_gib"] for r in recs) * 2**30 / 1e9, 2),
+                peak_mem_GB=hpcmeg_peak_gb(recs),
                 window_tokens_per_s=[round(r["tokens_per_s_per_gpu"]) for r in timed],
                 loss_last=round(recs[-1]["loss"], 3), wall_s=round(wall, 1),
                 first_window_s=round(recs[0]["step_time_s"] * recs[0]["iteration"], 1), setup_s=setup_s,
                 warmup_s=warmup_s)
+
+
+def hpcmeg_peak_gb(records: list[dict]) -> float:
+    """nano_anchor.PEAK_MEMORY of an hpcmeg run from its metrics.jsonl train records: each carries
+    the trainer's running max_memory_allocated (GiB, reset after model and optimizer were built), so
+    the largest over every window, the first (warm-up) included, is the run's peak."""
+    return nano_anchor.peak_mem_gb(max(r["peak_mem_gib"] for r in records) * 2**30)
 
 
 def _hpcmeg_params(L: int, D: int) -> int:
@@ -153,7 +170,7 @@ def run_nano(size: str, o: dict, data: dict, peak: float) -> dict:
 
 
 def run_ref(size: str, peak: float) -> dict:
-    A = tt._anchor_module(size, SIZES[size]["mb"] if size != "1.3B" else 8, 20)
+    A = tt._anchor_module(size, SIZES[size]["mb"] if size != "1.3B" else 8, 20, vocab=nano_anchor.NANOGPT_VOCAB)
     r = A.run("nano_compile")
     L, D, _ = SIZES[size]["ldh"]
     r["mfu_pct"] = round(100 * r["tokens_per_s"] * flops_per_token(round(r["params_M"] * 1e6), L, D, 1024) / peak, 1)

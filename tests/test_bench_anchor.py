@@ -232,3 +232,46 @@ def test_attention_probe_best_spec_takes_a_faster_bits_launch():
     res["triton p=0.1 keep bits [bits_loop=1]"] = 0.048  # 4 % faster: not enough
     assert ap.with_best_bits(res, 0.1, "heavy_first=1") == "heavy_first=1"
     assert ap.with_best_bits({}, 0.1, "default") == "default"
+
+
+def test_anchor_vocabulary_is_nanogpts_padded_default():
+    """nanoGPT trains GPT-2 from scratch at its GPTConfig default 50304 (50257 padded), so the anchor
+    does too: its embedding / LM head have 50304 rows while the data's ids stay < 50257; the
+    baseline copy's nano_compile runs at 50304 and the Hugging Face anchors at GPT-2's 50257."""
+    import nano_anchor
+    import train_throughput as tt
+    assert nano_anchor.NanoConfig().vocab_size == nano_anchor.NANOGPT_VOCAB == 50304
+    m = nano_anchor.Nano(nano_anchor.NanoConfig(n_layer=1, n_embd=8, n_head=2))
+    assert m.head.weight.shape == (50304, 8) and m.head.weight is m.wte.weight
+    x = torch.randint(0, nano_anchor.GPT2_VOCAB, (1, 16))
+    assert torch.isfinite(m(x, x))
+    assert tt.anchor_vocab("nano_compile") == 50304
+    assert tt.anchor_vocab("hf_sdpa") == tt.anchor_vocab("hf_eager") == nano_anchor.GPT2_VOCAB == 50257
+
+
+def test_anchor_module_takes_the_vocabulary(monkeypatch, baseline):
+    """train_throughput._anchor_module (user_path's `ref`, profile_step's nano) builds the baseline
+    copy at the vocabulary asked for; the module-scoped baseline is restored afterwards."""
+    import train_throughput as tt
+    for k in ("LDH", "MB", "STEPS", "VOCAB", "OUT"):
+        monkeypatch.setenv(k, os.environ.get(k, ""))
+    try:
+        A = tt._anchor_module("124M", 12, 5, vocab=tt.anchor_vocab("nano_compile"))
+        assert (A.V, A.L, A.MB) == (50304, 12, 12)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(baseline)  # back to the module fixture's LDH / VOCAB
+    assert baseline.V == V
+
+
+def test_peak_memory_is_one_definition():
+    """user_path's hpcmeg rows and the anchor's rows use nano_anchor.PEAK_MEMORY: the largest running
+    peak over every metrics window, the first (warm-up, CUDA-graph capture) included, in GB; the
+    anchor subtracts what its process held before the run."""
+    import nano_anchor
+    import user_path
+    recs = [dict(peak_mem_gib=9.0), dict(peak_mem_gib=8.5), dict(peak_mem_gib=8.5)]  # warm-up window highest
+    assert user_path.hpcmeg_peak_gb(recs) == nano_anchor.peak_mem_gb(9.0 * 2**30) == round(9.0 * 2**30 / 1e9, 2)
+    assert nano_anchor.peak_mem_gb(9.5e9, held_before_bytes=1.5e9) == 8.0
+    assert "nano_anchor.PEAK_MEMORY" in user_path.__doc__ and "PEAK_MEMORY" in nano_anchor.__doc__
+    assert "warm-up included" in nano_anchor.PEAK_MEMORY
