@@ -155,7 +155,7 @@ def profile_trainer(size: str, data: dict, warm: int, active: int, extra: list[s
             torch.cuda.synchronize()
             prof.stop()
 
-    from hpcmeg.launch.env import dist_env
+    from hpcmeg.procenv import dist_env
     from hpcmeg.train.build import build_trainer
     trainer, ctx = build_trainer(r, dist_env(None), on_step_time=on_step)
     try:

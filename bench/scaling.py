@@ -4,7 +4,7 @@ Owns bench/results/scaling_<tag>.{json,md} (issue 9). For each size (--sizes: 12
 L,D,H) and each process count n in --gpus, it starts `torchrun --standalone --nproc_per_node n
 bench/scaling.py --worker ...` once per kind:
   * hpcmeg: build_trainer + Trainer.run (bench/train_throughput.run_trainer) with rank detection
-    from hpcmeg.launch.env, exactly as `hpcmeg train` under torchrun: DDP over NCCL (gloo on CPU),
+    from hpcmeg.procenv, exactly as `hpcmeg train` under torchrun: DDP over NCCL (gloo on CPU),
     micro batch --mb per rank, global batch mb x n (no accumulation), stdlib .bin/.idx data;
   * nano: bench/anchors_gpt2.py's Nano model (same shapes, vocabulary 50304 as nanoGPT's
     GPTConfig default, token ids < 50257), DistributedDataParallel, torch.compile
@@ -62,7 +62,7 @@ def allreduce_table(sizes: dict[str, int], ns: list[int], step_s: dict[str, floa
 
 def _worker_hpcmeg(a, size) -> dict:
     import train_throughput as tt
-    from hpcmeg.launch.env import dist_env
+    from hpcmeg.procenv import dist_env
     env = dist_env()
     r = tt.bench_recipe(a.data, f"scale_{a.kind}_{'_'.join(map(str, size))}_n{env.world_size}_{a.run_id}",
                         a.prefix, a.vocab, a.merge, size=size, seq=a.seq, mb=a.mb, gbs=a.mb * env.world_size,
@@ -79,7 +79,7 @@ def _worker_nano(a, size) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hpcmeg.launch.env import dist_env
+    from hpcmeg.procenv import dist_env
     L, D, H = size
     import nano_anchor
     os.environ.update(LDH=f"{L},{D},{H}", MB=str(a.mb), VOCAB=str(nano_anchor.NANOGPT_VOCAB))  # nanoGPT's padded default

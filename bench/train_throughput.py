@@ -133,7 +133,7 @@ def bench_recipe(out: str, name: str, prefix: str, vocab: str, merge: str, size=
 
 def run_trainer(r, environ=None, skip_final_save: bool = True) -> tuple[list[float], object]:
     """build_trainer + Trainer.run in this process; returns (per-iteration step seconds, trainer)."""
-    from hpcmeg.launch.env import dist_env
+    from hpcmeg.procenv import dist_env
     from hpcmeg.train.build import build_trainer
     times: list[float] = []
     trainer, ctx = build_trainer(r, dist_env(environ), on_step_time=times.append)

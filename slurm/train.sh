@@ -8,7 +8,7 @@
 # On GPU nodes add --gpus-per-node=G with --ntasks-per-node=G (one task per GPU).
 # (`hpcmeg submit` generates the same job for you, plus preprocessing and conversion; this file is the
 # hand-driven equivalent.) One task per GPU (or per CPU rank): each runs `hpcmeg train RECIPE` inside
-# the container and takes its rank from SLURM_PROCID / SLURM_NTASKS (hpcmeg.launch.env). Resuming from
+# the container and takes its rank from SLURM_PROCID / SLURM_NTASKS (hpcmeg.procenv). Resuming from
 # the latest checkpoint is automatic.
 #
 # Preemption and time limits: Slurm sends SIGTERM to every rank SIGNAL_LEAD seconds before the end

@@ -114,7 +114,7 @@ def test_recipe_key_reaches_the_trainer(tmp_path_factory):
     builds (the fused model: CPU defaults to the plain one), on real data (GPT-2's vocabulary, two
     micro batches per step): its TrainStep passes the loss weights, and the logged losses are
     grad_in_forward's."""
-    from hpcmeg.launch.env import dist_env
+    from hpcmeg.procenv import dist_env
     from hpcmeg.train.build import build_trainer
     from hpcmeg.train.metrics import read_metrics
     from helpers import run_dir, small_recipe, stdlib_dataset

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hpcmeg.launch.env import dist_env, expand_hostlist, port_from_job_id, tasks_per_node
+from hpcmeg.procenv import dist_env, expand_hostlist, port_from_job_id, tasks_per_node
 
 
 @pytest.mark.parametrize("spec,hosts", [
@@ -63,6 +63,6 @@ def test_inconsistent_env_is_refused():
 
 
 def test_env_module_does_not_import_torch():
-    code = "import sys, hpcmeg.launch.env; print('torch' in sys.modules)"
+    code = "import sys, hpcmeg.procenv; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

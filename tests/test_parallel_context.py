@@ -42,7 +42,7 @@ def test_indivisible_world_is_a_problem_line():
 
 WORKER = r"""
 import json, sys, torch
-from hpcmeg.launch.env import dist_env
+from hpcmeg.procenv import dist_env
 from hpcmeg.parallel.context import init_distributed
 from hpcmeg.parallel.dims import ParallelDims
 e = dist_env()

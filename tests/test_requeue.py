@@ -1,11 +1,11 @@
-"""launch/slurm.py (the job's end time) and launch/requeue.py (the requeue policy and its state file)."""
+"""hpcmeg/procenv.py (the job's end time) and launch/requeue.py (the requeue policy and its state file)."""
 import json
 import os
 
 import pytest
 
 from hpcmeg.launch.requeue import RequeueGuard, decide_requeue
-from hpcmeg.launch.slurm import parse_scontrol_end_time, slurm_job_end_time
+from hpcmeg.procenv import parse_scontrol_end_time, slurm_job_end_time
 
 
 def test_slurm_end_time_sources():

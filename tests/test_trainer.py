@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from hpcmeg.launch.env import dist_env
+from hpcmeg.procenv import dist_env
 from hpcmeg.recipe import load_recipe
 from hpcmeg.train.build import attention_backend_for, build_trainer
 from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK

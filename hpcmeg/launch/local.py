@@ -6,7 +6,7 @@ jobs.json (executor "local", this process's pid for ``hpcmeg cancel``) and log n
 ``hpcmeg status/logs`` read both alike. ``describe(prep)`` lists the commands for ``--dry-run``.
 
 Train runs world_size = nodes x tasks_per_node local processes with RANK / WORLD_SIZE / LOCAL_RANK /
-MASTER_ADDR / MASTER_PORT set (what torchrun would set; hpcmeg.launch.env reads them). If one rank
+MASTER_ADDR / MASTER_PORT set (what torchrun would set; hpcmeg.procenv reads them). If one rank
 fails the others are stopped (srun --kill-on-bad-exit). When training stops early to be resumed
 (exit code 3), the run restarts in place under the same rules as the Slurm supervisor (restart cap,
 progress required). SIGTERM/SIGINT to this process (``hpcmeg cancel``, Ctrl-C) are forwarded to the

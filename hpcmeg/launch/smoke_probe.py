@@ -32,13 +32,13 @@ def _container_evidence() -> str:
 
 
 def probe(run_dir: str) -> dict:
-    """What one rank sees; the all-reduce needs every rank of the step (hpcmeg.launch.env)."""
+    """What one rank sees; the all-reduce needs every rank of the step (hpcmeg.procenv)."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from hpcmeg.launch.env import dist_env
+    from hpcmeg.procenv import dist_env
     from hpcmeg.launch.provenance import fingerprint
 
     e = dist_env()

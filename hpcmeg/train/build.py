@@ -6,7 +6,7 @@ Contract
   global / (micro x dp)); RecipeError (one line per problem) when the layout cannot run.
 - `build_trainer(recipe, env, ...) -> (Trainer, ParallelContext)`: each step below is one function,
   called in this order; the caller destroys the context.
-    context      init_distributed from the launcher's rank/world (hpcmeg.launch.env.DistEnv)
+    context      init_distributed from the launcher's rank/world (hpcmeg.procenv.DistEnv)
     threads      CPU ranks share the node's cores
     model        GPT built with the same seed on every rank (identical init, identical dropout);
                  model.attention_backend 'auto' resolved for the device (attention_backend_for)
@@ -26,7 +26,7 @@ import random
 import numpy as np
 import torch
 
-from hpcmeg.launch.env import DistEnv
+from hpcmeg.procenv import DistEnv
 from hpcmeg.parallel.dims import ParallelDims
 from hpcmeg.recipe import Derived, Recipe, RecipeError, derive, recipe_dims, to_dict, write_resolved
 

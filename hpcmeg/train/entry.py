@@ -1,15 +1,16 @@
 """`hpcmeg train` and `hpcmeg prepare-cache`: build every part from a recipe and run the loop.
 
 Contract
-- `train(recipe, *, environ=None, exit_interval=None) -> int` (exit code) runs on one process, or on
-  each of N processes started by torchrun / srun (ranks from hpcmeg.launch.env), in the recipe's
-  tensor / pipeline layout. The process count actually present decides data-parallel size and
-  gradient accumulation: accumulation = global_batch / (micro_batch x DP), so the recipe's global
-  batch holds whatever the rank count; a count other than cluster.nodes x tasks per node is one
-  warning line (rank 0), not a refusal. Resumes from the latest valid checkpoint in derived.checkpoint_dir; with none there
-  and checkpoint.load set, starts from that checkpoint's weights at iteration 0 (e.g. a 'release'
-  import). `exit_interval` (library/test use, Megatron's --exit-interval): save and stop with
-  EXIT_REQUEUE when iteration % exit_interval == 0.
+- `train(recipe, *, environ=None, exit_interval=None, on_built=None, signals=None) -> int` (exit code;
+  `on_built(trainer)` runs before the first step, `signals` is an ExitSignal the caller installed) runs on
+  one process, or on each of N processes started by torchrun / srun (ranks from hpcmeg.procenv), in the
+  recipe's tensor / pipeline layout. The process count actually present decides data-parallel size and
+  gradient accumulation: accumulation = global_batch / (micro_batch x DP), so the recipe's global batch
+  holds whatever the rank count; a count other than cluster.nodes x tasks per node is one warning line
+  (rank 0), not a refusal. Resumes from the latest valid checkpoint in derived.checkpoint_dir; with none
+  there and checkpoint.load set, starts from that checkpoint's weights at iteration 0 (e.g. a 'release'
+  import). `exit_interval` (library/test use, Megatron's --exit-interval): save and stop with EXIT_REQUEUE
+  when iteration % exit_interval == 0.
 - Exit codes (the Slurm supervisor keys on these):
       0 EXIT_OK        train_iters reached, final checkpoint saved
       1 EXIT_ERROR     any error, including a non-finite loss (the line names the iteration)
@@ -42,8 +43,8 @@ import warnings
 
 from hpcmeg.errors import one_line
 from hpcmeg.fsutil import write_text_atomic
-from hpcmeg.launch.env import dist_env
 from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, EXIT_REQUEUE
+from hpcmeg.procenv import dist_env, slurm_job_end_time
 from hpcmeg.recipe import Recipe, RecipeError, derive, load_recipe
 
 STATUS_FILE = "train_status.json"
@@ -82,8 +83,6 @@ def _record_failure(run_dir: str, iteration, code: int, reason: str) -> None:
 
 def _wall_clock_end(r: Recipe, ctx) -> float | None:
     """Earliest of the Slurm job's end time (asked once, by rank 0) and train.exit_duration_minutes."""
-    from hpcmeg.launch.slurm import slurm_job_end_time
-
     end = slurm_job_end_time() if ctx.is_rank0 and os.environ.get("SLURM_JOB_ID") else None
     end = ctx.all_reduce_max(int(end) if end else -1)  # rank 0's answer reaches everyone
     ends = [float(end)] if end > 0 else []

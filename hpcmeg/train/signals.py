@@ -9,8 +9,8 @@ Contract:
 * WallTimeGuard says "save and exit now" once the time left before the job's end is smaller than
   margin_s + save_factor x (longest save so far) + 2 x (longest step so far): the margin grows with
   what was measured, so big checkpoints start early enough. Times are epoch seconds (time.time()).
-Where the job's end time comes from (Slurm) and whether to requeue are hpcmeg/launch's
-(launch/slurm.py, launch/requeue.py): this file knows nothing of Slurm.
+Where the job's end time comes from (Slurm: hpcmeg/procenv.py) and whether to requeue
+(hpcmeg/launch/requeue.py) are decided elsewhere: this file knows nothing of Slurm.
 """
 from __future__ import annotations
 

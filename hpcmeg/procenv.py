@@ -1,4 +1,5 @@
-"""Where this process sits in the job: rank, world size, local rank and the rendezvous address.
+"""What this process reads from its own environment: where it sits in the job (rank, world size,
+local rank, rendezvous address) and when its Slurm job ends.
 
 Contract: `dist_env(environ=None) -> DistEnv`, read from (first match wins)
   1. torchrun / torch.distributed.launch: RANK, WORLD_SIZE, LOCAL_RANK (+ LOCAL_WORLD_SIZE,
@@ -10,13 +11,20 @@ Contract: `dist_env(environ=None) -> DistEnv`, read from (first match wins)
      task count, and would wait forever for ranks that srun never started;
   3. otherwise a single process (rank 0 of 1, 127.0.0.1, a fixed port).
 The node list is expanded in pure Python (`expand_hostlist`): containers have no `scontrol`.
-No torch import (the submitting host may have none); no side effects on os.environ.
+`slurm_job_end_time(env)` -> epoch seconds from $SLURM_JOB_END_TIME, else `scontrol show job` when
+scontrol exists (it usually does not inside containers: the host side passes the time in), else None
+(the trainer's wall-time guard); `parse_scontrol_end_time(text)` is its pure parser.
+Bottom layer (train and launch both read it): no torch import (the submitting host may have none),
+no hpcmeg imports, no side effects on os.environ.
 """
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Mapping
 
 DEFAULT_PORT = 29500
@@ -181,3 +189,40 @@ def _checked(e: DistEnv) -> DistEnv:
         raise ValueError(f"inconsistent {e.source} environment: local rank {e.local_rank} of "
                          f"{e.local_world_size} on this node")
     return e
+
+
+# ----------------------------------------------------------------------------- the job's end time
+
+
+def parse_scontrol_end_time(text: str) -> float | None:
+    """EndTime=YYYY-MM-DDTHH:MM:SS from `scontrol show job` (local time) -> epoch seconds; None if unknown."""
+    for tok in text.split():
+        if tok.startswith("EndTime="):
+            val = tok[len("EndTime="):]
+            try:
+                return datetime.strptime(val, "%Y-%m-%dT%H:%M:%S").timestamp()
+            except ValueError:
+                return None  # "Unknown", "None"
+    return None
+
+
+def slurm_job_end_time(env: Mapping[str, str] | None = None, timeout_s: float = 10.0) -> float | None:
+    """The job's end time (epoch s): $SLURM_JOB_END_TIME, else `scontrol show job` when scontrol exists
+    (it usually does not inside containers: pass the time in from the host instead), else None."""
+    env = os.environ if env is None else env
+    v = env.get("SLURM_JOB_END_TIME")
+    if v:
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    job = env.get("SLURM_JOB_ID")
+    exe = shutil.which("scontrol")
+    if not job or exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "show", "job", "-o", job], capture_output=True, text=True,
+                             timeout=timeout_s, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_scontrol_end_time(out)
