@@ -9,7 +9,7 @@ Owns bench/results/loss_parity_<tag>.{json,png}. One process, one device:
     runs the trainer's default (on CUDA: bf16 parameters with fp32 masters in the ParamAndGradBuffer).
   * HF: GPT2LMHeadModel(GPT2Config with the same shape, vocab 50257, dropout 0, SDPA attention),
     HF's own init, torch AdamW(fused on CUDA) over hpcmeg's param_groups rule, the SAME LR
-    schedule object type (hpcmeg.train.schedule), clip 1.0, bf16 autocast; the SAME training batches
+    schedule object type (hpcmeg.megatron.lr_schedule), clip 1.0, bf16 autocast; the SAME training batches
     in the same order (TrainBatches over the trainer's GPTDataset from consumed 0) and the SAME
     validation batches and loss mask. Loss = mean token cross-entropy in fp32 (hpcmeg's labels).
 JSON: {runs: {name: {val: [[iter, loss]], train: [[iter, mean loss of the last window]], step_ms}}};
@@ -66,7 +66,7 @@ def run_hf(r, trainer, device: torch.device, log_interval: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hpcmeg.train.data import TrainBatches
-    from hpcmeg.train.schedule import schedule_from_recipe
+    from hpcmeg.megatron.lr_schedule import schedule_from_recipe
 
     m, t = r.model, r.train
     torch.manual_seed(t.seed)

@@ -29,6 +29,7 @@ import yaml
 
 from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.megatron.layout import pad_vocab_size
+from hpcmeg.megatron.lr_schedule import schedule_from_recipe
 from hpcmeg.recipe_schema import CHOICES, DataConfig, Recipe, field_range
 from hpcmeg.recipe_yaml import RecipeError, Where, build, read_yaml
 
@@ -290,8 +291,6 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
     sched = ("train.lr", "train.min_lr", "train.lr_decay_style", "train.lr_decay_iters", "train.lr_warmup_iters",
              "train.lr_warmup_fraction", "train.train_iters", "train.train_samples", "train.global_batch_size")
     if ok(*sched) and (t.train_iters is None) != (t.train_samples is None):
-        from hpcmeg.train.schedule import schedule_from_recipe  # pure arithmetic, no torch
-
         try:
             schedule_from_recipe(t, t.global_batch_size, t.train_samples or t.train_iters * t.global_batch_size)
         except ValueError as e:

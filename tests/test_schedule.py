@@ -1,4 +1,4 @@
-"""Megatron's LR schedule counted in samples (hpcmeg/train/schedule.py)."""
+"""Megatron's LR schedule counted in samples (hpcmeg/megatron/lr_schedule.py)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpcmeg.recipe import load_recipe
-from hpcmeg.train.schedule import LRSchedule, schedule_from_recipe
+from hpcmeg.megatron.lr_schedule import LRSchedule, schedule_from_recipe
 
 MEGATRON_KEYS = {"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps", "min_lr",
                  "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"}

@@ -1,1 +1,2 @@
-"""The Megatron-LM file formats as pure, torch-free rules (names, layout, args): see each module."""
+"""Megatron-LM's file formats and rules as pure, torch-free code (names, layout, args, lr_schedule): see each
+module. The bottom layer: the recipe's validation and every upper package may import it."""

@@ -267,7 +267,7 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
     from hpcmeg.parallel.context import init_distributed
     from hpcmeg.train.data import build_datasets, eval_batches, vocab_checked
     from hpcmeg.train.metrics import MetricsLogger, Throughput, peak_flops_for
-    from hpcmeg.train.schedule import schedule_from_recipe
+    from hpcmeg.megatron.lr_schedule import schedule_from_recipe
     from hpcmeg.model.gpt import GPT
     from hpcmeg.train.rank_model import rank_model, rank_step
     from hpcmeg.train.trainer import Trainer

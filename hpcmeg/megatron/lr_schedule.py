@@ -1,5 +1,8 @@
 """Megatron's learning-rate / weight-decay schedule, counted in samples (spec: megatron-interop.md §7.2).
 
+Pure and torch-free (the optimizer is duck-typed: anything with `param_groups`), so the recipe's
+validation builds the same schedule the trainer runs and refuses what it would refuse.
+
 Contract
 - `LRSchedule` holds every quantity in *samples*: warmup_steps, decay_steps, num_steps (samples
   of successful steps so far). The trainer calls `apply(optimizer)` before each step to write the
