@@ -30,6 +30,7 @@ import yaml
 from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.megatron.lr_schedule import schedule_from_recipe
+from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.recipe_schema import CHOICES, DataConfig, Recipe, field_range
 from hpcmeg.recipe_yaml import RecipeError, Where, build, read_yaml
 
@@ -247,8 +248,8 @@ def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozen
     if ok("data.seq_length", "model.max_position_embeddings") and r.data.seq_length > m.max_position_embeddings:
         refuse("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}",
                also=("model.max_position_embeddings",))
-    # the parallel layout: sizes, then its fit to the batch and the model (hpcmeg/parallel/dims.py, the one
-    # place these rules live; the train job checks the running processes with the same object)
+    # the parallel layout: sizes, then its fit to the batch and the model (hpcmeg/megatron/parallel_dims.py,
+    # the one place these rules live; the train job checks the running processes with the same object)
     per_node = "cluster.gpus_per_node" if c.gpus_per_node > 0 else "cluster.cpu_tasks_per_node"
     layout = ("cluster.nodes", "cluster.gpus_per_node", "cluster.cpu_tasks_per_node", "parallel.tensor",
               "parallel.pipeline", "parallel.virtual_pipeline", "parallel.sequence_parallel")
@@ -420,11 +421,9 @@ def vocab_size_from_files(data: DataConfig) -> int:
     return GPT2_VOCAB_SIZE
 
 
-def recipe_dims(r: Recipe, world_size: int | None = None):
+def recipe_dims(r: Recipe, world_size: int | None = None) -> ParallelDims:
     """The recipe's parallel layout as a ParallelDims (torch-free), for the planned cluster or for
     `world_size` processes actually running."""
-    from hpcmeg.parallel.dims import ParallelDims  # pure arithmetic, no torch
-
     par = r.parallel
     return ParallelDims(world=r.cluster.world_size() if world_size is None else world_size, tp=par.tensor,
                         pp=par.pipeline, vpp=par.virtual_pipeline or 1, sequence_parallel=par.sequence_parallel,

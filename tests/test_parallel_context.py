@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hpcmeg.parallel.dims import ParallelDims
+from hpcmeg.megatron.parallel_dims import ParallelDims
 
 
 def test_megatron_docstring_example():
@@ -44,7 +44,7 @@ WORKER = r"""
 import json, sys, torch
 from hpcmeg.procenv import dist_env
 from hpcmeg.parallel.context import init_distributed
-from hpcmeg.parallel.dims import ParallelDims
+from hpcmeg.megatron.parallel_dims import ParallelDims
 e = dist_env()
 ctx = init_distributed(ParallelDims(e.world_size, tp=2), rank=e.rank, local_rank=e.local_rank,
                        master_addr=e.master_addr, master_port=e.master_port, device="cpu")

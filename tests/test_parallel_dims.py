@@ -1,5 +1,5 @@
-"""ParallelDims (hpcmeg/parallel/dims.py): sizes, batch and model fit, accumulation, and the same rules
-seen through `hpcmeg validate` (one line per problem, naming the recipe key) and the train job's
+"""ParallelDims (hpcmeg/megatron/parallel_dims.py): sizes, batch and model fit, accumulation, and the same
+rules seen through `hpcmeg validate` (one line per problem, naming the recipe key) and the train job's
 check of the processes actually running. No torch, no processes."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from hpcmeg.parallel.dims import NOT_IMPLEMENTED, ParallelDims
+from hpcmeg.megatron.parallel_dims import NOT_IMPLEMENTED, ParallelDims
 from hpcmeg.recipe import RecipeError, derive, load_recipe
 
 TINY = str(REPO / "recipes" / "codeparrot_tiny.yaml")

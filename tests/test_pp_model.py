@@ -20,7 +20,7 @@ from helpers import random_batches
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.context import context_for
-from hpcmeg.parallel.dims import ParallelDims
+from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.train.rank_model import rank_model, rank_optimizer, rank_step
 
 pytestmark = pytest.mark.dist

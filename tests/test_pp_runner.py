@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hpcmeg.parallel.dims import ParallelDims
+from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.parallel.pipeline.p2p import PipelineP2P
 from hpcmeg.parallel.pipeline.runner import StepTimer, run_schedule
 from hpcmeg.parallel.pipeline.schedule import chunk_layers, make_schedule, no_pipeline

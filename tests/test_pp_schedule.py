@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from hpcmeg.megatron.parallel_dims import validate_schedule
 from hpcmeg.parallel.pipeline.schedule import (all_ranks, bubble_fraction, chunk_layers, format_actions,
                                                interleaved, microbatch_table, no_pipeline, one_f_one_b,
-                                               parse_actions, validate_schedule, warmup_count)
+                                               parse_actions, warmup_count)
 
 
 class Deadlock(AssertionError):

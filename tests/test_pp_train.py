@@ -74,7 +74,7 @@ def _stage_logits(rank, world, ckpt_dir, tokens):
     from hpcmeg.megatron.args import checkpoint_models
     from hpcmeg.model.config import GPTConfig
     from hpcmeg.parallel.context import context_for
-    from hpcmeg.parallel.dims import ParallelDims
+    from hpcmeg.megatron.parallel_dims import ParallelDims
     from hpcmeg.parallel.pipeline.stages import build_chunks, load_megatron_models, StageModel
     from hpcmeg.parallel.tensor import parallelize_tensor
 

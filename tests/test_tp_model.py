@@ -28,7 +28,7 @@ from hpcmeg.megatron.layout import tp_split_dim
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.context import context_for
-from hpcmeg.parallel.dims import ParallelDims
+from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.parallel.tensor import parallelize_tensor
 from hpcmeg.train.optim import build_optimizer
 from hpcmeg.train.step import TrainStep

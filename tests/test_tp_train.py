@@ -86,7 +86,7 @@ def _distributed_logits(rank, world, ckpt_dir, tokens):
     from hpcmeg.model.config import GPTConfig
     from hpcmeg.model.gpt import GPT
     from hpcmeg.parallel.context import context_for
-    from hpcmeg.parallel.dims import ParallelDims
+    from hpcmeg.megatron.parallel_dims import ParallelDims
     from hpcmeg.parallel.tensor import parallelize_tensor
 
     ctx = context_for(ParallelDims(world, tp=world), rank, rank, "cpu")

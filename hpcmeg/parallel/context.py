@@ -1,8 +1,9 @@
 """The parallel context: where this rank sits in the tp-dp-pp grid, and its process groups.
 
 Contract
-- The sizes, the rank grid and the group member lists are `ParallelDims`' (hpcmeg/parallel/dims.py,
-  torch-free: Megatron's 'tp-dp-pp' order, TP groups of consecutive ranks).
+- The sizes, the rank grid and the group member lists are `ParallelDims`'
+  (hpcmeg/megatron/parallel_dims.py, torch-free: Megatron's 'tp-dp-pp' order, TP groups of consecutive
+  ranks).
 - `init_distributed(dims, rank=, local_rank=, master_addr=, master_port=, ...)` (plain values: this
   package does not read the launcher's environment) starts torch.distributed (gloo on CPU, NCCL on
   CUDA) when the world has more than one process and returns `context_for(dims, rank, ...)`, which
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcmeg.parallel.dims import ParallelDims
+from hpcmeg.megatron.parallel_dims import ParallelDims
 
 
 @dataclass

@@ -26,8 +26,8 @@ import random
 import numpy as np
 import torch
 
+from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.procenv import DistEnv
-from hpcmeg.parallel.dims import ParallelDims
 from hpcmeg.recipe import Derived, Recipe, RecipeError, derive, recipe_dims, to_dict, write_resolved
 
 

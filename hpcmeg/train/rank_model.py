@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
-from hpcmeg.parallel.dims import ParallelDims
 from hpcmeg.parallel.tensor import TensorParallelPlan, parallelize_tensor
 
 

@@ -1,9 +1,11 @@
 """Pipeline schedules as pure data: each pipeline rank's ordered list of actions for one step.
 
-No torch import: recipe validation, tests and the runner all read the same lists.
+No torch import: tests and the runner read the same lists.
 API: make_schedule(pp, rank, M, vpp=1) (= no_pipeline | one_f_one_b | interleaved), all_ranks,
-validate_schedule / schedule_advice (lines for recipe.validate / the log), warmup_count,
-bubble_fraction, chunk_layers, format_actions / parse_actions.
+schedule_advice (lines for the log), warmup_count, bubble_fraction, chunk_layers, format_actions /
+parse_actions. Which micro-batch counts the interleaved schedule can run is Megatron's rule,
+hpcmeg.megatron.parallel_dims.validate_schedule (recipe validation applies it too); all_ranks refuses
+what it refuses.
 
 Contract
 - Stages. A model of L layers is cut into pp * vpp virtual stages; virtual stage s = chunk * pp + rank
@@ -46,6 +48,8 @@ Contract
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from hpcmeg.megatron.parallel_dims import validate_schedule
 
 COMPUTE = ("F", "B")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -106,37 +110,6 @@ def warmup_count(pp: int, rank: int, M: int, vpp: int = 1, group: int | None = N
     if vpp == 1:
         return min(pp - rank - 1, M)
     return min((pp - rank - 1) * 2 + (vpp - 1) * (group or pp), M * vpp)
-
-
-def _valid_counts(pp: int, group: int, lo: int, hi: int) -> list[int]:
-    return [m for m in range(max(lo, 1), hi + 1) if m >= group and not 0 < m % group < pp]
-
-
-def validate_schedule(pp: int, vpp: int, M: int, group: int | None = None) -> list[str]:
-    """Problem lines (empty = runnable). M = micro batches per step on one pipeline
-    (global batch / (micro batch x data-parallel size)); `group` = Megatron's
-    microbatch_group_size_per_vp_stage, default pp (its default)."""
-    p = []
-    for name, v in (("pipeline", pp), ("virtual pipeline", vpp), ("micro batches per step", M)):
-        if v < 1:
-            p.append(f"{name} must be at least 1, got {v}")
-    if p or vpp == 1:
-        return p
-    if pp < 2:
-        return [f"the interleaved schedule (virtual pipeline {vpp}) needs pipeline > 1, got {pp}"]
-    n = group or pp
-    if n < pp:
-        return [f"the interleaved schedule needs a micro-batch group of at least pipeline {pp}, got {n}"]
-    if M < n or 0 < M % n < pp:
-        ok = _valid_counts(pp, n, M - 2 * n, M + 2 * n)
-        below, above = [m for m in ok if m < M], [m for m in ok if m > M]
-        near = " or ".join(str(m) for m in (below[-1:] + above[:1]))
-        rule = (f"a multiple of pipeline {pp}" if n == pp
-                else f"at least {n} with remainder mod {n} of 0 or at least {pp}")
-        p.append(f"the interleaved schedule (pipeline {pp} x virtual pipeline {vpp}) cannot run {M} micro "
-                 f"batches per step: Megatron's rule needs {rule}; use {near} micro batches per step "
-                 f"(= global batch / (micro batch x data-parallel size))")
-    return p
 
 
 def schedule_advice(pp: int, vpp: int, M: int) -> list[str]:

@@ -1,5 +1,9 @@
 """ParallelDims: the sizes of a run's parallel layout, checked and derived in one place (no torch).
 
+Bottom layer: recipe validation (hpcmeg.recipe), the parallel context and the trainer all read the
+layout from here. It also owns Megatron's micro-batch count rule of the interleaved pipeline
+schedule (``validate_schedule``), which both ``batch_problems`` and hpcmeg.parallel.pipeline apply.
+
 Contract
 - ``ParallelDims(world, tp=1, pp=1, vpp=1, sequence_parallel=False, distributed_optimizer=False)``
   is plain data. ``problems()`` lists what is wrong with the sizes themselves, as
@@ -99,8 +103,6 @@ class ParallelDims:
                      f"{self.dp} (= {self.world} {ranks} / (TP {self.tp} x PP {self.pp})); use a multiple of "
                      f"{per_step}, e.g. {good}")]
         if self.pp > 1 and self.vpp > 1:  # the interleaved schedule's micro-batch rule (Megatron's)
-            from hpcmeg.parallel.pipeline.schedule import validate_schedule  # pure, no torch
-
             return [("train.global_batch_size", line)
                     for line in validate_schedule(self.pp, self.vpp, global_batch // per_step)]
         return []
@@ -167,3 +169,37 @@ class ParallelDims:
     def members(self, rank: int) -> dict[str, list[int]]:
         """This rank's group members, by kind ('embedding': [] when the rank holds no embedding copy)."""
         return {kind: next((g for g in gs if rank in g), []) for kind, gs in self.groups().items()}
+
+
+# ------------------------------------------------------------------------------ interleaved schedule
+
+
+def _valid_counts(pp: int, group: int, lo: int, hi: int) -> list[int]:
+    return [m for m in range(max(lo, 1), hi + 1) if m >= group and not 0 < m % group < pp]
+
+
+def validate_schedule(pp: int, vpp: int, M: int, group: int | None = None) -> list[str]:
+    """Problem lines (empty = runnable). M = micro batches per step on one pipeline
+    (global batch / (micro batch x data-parallel size)); `group` = Megatron's
+    microbatch_group_size_per_vp_stage, default pp (its default)."""
+    p = []
+    for name, v in (("pipeline", pp), ("virtual pipeline", vpp), ("micro batches per step", M)):
+        if v < 1:
+            p.append(f"{name} must be at least 1, got {v}")
+    if p or vpp == 1:
+        return p
+    if pp < 2:
+        return [f"the interleaved schedule (virtual pipeline {vpp}) needs pipeline > 1, got {pp}"]
+    n = group or pp
+    if n < pp:
+        return [f"the interleaved schedule needs a micro-batch group of at least pipeline {pp}, got {n}"]
+    if M < n or 0 < M % n < pp:
+        ok = _valid_counts(pp, n, M - 2 * n, M + 2 * n)
+        below, above = [m for m in ok if m < M], [m for m in ok if m > M]
+        near = " or ".join(str(m) for m in (below[-1:] + above[:1]))
+        rule = (f"a multiple of pipeline {pp}" if n == pp
+                else f"at least {n} with remainder mod {n} of 0 or at least {pp}")
+        p.append(f"the interleaved schedule (pipeline {pp} x virtual pipeline {vpp}) cannot run {M} micro "
+                 f"batches per step: Megatron's rule needs {rule}; use {near} micro batches per step "
+                 f"(= global batch / (micro batch x data-parallel size))")
+    return p
