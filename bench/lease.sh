@@ -4,7 +4,7 @@
 #
 #   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: bdaln adamw u1.3B, for the one
 #                                          target still missed after session 19; then `a1.3B u1.3B`):
-#     probes  attention tiles (bench/attention_probe.py: heavy-first launch order, the forward drawing
+#     probes  attention tiles (bench/dev/attention_probe.py: heavy-first launch order, the forward drawing
 #             its own keep bits (fwd_draw, session 20) and tile variants
 #             against the defaults at 124M, 355M and 1.3B, p = 0.1, and cuDNN timed as the model
 #             calls it; writes attention_best_<size>.txt after each size), the hidden-dropout
@@ -12,11 +12,11 @@
 #             --parts dropout)
 #     quick   the probes' short form: default tiles and heavy_first at 124M and 355M only, the keep-bits
 #             kernel's launch variants (one program per row block, taller tiles, more warps), agreement
-#             with the twin at the default tiles; the CE kernel's launches (bench/ce_probe.py: prefetch,
+#             with the twin at the default tiles; the CE kernel's launches (bench/dev/ce_probe.py: prefetch,
 #             reversed second sweep, chunk and warps: 0.95 ms per 124M micro batch on the H200, ~4 %
 #             of it, about 1.9x its one-read-one-write floor; writes ce_best.txt, which the u stages
 #             then time in the user path when it is not the default) (~90 s)
-#     ce      the CE kernel's launches alone (bench/ce_probe.py at micro 12's and 16's rows; session 17,
+#     ce      the CE kernel's launches alone (bench/dev/ce_probe.py at micro 12's and 16's rows; session 17,
 #             H100: block=8192+warps=16+prefetch=1+reverse=1 14 % under the default launch, +0.2 %
 #             tokens/s in the 124M user path, within its noise) (~40 s)
 #     u124 | u355 | u1.3B
@@ -46,7 +46,7 @@
 #             17 found and removed afterwards (commit ebea1c3); these rows (nano,
 #             shipped, backward_in_forward at micro 12, 16 and 24 / at 355M micro 12 and 16, plain
 #             micro 16) say whether that holds on this GPU; pbif profiles it
-#     gemm    the weight-gradient GEMMs (bench/gemm_probe.py): torch's addmm into the fp32 main grad, as
+#     gemm    the weight-gradient GEMMs (bench/dev/gemm_probe.py): torch's addmm into the fp32 main grad, as
 #             the model runs it, against each algorithm of cuBLASLt's heuristic list for the same
 #             problem, at $GEMM_SIZES (default 124M,355M,1.3B; ~50 s a size). Session 17, H100, 124M:
 #             torch's choice (split-K + its reduce) was the fastest but for 3 % on the smallest GEMM
@@ -60,7 +60,7 @@
 #             192, as shipped)
 #     p124m16 the same at micro batch 16 x accumulation 12 (session 13: 3 % faster than micro 12;
 #             the two profiles side by side say which per-micro-batch work does not grow with its size)
-#     mlpbwd  the MLP backward's GELU (bench/mlp_bwd_probe.py, ~60 s): session 18's GEMM + Triton GELU
+#     mlpbwd  the MLP backward's GELU (bench/dev/mlp_bwd_probe.py, ~60 s): session 18's GEMM + Triton GELU
 #             backward + fc1 weight-gradient GEMM against gelu_impl cublaslt_dgelu (cuBLASLt's DGELU
 #             epilogue in fc2's input-gradient GEMM, the bias gradient by the BGRADB epilogue of fc1's
 #             weight-gradient GEMM; the default since session 19: 1-6 % faster per MLP backward) at
@@ -76,7 +76,7 @@
 #             (the default), then both timed at 1.3B's 1.31 G elements with five launch shapes of the
 #             kernel (bench/gpu_agreement.py --parts adamw, ~40 s, 24 GB). Inductor's took 19.7 ms per
 #             1.3B step on the H100, 2.0 TB/s
-#     a1.3B   attention tiles at 1.3B's head dim 128 only (bench/attention_probe.py, p = 0.1; ~60 s):
+#     a1.3B   attention tiles at 1.3B's head dim 128 only (bench/dev/attention_probe.py, p = 0.1; ~60 s):
 #             the default tiles were tuned at head dim 64 and checked at 128 only against a few
 #             variants (H200, session 12); these add 32-wide key steps, 8 warps, 16-row backward
 #             steps and 128-key dK/dV blocks on 8 warps (session 20, static: all compile for sm90
@@ -204,20 +204,20 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>/d
 for stage in "$@"; do
     case $stage in
         probes)
-            step attention_probe 200 python bench/attention_probe.py --sizes 124M,355M,1.3B --p 0.1 --tag lease \
+            step attention_probe 200 python bench/dev/attention_probe.py --sizes 124M,355M,1.3B --p 0.1 --tag lease \
                 --agree heavy_first=1 \
                 --fwd "default heavy_first=1 fwd_draw=1 heavy_first=1+fwd_stages=4 heavy_first=1+fwd_m=128" \
                 --bwd "default heavy_first=1 heavy_first=1+dkv_m=64 heavy_first=1+dq_n=64"
             step dropout_check 90 python bench/gpu_agreement.py --parts dropout --out "$OUT"
             ;;
         quick)
-            step attention_probe 120 python bench/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
+            step attention_probe 120 python bench/dev/attention_probe.py --sizes 124M,355M --p 0.1 --tag lease \
                 --fwd "default heavy_first=1 fwd_draw=1" --bwd "default heavy_first=1" \
                 --bits "bits_loop=1 bits_loop=1+bits_rows=128+bits_warps=8 bits_loop=1+bits_rows=32 bits_warps=8"
-            step ce_probe 90 python bench/ce_probe.py --rows 12288,4096 --out "$OUT"
+            step ce_probe 90 python bench/dev/ce_probe.py --rows 12288,4096 --out "$OUT"
             ;;
-        ce) step ce_probe 100 python bench/ce_probe.py --rows 12288,16384 --out "$OUT" ;;
-        gemm) step gemm_probe 150 python bench/gemm_probe.py --sizes "${GEMM_SIZES:-124M,355M,1.3B}" --out "$OUT" --tag lease ;;
+        ce) step ce_probe 100 python bench/dev/ce_probe.py --rows 12288,16384 --out "$OUT" ;;
+        gemm) step gemm_probe 150 python bench/dev/gemm_probe.py --sizes "${GEMM_SIZES:-124M,355M,1.3B}" --out "$OUT" --tag lease ;;
         u124 | u355 | u1.3B)  # the shipped gelu_impl cublaslt checked against its twins on this GPU first
             lt_ok || echo "== cuBLASLt's epilogues did NOT agree with their twins here (see lt_check.log)" | tee -a "$OUT/lease.log"
             size=${stage#u}
@@ -236,10 +236,10 @@ hpcmeg:only=355M,mb=16,set=$BIF$x hpcmeg:only=1.3B${x:+,set=${x#|}}" ;;
         pops) step profile_124M_ops 180 env TORCH_LOGS=output_code python bench/profile_step.py --targets trainer --size 124M --warm 3 --active 1 \
             --tok "$TOK" --tag lease_124M_ops --out "$OUT" --set model.hidden_dropout=0.1 --set model.attention_dropout=0.1 \
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
-        mlpbwd) step mlp_bwd_probe 100 python bench/mlp_bwd_probe.py --out "$OUT" --tag lease ;;
+        mlpbwd) step mlp_bwd_probe 100 python bench/dev/mlp_bwd_probe.py --out "$OUT" --tag lease ;;
         bdaln) step bda_ln_check 90 python bench/gpu_agreement.py --parts bdaln --out "$OUT/bdaln" ;;
         adamw) step adamw_check 100 python bench/gpu_agreement.py --parts adamw --out "$OUT/adamw" ;;
-        a1.3B) step attention_probe_1.3B 120 python bench/attention_probe.py --sizes 1.3B --p 0.1 --no-sdpa --tag lease_1.3B \
+        a1.3B) step attention_probe_1.3B 120 python bench/dev/attention_probe.py --sizes 1.3B --p 0.1 --no-sdpa --tag lease_1.3B \
             --agree "fwd_n=32+dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8+fwd_draw=1" \
             --fwd "default fwd_draw=1 fwd_n=32 fwd_warps=8 fwd_m=128+fwd_warps=8+fwd_n=32 heavy_first=1" \
             --bwd "default heavy_first=1 dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8 bwd_stages=2" ;;

@@ -8,10 +8,7 @@ Owns the benchmark table of issue 4 point 5, and the helpers the other train ben
     .bin/.idx tokenized from the Python stdlib sources, Trainer.run (schedule, step, per-iteration
     all-reduce/NaN check, logging); tokens/s from the trainer's own per-iteration step times. On
     CUDA the trainer runs bf16 parameters in a ParamAndGradBuffer with fp32 masters (FlatAdamW);
-  * TrainStep-only variants (`step:<name>`, synthetic tokens) that isolate one knob, and
-    `legacy:<name>`: the same TrainStep-only variant on the code before the buffer (commit cdff461's
-    TrainStep + MasterWeightAdamW, which gathered the grads after backward), for the same-run
-    comparison of the two storage designs (bench/legacy.py extracts that code from git);
+  * TrainStep-only variants (`step:<name>`, synthetic tokens) that isolate one knob;
   * the anchors of bench/anchors_gpt2.py (a verbatim copy of ../shared/bench/anchors_gpt2.py),
     imported with LDH/MB/STEPS/VOCAB set, so their numbers come from the same GPU and process:
     `nano_compile` at vocabulary 50304 (nanoGPT's GPTConfig default for GPT-2 from scratch), the
@@ -20,7 +17,7 @@ Owns the benchmark table of issue 4 point 5, and the helpers the other train ben
 Prints one table: tokens/s, MFU (6N + 12*L*d*T FLOPs/token against the bf16 matmul peak measured
 here), peak memory, ratio to each anchor. Writes <out>/train_throughput_<tag>.{json,md}.
 
-Usage: python bench/train_throughput.py --sizes 124M --variants trainer,step:compile_cg_master,legacy:compile_cg_master --anchors nano_compile
+Usage: python bench/train_throughput.py --sizes 124M --variants trainer,step:compile_cg_master --anchors nano_compile
   [--data DIR (dataset cache)] [--tok DIR with encoder.json + vocab.bpe] [--budget-s S]
 Dropout is 0 in hpcmeg's runs to match the nanoGPT anchor (HF anchors keep their default 0.1).
 """
@@ -200,28 +197,22 @@ def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, 
     return out
 
 
-def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int, legacy: bool = False) -> dict:
+def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
     v = VARIANTS[variant]
     if v.get("mlp") != "bias_outside":
-        return _step_variant_run(size, variant, mb, steps, warmup, legacy)
+        return _step_variant_run(size, variant, mb, steps, warmup)
     from hpcmeg.model import fused
     keep = fused.linear_bias_gelu  # the pre-session-3 MLP: matmul, then Inductor's bias+GELU
     fused.linear_bias_gelu = lambda x, w, b: fused.bias_gelu(torch.nn.functional.linear(x, w), b)
     try:
-        return _step_variant_run(size, variant, mb, steps, warmup, legacy)
+        return _step_variant_run(size, variant, mb, steps, warmup)
     finally:
         fused.linear_bias_gelu = keep
 
 
-def _build_step(model, v: dict, legacy: bool):
-    """(TrainStep, optimizer name): the buffer path, or cdff461's gather-after-backward path."""
+def _build_step(model, v: dict):
+    """(TrainStep, optimizer name) over the ParamAndGradBuffer."""
     master = v.get("master", False)
-    if legacy:
-        import legacy
-        opt, impl = legacy.optim().build_optimizer(model, 3e-4, weight_decay=0.1, master_weights=master)
-        step = legacy.step().TrainStep(model, opt, "bf16", grad_clip=1.0, compile=v.get("compile", True),
-                                       device="cuda", compile_options=v.get("options"))
-        return step, "cdff461 " + impl
     pdt = torch.bfloat16 if master else torch.float32
     gdt = torch.float32 if v.get("fp32_grad") or not master else torch.bfloat16
     buf, opt = build_optimizer(model, 3e-4, weight_decay=0.1, param_dtype=pdt, grad_dtype=gdt)
@@ -230,7 +221,7 @@ def _build_step(model, v: dict, legacy: bool):
     return step, f"{opt.name} grads {str(gdt).split('.')[-1]}"
 
 
-def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int, legacy: bool = False) -> dict:
+def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
     L, D, H = SIZES[size]
     v = VARIANTS[variant]
     cfg = GPTConfig(L, D, H, 4 * D, SEQ, pad_vocab_size(VOCAB), hidden_dropout=0.0,
@@ -238,7 +229,7 @@ def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int,
                     fused_ce=v.get("ce", "fused"), fp32_residual_connection=v.get("fp32_res", False))
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
-    step, impl = _build_step(model, v, legacy)
+    step, impl = _build_step(model, v)
     gen = torch.Generator(device="cuda").manual_seed(1)
     data = [torch.randint(0, VOCAB, (mb, SEQ + 1), device="cuda", generator=gen) for _ in range(4)]
     data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
@@ -260,7 +251,7 @@ def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int,
     dt = (time.perf_counter() - t0) / steps
     n = model.num_params()
     toks = mb * SEQ / dt
-    return dict(variant=f"hpcmeg_{'legacy' if legacy else 'step'}_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1),
+    return dict(variant=f"hpcmeg_step_{variant}", micro_batch=mb, params_M=round(n / 1e6, 1),
                 step_ms=round(dt * 1e3, 2), tokens_per_s=round(toks),
                 tflops=round(toks * flops_per_token(n, L, D, SEQ) / 1e12, 1),
                 peak_mem_GB=round(torch.cuda.max_memory_allocated() / 1e9, 2), loss=round(r.loss, 3),
@@ -307,7 +298,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="124M,355M")
     ap.add_argument("--variants", default="trainer",
-                    help="trainer, step:<TrainStep variant>, legacy:<variant> and a:ANCHOR entries, in run order "
+                    help="trainer, step:<TrainStep variant> and a:ANCHOR entries, in run order "
                          "(an item may repeat: the spread between repeats is the run-to-run noise)")
     ap.add_argument("--anchors", default="hf_eager,hf_sdpa,hf_compile,nano_compile")
     ap.add_argument("--mb", type=int, default=12)
@@ -355,8 +346,6 @@ def main() -> None:
                     rows.append(_anchor_module(size, a.mb, a.steps, anchor_vocab(item[2:])).run(item[2:]))
                 elif item.startswith("step:"):
                     rows.append(_step_variant(size, item[5:], a.mb, a.steps, a.warmup))
-                elif item.startswith("legacy:"):
-                    rows.append(_step_variant(size, item[7:], a.mb, a.steps, a.warmup, legacy=True))
                 else:
                     rows.append(_trainer_variant(size, item, a.mb, a.steps, a.warmup, data))
             except Exception as ex:  # keep the other variants' numbers

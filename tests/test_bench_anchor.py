@@ -11,6 +11,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "dev"))  # the probes lease.sh runs (attention_probe)
 
 L, D, H, V = 2, 32, 4, 97
 
@@ -160,7 +161,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
         assert {"gemm_probe.log", "user_path_124M.log", "user_path_124M_bif.log", "user_path_355M.log"} <= set(t.getnames())
         assert "lt_check.log" in t.getnames()  # checked once per call, whatever LEASE_BEST holds
         logged = t.extractfile("lease.log").read().decode()
-    assert "gemm_probe.py --sizes 124M " in logged
+    assert "bench/dev/gemm_probe.py --sizes 124M " in logged
     items, bif, u355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
     # u124: the anchor, the shipped defaults, the CE launch at micro 12 and 16, the probe's tiles,
     # plain micro 16, micro 16 with one and two layers' GELU recomputed, the Triton forward of the
@@ -193,7 +194,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
         assert f"--size {size} " in cmd and "model.hidden_dropout=0.1" in cmd and cmd.endswith(mb_gbs), cmd
     # the MLP backward probe (session 18's backward against gelu_impl cublaslt_dgelu's), the
     # bias-dropout-add + LayerNorm forward kernel's check
-    assert "bench/mlp_bwd_probe.py --out" in logged
+    assert "bench/dev/mlp_bwd_probe.py --out" in logged
     assert "bench/gpu_agreement.py --parts bdaln" in logged
     # the AdamW kernel's check and timing; the attention tiles at 1.3B's head dim, checked against the twin
     assert "bench/gpu_agreement.py --parts adamw" in logged
@@ -220,7 +221,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
 
 
 def test_attention_probe_best_spec_takes_a_faster_bits_launch():
-    """bench/attention_probe.py: the best spec (what $HPCMEG_ATTENTION_BLOCKS gets in the lease's
+    """bench/dev/attention_probe.py: the best spec (what $HPCMEG_ATTENTION_BLOCKS gets in the lease's
     Triton rows) takes the keep-bits launch of the fastest --bits variant only when it beat the
     default launch by >= 5 %, and never a variant that failed."""
     import attention_probe as ap

@@ -178,11 +178,11 @@ def test_an_unusable_library_warns_and_the_mlp_falls_back(kind, tmp_path, monkey
 
 
 def test_the_library_accepts_the_gemm_probes_descriptors():
-    """bench/gemm_probe.py's weight-gradient problem (bf16 A/B, fp32 C/D, the default epilogue, B
+    """bench/dev/gemm_probe.py's weight-gradient problem (bf16 A/B, fp32 C/D, the default epilogue, B
     transposed) for every GEMM of the three sizes: layouts and descriptor accepted by cuBLASLt."""
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "dev"))
     import gemm_probe
 
     lt = cublaslt.Lt(_library())

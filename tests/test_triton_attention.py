@@ -3,7 +3,7 @@ against its plain PyTorch twins in Triton's CPU interpreter; the twins against a
 against PyTorch SDPA; the custom op (opcheck); the model with attention_backend='triton' against
 the default backend, eager and under torch.compile.
 
-The kernels compiled for the GPU are checked by bench/attention_probe.py on the H200.
+The kernels compiled for the GPU are checked by bench/dev/attention_probe.py on the H200.
 Tolerances: tests/TOLERANCES.md's cases, named at each comparison.
 """
 

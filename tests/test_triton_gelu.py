@@ -3,7 +3,7 @@ against their plain PyTorch twins in Triton's CPU interpreter (fp32, bf16, fp16;
 several dbias partial rows); the twins against ops.bias_gelu, F.gelu and autograd; the custom ops
 (opcheck, CPU path).
 
-The kernels compiled for the GPU are checked (and timed) by bench/gelu_probe.py on the H200.
+The kernels compiled for the GPU are checked (and timed) by bench/dev/gelu_probe.py on the H200.
 Tolerances: tests/TOLERANCES.md's cases, named at each comparison.
 """
 

@@ -3,7 +3,7 @@ kernels against their plain PyTorch twin in Triton's CPU interpreter (fp32 and b
 shapes, several partial-sum rows); the twin against torch.autograd through ops.layer_norm with the
 bias-dropout-add forward; the custom op (opcheck) and the launch plan.
 
-The kernels compiled for the GPU are checked by bench/layernorm_probe.py on the H200.
+The kernels compiled for the GPU are checked by bench/dev/layernorm_probe.py on the H200.
 Tolerances: tests/TOLERANCES.md's cases, named at each comparison.
 """
 

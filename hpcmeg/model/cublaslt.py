@@ -399,7 +399,7 @@ def wgrad_bgrad_(flat: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, offset: 
             db = torch.empty(out_f, dtype=bias_dtype, device=dy.device)
             key = ("wgrad_bgrad", dy.device.index, dy.dtype, t, out_f, in_f, bias_dtype, _alignment(x2, dy2, main, db))
             # main[out, in] row-major = D[in, out] column-major = A[in, T] op(B)[T, out], A = x (col-major
-            # [in, T]), B = dy (col-major [out, T], transposed), beta 1: bench/gemm_probe.py's Problem
+            # [in, T]), B = dy (col-major [out, T], transposed), beta 1: bench/dev/gemm_probe.py's Problem
             if lib.gemm(dy.device, key, _OP_N, _OP_T, in_f, out_f, t, x2, in_f, dy2, out_f, main, in_f,
                         _EPILOGUE_BGRADB, db, None, 0, beta=1.0, quiet=bias_dtype != torch.float32):
                 return db.to(dy.dtype)

@@ -67,7 +67,7 @@ _M32 = 0xFFFFFFFF
 @dataclass(frozen=True)
 class Blocks:
     """Tile sizes and launch shapes (rows x cols of the score tile each program works on).
-    The fastest of bench/attention_probe.py's sweep on the H200 at head dims 64 and 128 without
+    The fastest of bench/dev/attention_probe.py's sweep on the H200 at head dims 64 and 128 without
     dropout (bench/results/attention_probe_h200_s8a.json: 124M fwd 0.073 ms with fwd_m 64 vs 0.082
     with 128; bwd 0.221 ms with dkv_n = dq_m = 64 vs 0.277 with 128)."""
     fwd_m: int = 64   # query rows per forward program
@@ -87,7 +87,7 @@ class Blocks:
     heavy_first: int = 0
     # the keep-bits kernel (_attn_bits_kernel): tiles of bits_rows x 16 * bits_groups columns,
     # bits_warps warps; bits_loop 1: one program per row block looping over its tiles (no programs
-    # right of the diagonal that only return). Knobs for bench/attention_probe.py --bits: the kernel
+    # right of the diagonal that only return). Knobs for bench/dev/attention_probe.py --bits: the kernel
     # took 0.044-0.050 ms per 124M layer call where its static SASS (106 instructions per Philox
     # call) predicts ~0.015 at full issue rate.
     bits_rows: int = 64
@@ -97,7 +97,7 @@ class Blocks:
     # 1: each forward program first draws and stores the keep words of the tiles it will visit (one
     # Philox call per 16 scores), then runs as without it: no separate bits kernel (6.2 ms of the
     # 1.3B step on the H100, profile_h100_s19_1.3B_gbs64.md), its Philox work overlapping other
-    # programs' matmuls on the same SM. Opt-in, not yet timed on a GPU (bench/attention_probe.py
+    # programs' matmuls on the same SM. Opt-in, not yet timed on a GPU (bench/dev/attention_probe.py
     # times it: --fwd fwd_draw=1). With fwd_m > the backward's tiles the backward reads some words right of the diagonal
     # that nothing wrote; they only select between values the causal mask has already zeroed.
     fwd_draw: int = 0

@@ -35,7 +35,7 @@ Cost notes (static sm90 SASS, Triton 3.6's ptxas, head dim 64, p = 0.1; instruct
 of the main loops): forward 432 (277 without dropout), dK/dV 356 / 310, dQ 185 / 248. The bits
 kernel: 106 instructions per Philox call (16 keep bits) with _pack16's byte-parallel packing (142
 packing bit by bit); at full issue rate its 4.7 M calls per 124M layer take ~15 us, while it
-measured 0.044-0.050 ms, so its launch shape is a knob (Blocks.bits_*, bench/attention_probe.py --bits).
+measured 0.044-0.050 ms, so its launch shape is a knob (Blocks.bits_*, bench/dev/attention_probe.py --bits).
 Why the forward reads the same bits as the backward (measured, bench/results/user_path_h200_s13.md):
 a second copy of the bits for the forward, ordered as the wgmma accumulator's columns and applied to
 bf16 pairs by one byte permute and one AND in inline PTX, took the forward loop from 495 to 344

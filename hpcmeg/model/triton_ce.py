@@ -20,7 +20,7 @@ Contract
   whose backward then needs no pass over [N, V] at all. Custom op hpcmeg::cross_entropy_grad_
   (mutates logits); twin reference_grad_. Its launch (CELaunch: chunk size, warps, a persistent grid,
   prefetch, a reversed second sweep) defaults to the one measured in the user path; $HPCMEG_CE_LAUNCH
-  picks another for a run and bench/ce_probe.py times them (every launch computes the same values;
+  picks another for a run and bench/dev/ce_probe.py times them (every launch computes the same values;
   bit for bit at the default chunk size and warps).
 Needs the `triton` package (present wherever CUDA torch is); imported when this module is.
 """
@@ -99,7 +99,7 @@ def _ce_fwd_grad_kernel(logits_ptr, labels_ptr, loss_ptr, stride_row, n_rows, V:
     reads + writes; a persistent grid of 1-8 programs per SM was no faster, 0.97-2.1 ms, with 8
     warps and one chunk in flight: bench/results/user_path_h200_s12.md.)
     LOOP: rows pid, pid + G, ... (G programs), else one row per program. Launch knobs (CELaunch;
-    bench/ce_probe.py times them: on an H100 BLOCK 8192, 16 warps, PREFETCH and REVERSE ran 14 %
+    bench/dev/ce_probe.py times them: on an H100 BLOCK 8192, 16 warps, PREFETCH and REVERSE ran 14 %
     under the default launch alone but +0.2 % / -0.1 % tokens/s in the 124M / 355M user path, within
     its noise, so the default stays): PREFETCH the first sweep's next chunk loaded before this one's
     reductions (_row_lse_prefetch); REVERSE the second sweep from the row's end, so the chunks the
@@ -123,7 +123,7 @@ def _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, row, stride_row, V: tl.co
     # before any of the sweep's writes. Read after them, a warp that reached the sweep first could
     # overwrite it under another's read: a wrong loss for that token (its gradient, from lse and
     # the label alone, unaffected). That order was seen to fail on an H100: one cold-cache call of
-    # bench/ce_probe.py gave losses that no later call repeated; tests/test_fused_ops.py checks
+    # bench/dev/ce_probe.py gave losses that no later call repeated; tests/test_fused_ops.py checks
     # the order in the compiled PTX.
     label = tl.load(labels_ptr + row)
     target = tl.load(base + label).to(tl.float32)
@@ -143,7 +143,7 @@ def _ce_fwd_grad_row(logits_ptr, labels_ptr, loss_ptr, row, stride_row, V: tl.co
 
 @dataclass(frozen=True)
 class CELaunch:
-    """How _ce_fwd_grad_kernel is launched (bench/ce_probe.py sweeps it; $HPCMEG_CE_LAUNCH, e.g.
+    """How _ce_fwd_grad_kernel is launched (bench/dev/ce_probe.py sweeps it; $HPCMEG_CE_LAUNCH, e.g.
     'block=8192,warps=16,per_sm=2,prefetch=1,reverse=1', picks one for a run). The default is the
     launch measured in the user path: one row per program, 8 warps, 4096-column chunks."""
     block: int = BLOCK       # columns per chunk (a power of 2)

@@ -32,7 +32,7 @@ Contract
   reference_forward(h) / reference_backward(dg, h): the plain twins (fp32 math, same outputs).
     gelu_grad(h) is the written-out derivative in h's dtype (tests/test_triton_gelu.py checks it
     against autograd of ops.bias_gelu and the kernels against the twins in Triton's interpreter;
-    bench/gelu_probe.py checks the kernels against the twins on the GPU and times them).
+    bench/dev/gelu_probe.py checks the kernels against the twins on the GPU and times them).
   launch(kernel, grid, device, ...) runs a kernel on the tensors' GPU, or in Triton's interpreter
     (TRITON_INTERPRET=1) for CPU tensors.
 Triton is optional: without it (CPU-only installs) the ops run the twins.
@@ -62,7 +62,7 @@ INTERPRETER_SMS = 4  # "SMs" assumed for CPU tensors (Triton's interpreter): sev
 @dataclass(frozen=True)
 class Blocks:
     """Tile sizes and launch shapes. Chosen by the reasoning in the comments (not yet timed on the
-    GPU; bench/gelu_probe.py times a few alternatives). All sizes are powers of two (tl.arange)."""
+    GPU; bench/dev/gelu_probe.py times a few alternatives). All sizes are powers of two (tl.arange)."""
     # Forward: flat over all N * F elements (contiguous, so no row structure is needed and every
     # 16-byte vector is aligned). 2048 elements x 2 B = 4 KB read per program; 4 warps = 128
     # threads x 16 elements = two 16-byte loads in flight per thread. [12288, 3072] -> 18,432

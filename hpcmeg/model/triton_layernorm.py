@@ -36,7 +36,7 @@ Kernel design (one pass over the rows, no atomics, deterministic):
   each): one wave. Per SM that is 5 x 5.4 KB (H = 768: one row of dy, x, d_res at 2 B + keep at
   1 B) of prefetched loads in flight besides the current ones, about the 22-26 KB that 4.8 TB/s x
   ~600 ns of DRAM latency / 132 SMs asks for. R, warps, programs per SM and the prefetch are knobs
-  of `Launch`; bench/layernorm_probe.py times a few settings on the H200. Measured there in CUDA-graph
+  of `Launch`; bench/dev/layernorm_probe.py times a few settings on the H200. Measured there in CUDA-graph
   replays (bench/results/layernorm_probe_h200_s9b.json), with keep and d_res: 37.9 / 43.4 / 55.7 us
   at 124M / 355M / 1.3B's shapes with 4 programs per SM at H <= 1024, 36.5 / 43.2 with 5; Inductor's
   compiled formulation 70.8 / 79.0 / 82.5 us.
@@ -103,7 +103,7 @@ SUM_BLOCK_P, SUM_BLOCK_C = 128, 32  # the column-sum pass's tile: 128 partial ro
 
 @dataclass(frozen=True)
 class Launch:
-    """How the row pass is cut up; 0 means the rule given per field. bench/layernorm_probe.py sweeps it."""
+    """How the row pass is cut up; 0 means the rule given per field. bench/dev/layernorm_probe.py sweeps it."""
     rows: int = 0             # R, rows per iteration; 0: TILE_ELEMENTS // BLOCK_H, clamped to [1, MAX_ROWS]
     warps: int = 0            # 0: R * BLOCK_H / (32 * ELEMS_PER_THREAD), clamped to [1, MAX_WARPS]
     programs_per_sm: int = 0  # grid target = this x SMs; 0: RESIDENT_WARPS // warps (at least 1)

@@ -44,7 +44,7 @@ Implementation, risk R2 of docs/parallel-design.md answered: the `_c10d_function
 torch.distributed._functional_collectives, on every backend, each waited at once and wrapped in
 an autograd.Function. Funcol everywhere, no dist.* fallback needed. Measured
 (bench/results/tp_blocks_h200.md has the numbers and the spike):
-  * gloo/CPU, torch 2.13 here (bench/funcol_gloo.py): right values on the world and sub-groups;
+  * gloo/CPU, torch 2.13 here (bench/dev/funcol_gloo.py): right values on the world and sub-groups;
     eager latency equal to dist.* (fastest of 40 on 2 shared cores: all-reduce 128 KB 0.40 vs
     0.42 ms, 4 MB 4.8 vs 5.0 ms; all-gather 0.30 vs 0.33, 3.6 vs 4.5 ms); torch.compile
     (fullgraph=True; Inductor and aot_eager) traces the Functions with no graph break, group

@@ -6,7 +6,7 @@ pass. torch has the same GEMM as `torch.addmm(main, dy_t, x, out_dtype=torch.flo
 (CUDA only). This times, per weight shape of a layer (124M / 355M / 1.3B widths, 12288 or 8192 tokens):
   * split: wgrad = dy_t @ x in bf16, then main += wgrad.float() (what an unfused accumulation does);
   * fused: the fp32-accumulating addmm into main;
-and checks they agree (fp32 tolerance). Usage: python bench/wgrad_probe.py [--out DIR]
+and checks they agree (fp32 tolerance). Usage: python bench/dev/wgrad_probe.py [--out DIR]
 """
 from __future__ import annotations
 

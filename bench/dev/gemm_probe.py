@@ -14,7 +14,7 @@ the fastest or within 3 % for each GEMM (there the heuristic does not split K fo
 so the model keeps torch's addmm.
 Time: triton.testing.do_bench_cudagraph (median of CUDA-graph replays; beta 1 keeps adding into
 the same fp32 output, which stays finite).
-Usage: python bench/gemm_probe.py [--sizes 124M,355M,1.3B] [--n 16] [--out DIR] [--tag TAG]
+Usage: python bench/dev/gemm_probe.py [--sizes 124M,355M,1.3B] [--n 16] [--out DIR] [--tag TAG]
 Writes <out>/gemm_probe[_<tag>].json after each size: per problem torch's ms, then each
 algorithm's ms, its configuration (id, tile, split-K, reduction scheme; waves and workspace from
 the heuristic) and its largest difference from torch's result relative to the largest value.
@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from hpcmeg.model import cublaslt  # noqa: E402
 
 V = 50304

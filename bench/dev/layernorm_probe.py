@@ -20,7 +20,7 @@ under CUDA graphs; plain do_bench timed mostly the ops' Python launch), per shap
   and TB/s = the bytes that must cross HBM (reads dy, x [, d_res, keep], writes dx [, d_branch]) / time.
 Then, while the time budget lasts, a few other triton_layernorm.Launch settings (rows per iteration,
 warps, programs per SM, prefetch) on the full variant at each shape.
-Usage: python bench/layernorm_probe.py [--shapes 12288x768,...] [--no-sweep] [--budget 35]
+Usage: python bench/dev/layernorm_probe.py [--shapes 12288x768,...] [--no-sweep] [--budget 35]
 Writes $OUT/layernorm_probe.json (OUT defaults to '.'); prints a table last. ~30-50 s on the H200,
 most of it compiling (Inductor: 6 graphs, Triton: ~12 kernels, more with the sweep).
 """
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from hpcmeg.model import triton_layernorm as tln  # noqa: E402
 
 SHAPES = "12288x768,12288x1024,8192x2048"

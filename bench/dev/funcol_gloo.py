@@ -7,7 +7,7 @@ hpcmeg/parallel/comm.py's choice. Spawns `world` gloo processes (default 2) and 
   collective of the flattened tokens (comm.py) vs a literal dim-1 split (chunk + cat copy);
 - whether torch.compile(fullgraph=True) traces comm.py's functions with the default group and a
   sub-group, and gives the eager values.
-Usage: python bench/funcol_gloo.py [world]
+Usage: python bench/dev/funcol_gloo.py [world]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _median_min(fn, reps=40):

@@ -20,7 +20,7 @@ engine took longer per iteration than the GPU did), and each `.backward` added A
 read-modify-write of the leaf's gradient (bf16 [b, s, heads, 3 * head_dim], ~170 MB at 124M), which
 the model, whose qkv is the QKV GEMM's output, never runs.
 Configurations: --fwd and --bwd list tile overrides (Blocks field=value, '+'-joined; 'default').
-Usage: python bench/attention_probe.py --sizes 124M,1.3B [--fwd "default fwd_warps=8 ..."] [--bwd "..."]
+Usage: python bench/dev/attention_probe.py --sizes 124M,1.3B [--fwd "default fwd_warps=8 ..."] [--bwd "..."]
        [--p 0.1] [--no-sdpa] [--no-agreement]
 Writes <out>/attention_probe.json.
 """
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from hpcmeg.model import triton_attention as ta  # noqa: E402
 
 SHAPES = {"124M": (12, 1024, 12, 64), "355M": (12, 1024, 16, 64), "1.3B": (8, 1024, 16, 128)}

@@ -11,7 +11,7 @@ per SM by registers), a reversed second sweep (the chunks read last re-read firs
 more warps, a persistent grid. Session 12 timed persistent grids alone (no faster).
 Time: triton.testing.do_bench_cudagraph (median of CUDA-graph replays); each call overwrites the
 logits with their gradient, which stays finite, so replays are alike.
-Usage: python bench/ce_probe.py [--rows 12288,4096] [--launches "default reverse=1 prefetch=1+reverse=1"]
+Usage: python bench/dev/ce_probe.py [--rows 12288,4096] [--launches "default reverse=1 prefetch=1+reverse=1"]
 Writes <out>/ce_probe[_<tag>].json and <out>/ce_best.txt: the fastest launch at the first --rows
 that agreed ('default' unless another is >= 2 % faster), for $HPCMEG_CE_LAUNCH.
 """
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from hpcmeg.model import triton_ce  # noqa: E402
 
 V = 50304  # GPT-2's vocabulary padded as Megatron pads it

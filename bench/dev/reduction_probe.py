@@ -6,7 +6,7 @@ lists, for forward+backward, every host op that launched a non-Triton kernel wit
 kernel names (and the Triton LayerNorm kernels), then fwd+bwd ms; then the same for candidate
 formulations of the LayerNorm. Also dumps Inductor's output code lines that call aten/extern kernels.
 --variants a,b,...: only those Inductor settings (VARIANTS below), e.g. the mix-order reduction's split.
-Usage: python bench/reduction_probe.py --out DIR [--variants current,no_mix_order,split64]
+Usage: python bench/dev/reduction_probe.py --out DIR [--variants current,no_mix_order,split64]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from hpcmeg.model import fused, ops  # noqa: E402

@@ -15,7 +15,7 @@ Shapes [tokens, ffn] bf16: [12288, 3072] (124M, micro batch 12), [12288, 4096] (
     (53 us); the targets are <= 38 us and <= 55 us there. A few alternative Blocks
     (FWD_VARIANTS, BWD_VARIANTS) are timed too, while --budget seconds last (each is one more
     Triton compile).
-Usage: python bench/gelu_probe.py [--out DIR] [--budget 40]  (well under a minute on the H200)
+Usage: python bench/dev/gelu_probe.py [--out DIR] [--budget 40]  (well under a minute on the H200)
 Writes <out>/gelu_probe.json (out: --out, else $OUT, else '.'); prints a table last.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from hpcmeg.model import triton_gelu as tg  # noqa: E402
 
 SHAPES = {"124M": (12288, 3072), "355M": (12288, 4096), "1.3B": (8192, 8192)}

@@ -11,7 +11,7 @@ written once and dg never; BGRADB sums dh in the GEMM that reads it anyway. cuBL
 DGELU_BGRAD (both in the first GEMM) measured 2.1x slower than the shipped pair on the H100
 (gpu_agreement --parts lt): the bias sum across the tokens is what that epilogue does badly, so
 this probe times the split Transformer Engine uses.
-Usage: python bench/mlp_bwd_probe.py [--sizes 124M,124M@16,355M,1.3B] [--out DIR] [--tag TAG]
+Usage: python bench/dev/mlp_bwd_probe.py [--sizes 124M,124M@16,355M,1.3B] [--out DIR] [--tag TAG]
 Writes <out>/mlp_bwd_probe[_<tag>].json after each size: per size the parts' and the two paths'
 ms (triton.testing.do_bench_cudagraph, median of CUDA-graph replays), whether cuBLASLt ran each
 epilogue (else the op fell back to its twin path and the row says so), and the errors.
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from hpcmeg.model import cublaslt  # noqa: E402  (registers the ops)
 
 # hidden size, tokens per micro batch (the user path's micro batch x 1024); "124M@16": micro 16
@@ -95,9 +95,9 @@ def main() -> None:
     a = ap.parse_args()
     for s in a.sizes.split(","):
         if s not in SIZES:
-            sys.exit(f"bench/mlp_bwd_probe.py: --sizes: unknown size {s!r} (want some of {', '.join(SIZES)})")
+            sys.exit(f"bench/dev/mlp_bwd_probe.py: --sizes: unknown size {s!r} (want some of {', '.join(SIZES)})")
     if not torch.cuda.is_available():
-        sys.exit("bench/mlp_bwd_probe.py: no CUDA GPU here; run it on the GPU machine (bench/lease.sh mlpbwd)")
+        sys.exit("bench/dev/mlp_bwd_probe.py: no CUDA GPU here; run it on the GPU machine (bench/lease.sh mlpbwd)")
     dev = torch.device("cuda", torch.cuda.current_device())
     path = os.path.join(a.out, f"mlp_bwd_probe{'_' + a.tag if a.tag else ''}.json")
     report = dict(env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(dev),
