@@ -185,7 +185,8 @@ def test_cpu_stages_go_to_the_cpu_partition():
     for stage in ("preprocess", "merge", "convert"):
         assert "#SBATCH --partition=cpu\n" in texts[f"{stage}.sbatch"] and "--gpus" not in texts[f"{stage}.sbatch"]
     assert "#SBATCH --partition=gpu\n" in texts["train.sbatch"]
-    default, _ = render([], None)
+    # without cpu_partition (the example profile sets one) every job goes to cluster.partition
+    default, _ = render(["cluster.cpu_partition=null"], None)
     assert all("#SBATCH --partition=gpu\n" in t for n, t in default.items() if n.endswith(".sbatch"))
     feat, _ = render(["cluster.cpu_partition=cpu", "cluster.constraint=a100"], None)
     assert "#SBATCH --constraint=a100\n" in feat["train.sbatch"] and "--constraint" not in feat["convert.sbatch"]
@@ -209,7 +210,7 @@ def _nasty_recipe(tmp_path):
     overrides = [f"run.name={json.dumps(NASTY)}", f"run.output_root={json.dumps(str(root))}",
                  f"cluster.env={{INJ: {json.dumps(NASTY_NL)}}}", f"container.binds=[{json.dumps('/data $(x)')}]",
                  f"data.vocab_file={json.dumps(str(tmp_path / 'v;`x`.json'))}",
-                 f"cluster.partition={json.dumps('debug;rm')}"]
+                 f"cluster.partition={json.dumps('debug;rm')}", f"cluster.cpu_partition={json.dumps('debug;rm')}"]
     (tmp_path / "v;`x`.json").write_text(json.dumps({str(i): i for i in range(300)}))
     return overrides, root
 

@@ -10,7 +10,7 @@
 #SBATCH --ntasks=1
 #SBATCH --open-mode=append
 #SBATCH --output=/lustre/scratch/hpcmeg/runs/codeparrot-small/logs/merge/merge.%j.batch.log
-#SBATCH --partition=gpu
+#SBATCH --partition=cpu
 #SBATCH --signal=TERM@30
 #SBATCH --time=02:00:00
 
