@@ -28,7 +28,6 @@ not (cancel, timeout), and the restarted job resumes from the latest checkpoint.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +40,7 @@ from typing import Callable, Optional
 from hpcmeg.launch.causes import failure_cause
 from hpcmeg.launch.rundir import (RunDir, input_manifest, read_json, write_manifest, write_marker)
 from hpcmeg.megatron.names import REQUEUE_EXIT_CODES, committed_iterations, latest_iteration
+from hpcmeg.procenv import slurm_job_end_time
 from hpcmeg.launch.scripts import parse_iteration_list
 
 
@@ -152,24 +152,6 @@ def _run_step(run: RunDir, stage: str, args: list[str], env: Optional[dict] = No
             proc.send_signal(signal.SIGINT)
 
 
-def _job_end_time() -> Optional[str]:
-    """The job's end time as epoch seconds, for the trainer's wall-time guard (no scontrol in containers)."""
-    if os.environ.get("SLURM_JOB_END_TIME") or not os.environ.get("SLURM_JOB_ID") or not shutil.which("scontrol"):
-        return None
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", os.environ["SLURM_JOB_ID"]], capture_output=True,
-                             text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for tok in out.split():
-        if tok.startswith("EndTime="):
-            try:
-                return str(int(time.mktime(time.strptime(tok[8:], "%Y-%m-%dT%H:%M:%S"))))
-            except ValueError:
-                return None
-    return None
-
-
 def _requeue_self() -> None:
     job = os.environ["SLURM_JOB_ID"]
     r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
@@ -198,9 +180,10 @@ def run_train(task: dict) -> dict:
         reason="Slurm ended the job (requeue, preemption, cancel or time limit); written at the signal, "
                "before the step had ended")).install()
     env = {}
-    end_time = _job_end_time()
+    # the trainer's wall-time guard reads the end time from the environment (containers have no scontrol)
+    end_time = None if os.environ.get("SLURM_JOB_END_TIME") else slurm_job_end_time(timeout_s=30)
     if end_time:
-        env["SLURM_JOB_END_TIME"] = end_time
+        env["SLURM_JOB_END_TIME"] = str(int(end_time))
     attempt_start = time.time()
     rc = effective_train_rc(_run_step(run, "train", [], env), run.root, attempt_start)
     end_it = latest_iteration(ckpt)
