@@ -188,7 +188,7 @@ def test_an_installed_copy_has_the_checkout_s_source_hash(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     installed = tmp_path / "site" / "hpcmeg"
     assert V.source_hash(installed) == V.source_hash(REPO / "hpcmeg")
-    (installed / "launch" / "env.py").write_text((installed / "launch" / "env.py").read_text() + "\n# edited\n")
+    (installed / "procenv.py").write_text((installed / "procenv.py").read_text() + "\n# edited\n")
     assert V.source_hash(installed) != V.source_hash(REPO / "hpcmeg")
 
 
