@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cli_helpers import hpcmeg
+from hpcmeg.cli import main as hpcmeg_main
 from hpcmeg.convert.merge import load_full_checkpoint
 
 # 50257 rows: GPT-2's vocabulary, so the dir needs no tokenizer files (import-hf uses the embedded one).
@@ -116,24 +117,32 @@ CASES = {
 }
 
 
-def _run(d: str, out_root) -> tuple[int, list[str], str]:
+def _run(d: str, out_root, capsys=None) -> tuple[int, list[str], str]:
+    """`hpcmeg import-hf d <out_root>/ck`: as a process, or (capsys given) through the same entry
+    point in this process, which spares the ~5 s of importing torch and transformers per case; an
+    exception escaping main() fails the test as a traceback would."""
     ck = os.path.join(str(out_root), "ck")
-    r = hpcmeg("import-hf", d, ck, check=False)
+    if capsys is None:
+        r = hpcmeg("import-hf", d, ck, check=False)
+        rc, out, err = r.returncode, r.stdout, r.stderr
+    else:
+        rc = hpcmeg_main(["import-hf", d, ck])
+        out, err = capsys.readouterr()
     assert not os.path.exists(ck), "a refused import wrote its output dir"
     assert not [e for e in os.listdir(str(out_root)) if ".tmp-" in e], "a staging dir was left behind"
-    assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
-    return r.returncode, [ln for ln in r.stderr.splitlines() if ln.strip()], r.stdout
+    assert "Traceback" not in err + out, err[-3000:]
+    return rc, [ln for ln in err.splitlines() if ln.strip()], out
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_disagreement_refused_in_one_line(good_dir, tmp_path, case):
+def test_disagreement_refused_in_one_line(good_dir, tmp_path, capsys, case):
     config, weights, expect = CASES[case]
     d = str(tmp_path / "hf")
     shutil.copytree(good_dir, d)
     _edit(d, config, weights)
     out = tmp_path / "out"
     out.mkdir()
-    rc, lines, _ = _run(d, out)
+    rc, lines, _ = _run(d, out, capsys)
     assert rc == 1 and len(lines) == 1, lines
     line = lines[0]
     assert line.startswith("hpcmeg import-hf: ") and d in line, line
