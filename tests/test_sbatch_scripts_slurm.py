@@ -42,14 +42,15 @@ def _copy_scripts(root: Path) -> Path:
     return root / "slurm"
 
 
-def _wait(job: str, timeout: float = 240) -> str:
-    """The job's final state(s), space-separated (one per array task)."""
+def _wait(job: str, tasks: int = 1, timeout: float = 240) -> str:
+    """The job's final state(s), space-separated (one per array task), once accounting has all `tasks`
+    rows: an array task that has just left the queue can still be missing from sacct for a moment."""
     end = time.time() + timeout
     while time.time() < end:
         if not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
             rows = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True,
                                   text=True).stdout.split()
-            if rows and all(x not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING") for x in rows):
+            if len(rows) >= tasks and all(x not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING") for x in rows):
                 return " ".join(rows)
         time.sleep(0.5)
     raise AssertionError(f"job {job} did not end in {timeout} s")
@@ -93,7 +94,7 @@ def test_scripts_run_the_checkouts_hpcmeg_and_write_only_under_the_output(slurm_
     log = (tmp_path / "data" / f"preprocess-launch-{launch}.out").read_text()
     assert f"hpcmeg: {VENV_HPCMEG} (from the checkout's .venv)" in log, log
     ids = dict(kv.split("=") for kv in log.splitlines()[-1].split())
-    assert _wait(ids["ARRAY_JOB_ID"]) == "COMPLETED COMPLETED"
+    assert _wait(ids["ARRAY_JOB_ID"], tasks=2) == "COMPLETED COMPLETED"
     assert _wait(ids["MERGE_JOB_ID"]) == "COMPLETED", sorted(os.listdir(tmp_path / "data"))
     data = tmp_path / "data" / "cp_content_document"
     assert Path(f"{data}.bin").stat().st_size > 0 and Path(f"{data}.idx").exists()
@@ -151,7 +152,7 @@ def test_no_hpcmeg_is_one_line_and_nothing_runs(slurm_cluster, tmp_path):
     launch = _sbatch([str(scripts / "preprocess.sh")], env, submit)
     train = _sbatch(["--ntasks-per-node=1", "--cpus-per-task=1", "--time=5", f"--export=ALL,RECIPE={tmp_path / 'recipe.yaml'}",
                      str(scripts / "train.sh")], env, submit)
-    assert _wait(launch, 120) == "FAILED" and _wait(train, 120) == "FAILED"
+    assert _wait(launch, timeout=120) == "FAILED" and _wait(train, timeout=120) == "FAILED"
     assert sorted(os.listdir(submit)) == [f"hpcmeg-preprocess-{launch}.out", f"hpcmeg-train-{train}.out"]
     for job, name in ((launch, "preprocess"), (train, "train")):
         (line,) = (submit / f"hpcmeg-{name}-{job}.out").read_text().splitlines()
