@@ -194,8 +194,8 @@ lt_ok() {
 [[ $# -eq 0 ]] && set -- bdaln adamw u1.3B
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        probes | quick | ce | gemm | mlpbwd | bdaln | adamw | a1.3B | u124 | u355 | u1.3B | uall | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want probes, quick, ce, gemm, mlpbwd, bdaln, adamw, a1.3B, u124, u355, u1.3B, uall, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
+        ab124 | ab1.3B | probes | quick | ce | gemm | mlpbwd | bdaln | adamw | a1.3B | u124 | u355 | u1.3B | uall | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want ab124, ab1.3B, probes, quick, ce, gemm, mlpbwd, bdaln, adamw, a1.3B, u124, u355, u1.3B, uall, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -203,6 +203,16 @@ echo "hpcmeg lease at commit $HPCMEG_COMMIT, budget $BUDGET s, stages: $*" | tee
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>/dev/null | tee -a "$OUT/lease.log"
 for stage in "$@"; do
     case $stage in
+        ab124)  # which fused paths earn their place: each default against the path left without it (124M)
+            user_path 124M 560 124M_ab "hpcmeg hpcmeg:set=model.gelu_impl=triton hpcmeg:set=model.gelu_impl=inductor \
+hpcmeg:set=model.dropout_impl=native hpcmeg:set=model.layernorm_impl=inductor hpcmeg:set=model.cross_entropy=compiled \
+hpcmeg:set=model.attention_backend=cudnn nano" ;;
+        ab1.3B)  # the untimed candidates: attention launch variants (124M, 1.3B), the AdamW kernel, then 1.3B rows
+            step attention_probe_ab 150 python bench/dev/attention_probe.py --sizes 124M,1.3B --p 0.1 --no-sdpa --tag lease_ab \
+                --no-agreement --fwd "default fwd_draw=1 heavy_first=1 fwd_n=32 fwd_warps=8" \
+                --bwd "default heavy_first=1 dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8 bwd_stages=2"
+            step adamw_check 100 python bench/gpu_agreement.py --parts adamw --out "$OUT/adamw"
+            user_path 1.3B 450 1.3B_ab "hpcmeg hpcmeg:set=model.layernorm_impl=triton_forward hpcmeg:set=model.gelu_impl=triton" ;;
         probes)
             step attention_probe 200 python bench/dev/attention_probe.py --sizes 124M,355M,1.3B --p 0.1 --tag lease \
                 --agree heavy_first=1 \
