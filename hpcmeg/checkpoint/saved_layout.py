@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from hpcmeg.megatron.args import checkpoint_models
-from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, SHARD_FILENAME, iter_dirname,
-                                   parse_iter_dirname, parse_shard_dirname, read_tracker)
+from hpcmeg.megatron.names import (MANIFEST_FILENAME, SHARD_FILENAME, iter_dirname, parse_shard_dirname,
+                                   read_tracker, resume_candidates)
 
 
 @dataclass(frozen=True)
@@ -82,15 +82,8 @@ def saved_layout(ckpt_dir: str) -> Optional[SavedLayout]:
     """See the file header."""
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
         return None
-    tracker = read_tracker(ckpt_dir)
-    if tracker == RELEASE_DIRNAME:
-        candidates: list[Union[int, str]] = [RELEASE_DIRNAME]
-    else:
-        # newest first; with a tracker none newer than it (an interrupted save's leftovers), without
-        # one every iteration directory (store.load_checkpoint then loads the newest valid one)
-        found = (parse_iter_dirname(e) for e in os.listdir(ckpt_dir))
-        candidates = sorted((i for i in found if i is not None and (tracker is None or i <= tracker)), reverse=True)
-    for it in candidates:
+    # the iterations store.load_checkpoint would try, in its order: the first with shard files is it
+    for it in resume_candidates(ckpt_dir, read_tracker(ckpt_dir)):
         grid = _shard_grid(os.path.join(ckpt_dir, iter_dirname(it)))
         if grid is not None:
             tp, pp, shard = grid

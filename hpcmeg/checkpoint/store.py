@@ -59,8 +59,8 @@ from hpcmeg.checkpoint.safe import UnreadableCheckpointError, UnsafeCheckpointEr
 from hpcmeg.checkpoint.shard_set import fingerprint, new_save_id, own_shard_problem, with_save_id
 from hpcmeg.fsutil import fsync_dir
 from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, SHARD_FILENAME, TRACKER_FILENAME,
-                                   all_shard_relpaths, iter_dirname, parse_iter_dirname, read_tracker, shard_dirname,
-                                   shard_relpath)
+                                   all_shard_relpaths, iter_dirname, read_tracker,
+                                   resume_candidates, shard_dirname, shard_relpath)
 
 _TMP_SUFFIX = ".tmp"
 _TRASH_SUFFIX = ".trash"
@@ -193,9 +193,7 @@ def rotate_checkpoints(save_dir: str, keep_last: int, protect: int) -> list[int]
     iteration, never deleted). Dirs newer than `protect` are left alone. Returns deleted iterations."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    iters = sorted((i for i in (parse_iter_dirname(e) for e in os.listdir(save_dir)) if i is not None
-                    and i <= protect), reverse=True)
-    doomed = [i for i in iters[keep_last:] if i != protect]
+    doomed = [i for i in resume_candidates(save_dir, protect)[keep_last:] if i != protect]
     for i in doomed:
         _remove_tree(os.path.join(save_dir, iter_dirname(i)))
     return doomed
@@ -349,6 +347,46 @@ def _mismatch_across_ranks(state: dict, path: str, iter_dir: str, own: str | Non
     return own
 
 
+def _load_order(load_dir: str, iteration: int | str | None) -> tuple[list, int | str | None] | None:
+    """(iterations to try, newest first; the tracker's content); None when there is nothing to load.
+    A forced `iteration` is the only one, without reading the tracker."""
+    if iteration is not None:
+        return [iteration], None
+    tracker = read_tracker(load_dir)
+    candidates = resume_candidates(load_dir, tracker)
+    if tracker is None:
+        if not candidates:
+            return None
+        warnings.warn(f"{load_dir}: no {TRACKER_FILENAME}; using the newest valid iteration dir",
+                      CheckpointWarning, stacklevel=3)
+    elif tracker != RELEASE_DIRNAME and tracker not in candidates:
+        warnings.warn(f"{load_dir}/{TRACKER_FILENAME} names iteration {tracker} but "
+                      f"{iter_dirname(tracker)} does not exist", CheckpointWarning, stacklevel=3)
+    return candidates, tracker
+
+
+def _read_shard(iter_dir: str, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
+                verify_crc: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """(this rank's state, None), or (None, why this iteration's shard is unusable)."""
+    path = os.path.join(iter_dir, shard_relpath(tp_rank, pp_rank, pp_size))
+    if not os.path.isdir(iter_dir):
+        return None, f"{iter_dir} is missing"
+    problem = _problem(iter_dir, tp_rank, pp_rank, tp_size, pp_size, verify_crc)
+    if problem is not None:
+        return None, problem
+    try:
+        state = safe_torch_load(path)
+    except UnsafeCheckpointError:
+        raise
+    except UnreadableCheckpointError as e:
+        return None, str(e).split("; the file is")[0]
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means this shard is unusable
+        return None, f"{path} cannot be loaded ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+    if not isinstance(state, dict):
+        return None, f"{path} holds a {type(state).__name__}, not a checkpoint dict"
+    return state, None
+
+
 def load_checkpoint(load_dir: str, *, tp_rank: int, pp_rank: int, tp_size: int, pp_size: int,
                     iteration: int | str | None = None, verify_crc: bool = True,
                     all_reduce_max: Callable[[int], int] | None = None) -> tuple[int, dict[str, Any]] | None:
@@ -361,44 +399,16 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, pp_rank: int, tp_size: int, 
     when only one rank's shard is bad. Raises UnsafeCheckpointError for pickles that need code."""
     if not os.path.isdir(load_dir):
         return None
-    if iteration is not None:
-        candidates, forced = [iteration], True
-    else:
-        forced, tracker = False, read_tracker(load_dir)
-        if tracker == RELEASE_DIRNAME:
-            candidates = [RELEASE_DIRNAME]
-        else:
-            found = sorted((i for i in map(parse_iter_dirname, os.listdir(load_dir)) if i is not None), reverse=True)
-            if tracker is None:
-                if not found:
-                    return None
-                warnings.warn(f"{load_dir}: no {TRACKER_FILENAME}; using the newest valid iteration dir",
-                              CheckpointWarning, stacklevel=2)
-                candidates = found
-            else:
-                if tracker not in found:
-                    warnings.warn(f"{load_dir}/{TRACKER_FILENAME} names iteration {tracker} but "
-                                  f"{iter_dirname(tracker)} does not exist", CheckpointWarning, stacklevel=2)
-                candidates = [i for i in found if i <= tracker]
-    tracker_exists = iteration is None and read_tracker(load_dir) is not None
+    order = _load_order(load_dir, iteration)
+    if order is None:
+        return None
+    candidates, tracker = order
+    forced = iteration is not None
     problems: list[str] = []
     for it in candidates:
         iter_dir = os.path.join(load_dir, iter_dirname(it))
         path = os.path.join(iter_dir, shard_relpath(tp_rank, pp_rank, pp_size))
-        problem = _problem(iter_dir, tp_rank, pp_rank, tp_size, pp_size, verify_crc) if os.path.isdir(iter_dir) \
-            else f"{iter_dir} is missing"
-        state = None
-        if problem is None:
-            try:
-                state = safe_torch_load(path)
-            except UnsafeCheckpointError:
-                raise
-            except UnreadableCheckpointError as e:
-                problem = str(e).split("; the file is")[0]
-            except Exception as e:  # noqa: BLE001 - any unpickling failure means this shard is unusable
-                problem = f"{path} cannot be loaded ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
-            if problem is None and not isinstance(state, dict):
-                problem, state = f"{path} holds a {type(state).__name__}, not a checkpoint dict", None
+        state, problem = _read_shard(iter_dir, tp_rank, pp_rank, tp_size, pp_size, verify_crc)
         mismatch = None if problem is not None else own_shard_problem(state, path, it, _manifest_save_id(iter_dir))
         if all_reduce_max is not None:
             if all_reduce_max(int(problem is not None)) and problem is None:
@@ -415,8 +425,8 @@ def load_checkpoint(load_dir: str, *, tp_rank: int, pp_rank: int, tp_size: int, 
         problems.append(problem)
         warnings.warn(f"skipping checkpoint: {problem}; falling back to an older iteration",
                       CheckpointWarning, stacklevel=2)
-    if not tracker_exists and not forced:
+    if tracker is None and not forced:
         return None  # only untracked leftovers, all unusable: a fresh start is what the user had
-    found = "; ".join(problems) if problems else f"it names iteration {read_tracker(load_dir)} and there is no iter_* directory"
+    found = "; ".join(problems) if problems else f"it names iteration {tracker} and there is no iter_* directory"
     raise CheckpointLoadError(f"{load_dir}: {TRACKER_FILENAME} exists but no checkpoint is usable ({found}); restore "
                               f"the files, or move {load_dir} away to start from scratch")

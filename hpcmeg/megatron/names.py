@@ -107,15 +107,27 @@ def latest_iteration(ckpt_dir: str | os.PathLike) -> int | None:
     return 0 if it == RELEASE_DIRNAME else it
 
 
-def committed_iterations(ckpt_dir: str | os.PathLike) -> list[int]:
-    """Sorted iterations with an ``iter_XXXXXXX`` directory not newer than the tracker (newer ones are
-    leftovers of an interrupted save); [] without a tracker."""
-    latest = latest_iteration(ckpt_dir)
-    if latest is None:
-        return []
+def resume_candidates(ckpt_dir: str | os.PathLike, tracker: int | str | None) -> list[int | str]:
+    """The iterations a resume may load, newest first: ["release"] when ``tracker`` (what read_tracker
+    found) is "release"; else the ``iter_XXXXXXX`` names not newer than the tracker (newer ones are
+    leftovers of an interrupted save), every one of them without a tracker. The one rule the loader
+    (checkpoint.store), the layout check before a submit (checkpoint.saved_layout) and the committed
+    list (committed_iterations) share; [] when ``ckpt_dir`` is not a directory."""
+    if tracker == RELEASE_DIRNAME:
+        return [RELEASE_DIRNAME]
     try:
         names = os.listdir(ckpt_dir)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(i for i in map(parse_iter_dirname, names)
-                  if i is not None and i <= latest and os.path.isdir(os.path.join(ckpt_dir, iter_dirname(i))))
+    found = sorted((i for i in map(parse_iter_dirname, names) if i is not None), reverse=True)
+    return [i for i in found if tracker is None or i <= tracker]
+
+
+def committed_iterations(ckpt_dir: str | os.PathLike) -> list[int]:
+    """Sorted iterations with an ``iter_XXXXXXX`` directory not newer than the tracker ('release'
+    counts as 0); [] without a readable tracker."""
+    latest = latest_iteration(ckpt_dir)
+    if latest is None:
+        return []
+    return sorted(i for i in resume_candidates(ckpt_dir, latest)
+                  if os.path.isdir(os.path.join(ckpt_dir, iter_dirname(i))))
