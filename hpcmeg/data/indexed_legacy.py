@@ -3,7 +3,7 @@
 The format (docs/megatron-interop.md §1.2): magic b"TNTIDX\0\0", uint64 version 1, uint64 dtype
 code and element size, uint64 item count and sizes count, uint64 document count, then int64
 dim_offsets, data_offsets (in ELEMENTS), sizes and doc_idx. hpcmeg only reads it (to take old
-Megatron datasets in); it always writes MMIDIDX (``hpcmeg.data.indexed``).
+Megatron datasets in); it always writes MMIDIDX (``hpcmeg.data.indexed``; the bytes: ``indexed_format``).
 ``open_indexed_dataset(prefix, mmap)`` opens either format by its magic bytes.
 """
 
@@ -13,7 +13,8 @@ import struct
 
 import numpy as np
 
-from hpcmeg.data.indexed import TNTIDX_MAGIC, DType, IndexedDataset, data_file_path, index_file_path
+from hpcmeg.data.indexed import IndexedDataset
+from hpcmeg.data.indexed_format import TNTIDX_MAGIC, DType, data_file_path, index_file_path
 
 
 class LegacyIndexedDataset:
