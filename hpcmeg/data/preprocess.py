@@ -1,10 +1,12 @@
 """The engine of `hpcmeg preprocess`: JSONL -> Megatron `.bin/.idx`, a drop-in for Megatron's
 tools/preprocess_data.py.
 
-This file owns PreprocessConfig/PreprocessStats, preprocess_files (the library entry point), the
-worker-side batch encoder, ordering/partitioning, progress lines and bad-line handling. The command
-line (flags, config from flags, deprecation warnings, exit codes via faults.run_tool, and
-`python -m hpcmeg.data.preprocess_cli`) is hpcmeg.data.preprocess_cli, which imports this file.
+This file owns preprocess_files (the library entry point) and the parent side of the pipeline:
+PreprocessStats, ordering/partitioning, writing, progress lines and bad-line handling. What a
+worker runs (PreprocessConfig, the tokenizer it names, encode_batch) is hpcmeg.data.preprocess_encode;
+its names are importable from here too. The command line (flags, config from flags, deprecation
+warnings, exit codes via faults.run_tool, and `python -m hpcmeg.data.preprocess_cli`) is
+hpcmeg.data.preprocess_cli, which imports this file.
 
 Pipeline (streaming, bounded memory): the parent reads ~256 KB batches of whole lines -> worker
 processes parse, validate, (split sentences,) tokenize and return numpy token arrays -> the parent
@@ -49,35 +51,9 @@ import numpy as np
 
 from hpcmeg.data import indexed
 from hpcmeg.data.faults import DataError, StopSignal, UsageError, check_output_dir, check_stop, created_dirs
-from hpcmeg.data.jsonl import (LineBatch, describe_keys, expand_inputs, first_document_keys, iter_line_batches,
-                               parse_document)
+from hpcmeg.data.jsonl import LineBatch, describe_keys, expand_inputs, first_document_keys, iter_line_batches
+from hpcmeg.data.preprocess_encode import BatchEncoder, PreprocessConfig, encode_batch, make_splitter, make_tokenizer
 from hpcmeg.data.workers import OrderedPool
-
-
-@dataclass
-class PreprocessConfig:
-    json_keys: tuple = ("text",)
-    tokenizer_type: str = "GPT2BPETokenizer"
-    vocab_file: str | None = None  # GPT-2 vocab.json; None -> the embedded GPT-2 files
-    merge_file: str | None = None
-    tokenizer_model: str | None = None  # HuggingFaceTokenizer: local directory
-    tokenizer_backend: str = "auto"  # GPT2BPETokenizer: auto | tiktoken | tokenizers
-    append_eod: bool = False
-    split_sentences: bool = False
-    keep_newlines: bool = False
-    lang: str = "english"
-    workers: int = 1  # tokenizing processes; 0 = tokenize in this process
-    partitions: int = 1
-    keep_sequential_samples: bool = False
-    skip_bad_lines: bool = False
-    log_interval: int = 1000  # documents between progress lines
-    # input bytes per work item: small, so that the first result is back ~0.05 s after the workers
-    # start and they finish together (with 1 MB the first result took ~0.15 s on a 2-core host, a
-    # core waiting meanwhile); the per-batch costs (pickling, sockets) of 4x more batches did not
-    # show in CPU time there
-    batch_bytes: int = 256 << 10
-    punkt_cache_dir: str | None = None
-    quiet: bool = False
 
 
 @dataclass
@@ -95,104 +71,10 @@ class BadInputError(DataError):
     """A bad JSONL line in default (stop) mode; str() is `file:line: reason; what to do` (one line)."""
 
 
-def _make_tokenizer(cfg: PreprocessConfig):
-    from hpcmeg.data.tokenizer import build_tokenizer
-
-    return build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model,
-                           backend=cfg.tokenizer_backend)
-
-
-def _make_splitter(cfg: PreprocessConfig):
-    if not cfg.split_sentences:
-        return None
-    from hpcmeg.data.punkt import make_sentence_splitter
-
-    return make_sentence_splitter(cfg.lang, cfg.keep_newlines, cfg.punkt_cache_dir)
-
-
-# ---------------------------------------------------------------------------------------------
-# worker side: one batch of lines -> token arrays
-# ---------------------------------------------------------------------------------------------
-def encode_batch(batch: LineBatch, cfg: PreprocessConfig, tokenizer, splitter, dtype) -> dict:
-    """Returns {"seq", "docs", "nbytes", "errors": [(line, reason)], "keys": {key: (tokens,
-    seq_lengths int32, seqs_per_doc int32)}}. A bad line contributes to no key."""
-    from hpcmeg.data.punkt import split_sentences
-
-    lines = batch.data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    parts = {k: ([], [], []) for k in cfg.json_keys}
-    errors, docs = [], 0
-    if cfg.append_eod and tokenizer.eod is None:
-        raise ValueError("--append-eod: the tokenizer has no EOD/EOS token")
-    eod = np.asarray([tokenizer.eod], dtype=dtype) if cfg.append_eod else None
-    for i, line in enumerate(lines):
-        doc, reason = parse_document(line, cfg.json_keys)
-        if reason is not None:
-            errors.append((batch.first_line + i, reason))
-            continue
-        if not doc:
-            continue  # blank line
-        encoded = {}
-        for key in cfg.json_keys:
-            val = doc[key]
-            sentences = val if isinstance(val, list) else [val]
-            if splitter is not None and not isinstance(val, list):
-                sentences = split_sentences(splitter, val)
-            ids = [tokenizer.encode_np(s) for s in sentences]
-            ids = [a for a in ids if a.size]
-            if not ids:
-                reason = f"empty document in key {key!r} (no tokens)"
-                break
-            if eod is not None:
-                ids.append(eod)
-            lens = [a.size for a in ids]
-            if eod is not None:
-                lens[-2] += 1  # EOD belongs to the document's last sequence, as in Megatron
-                lens.pop()
-            encoded[key] = (ids, lens)
-        if reason is not None:
-            errors.append((batch.first_line + i, reason))
-            continue
-        docs += 1
-        for key, (ids, lens) in encoded.items():
-            toks, seq_lens, per_doc = parts[key]
-            toks.extend(ids)
-            seq_lens.extend(lens)
-            per_doc.append(len(lens))
-    keys = {}
-    for key, (toks, seq_lens, per_doc) in parts.items():
-        tokens = np.concatenate(toks).astype(dtype, copy=False) if toks else np.zeros(0, dtype)
-        keys[key] = (tokens, np.asarray(seq_lens, np.int32), np.asarray(per_doc, np.int32))
-    return {"seq": batch.seq, "path": batch.path, "docs": docs, "nbytes": len(batch.data),
-            "errors": errors, "keys": keys}
-
-
-class _BatchEncoder:
-    """encode_batch with its tokenizer, as the worker processes' task function. Forked workers inherit
-    the parent's ready tokenizer; under the spawn start method only the config is pickled and each
-    worker builds its own tokenizer on its first batch."""
-
-    def __init__(self, cfg: PreprocessConfig, tokenizer, splitter, dtype):
-        self.cfg, self.tokenizer, self.splitter, self.dtype = cfg, tokenizer, splitter, dtype
-
-    def __getstate__(self):
-        return {"cfg": self.cfg, "tokenizer": None, "splitter": None, "dtype": self.dtype}
-
-    def __call__(self, batch: LineBatch) -> dict:
-        if self.tokenizer is None:
-            self.tokenizer = _make_tokenizer(self.cfg)
-            self.splitter = _make_splitter(self.cfg)
-        return encode_batch(batch, self.cfg, self.tokenizer, self.splitter, self.dtype)
-
-
 def _describe_batch(batch: LineBatch) -> str:
     return f"{batch.path} from line {batch.first_line}"
 
 
-# ---------------------------------------------------------------------------------------------
-# parent side: ordering, writing, progress, errors
-# ---------------------------------------------------------------------------------------------
 def input_size_estimate(paths: Sequence[str]) -> int:
     """Bytes preprocessing will read (decompressed): plain files' sizes, and for gzip the ISIZE trailer
     (uncompressed size mod 2**32, lifted above the compressed size). A multi-member gzip reports only
@@ -313,11 +195,11 @@ def preprocess_files(inputs: Sequence[str] | str, output_prefix: str, config: Pr
     new_dirs = check_output_dir(output_prefix, "--output-prefix")
     if not cfg.skip_bad_lines:
         _check_json_keys(paths, cfg.json_keys)
-    tokenizer = _make_tokenizer(cfg)
+    tokenizer = make_tokenizer(cfg)
     if cfg.append_eod and tokenizer.eod is None:
         raise UsageError(f"--append-eod: tokenizer {tokenizer.name} has no EOD/EOS token; drop --append-eod "
                          "or use a tokenizer with an end-of-text token")
-    splitter = _make_splitter(cfg)
+    splitter = make_splitter(cfg)
     dtype = np.dtype(indexed.DType.optimal(tokenizer.vocab_size))
     check_stop(stop)
     nparts = cfg.partitions if (cfg.partitions > 1 and not cfg.keep_sequential_samples) else 1
@@ -338,22 +220,13 @@ def preprocess_files(inputs: Sequence[str] | str, output_prefix: str, config: Pr
                 results = (encode_batch(b, cfg, tokenizer, splitter, dtype) for b in batches)
                 _write_results(results, cfg, builders, nparts, st, progress, stop)
             else:
-                with OrderedPool(_BatchEncoder(cfg, tokenizer, splitter, dtype), cfg.workers, stop,
+                with OrderedPool(BatchEncoder(cfg, tokenizer, splitter, dtype), cfg.workers, stop,
                                  name="tokenizing worker") as pool:
                     _write_results(pool.map(batches, _describe_batch), cfg, builders, nparts, st, progress, stop)
             if st.documents == 0:
                 raise _no_documents(paths, st)
             check_stop(stop)  # last point at which a stop leaves nothing behind
-            for (p, key), b in builders.items():
-                prefix = output_prefix_for(part_prefixes[p], key, cfg.split_sentences)
-                b.finalize(indexed.index_file_path(prefix))  # a failing finalize leaves nothing itself
-                (finished_parts if nparts > 1 else committed).append(prefix)
-            if nparts > 1:
-                for key in cfg.json_keys:
-                    parts = [output_prefix_for(pp, key, cfg.split_sentences) for pp in part_prefixes]
-                    merged = output_prefix_for(output_prefix, key, cfg.split_sentences)
-                    indexed.merge_datasets(parts, merged, stop=stop)
-                    committed.append(merged)
+            _finalize(builders, part_prefixes, output_prefix, cfg, stop, finished_parts, committed)
         except BaseException:
             for b in builders.values():
                 b.abort()
@@ -367,6 +240,24 @@ def preprocess_files(inputs: Sequence[str] | str, output_prefix: str, config: Pr
     if not cfg.quiet:
         print(progress.line(st, done=True) + " done.", file=sys.stderr)
     return st
+
+
+def _finalize(builders: dict, part_prefixes: list[str], output_prefix: str, cfg: PreprocessConfig,
+              stop: StopSignal | None, finished_parts: list[str], committed: list[str]) -> None:
+    """Rename every builder's dataset into place; with partitions, merge each key's partition datasets
+    in Megatron's order. Each prefix is appended to `finished_parts` (a partition's, removed once merged)
+    or `committed` (a final one, removed if a later step fails) as soon as it exists."""
+    nparts = len(part_prefixes)
+    for (p, key), builder in builders.items():
+        prefix = output_prefix_for(part_prefixes[p], key, cfg.split_sentences)
+        builder.finalize(indexed.index_file_path(prefix))  # a failing finalize leaves nothing itself
+        (finished_parts if nparts > 1 else committed).append(prefix)
+    if nparts > 1:
+        for key in cfg.json_keys:
+            parts = [output_prefix_for(pp, key, cfg.split_sentences) for pp in part_prefixes]
+            merged = output_prefix_for(output_prefix, key, cfg.split_sentences)
+            indexed.merge_datasets(parts, merged, stop=stop)
+            committed.append(merged)
 
 
 def _remove_datasets(prefixes: Sequence[str]) -> None:
