@@ -87,16 +87,16 @@ def write_text_atomic(path: str, text: str) -> None:
 class _CrcWriter:
     """File-like wrapper that crc32s bytes on their way to disk (torch.save only calls write/flush)."""
 
-    def __init__(self, f):
-        self.f, self.crc, self.size = f, 0, 0
+    def __init__(self, file):
+        self.file, self.crc, self.size = file, 0, 0
 
-    def write(self, b) -> int:
-        self.crc = zlib.crc32(b, self.crc)
-        self.size += len(b)
-        return self.f.write(b)
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        return self.file.write(data)
 
     def flush(self) -> None:
-        self.f.flush()
+        self.file.flush()
 
 
 def file_crc32(path: str, chunk: int = 1 << 24) -> int:

@@ -80,27 +80,27 @@ def dataset_exists(prefix: str) -> bool:
     return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
 
 
-def write_mmidx_index(f, dtype, lengths: np.ndarray, doc_idx: np.ndarray) -> None:
-    """Write a complete MMIDIDX index to the binary file object `f`."""
+def write_mmidx_index(out, dtype, lengths: np.ndarray, doc_idx: np.ndarray) -> None:
+    """Write a complete MMIDIDX index to the binary file object `out`."""
     dtype = np.dtype(dtype)
     lengths = np.asarray(lengths, dtype=np.int32)
     doc_idx = np.asarray(doc_idx, dtype=np.int64)
     if doc_idx.size == 0 or doc_idx[0] != 0 or doc_idx[-1] != lengths.size:
         raise ValueError("document indices must start at 0 and end at the sequence count")
-    f.write(MMIDIDX_MAGIC)
-    f.write(struct.pack("<Q", 1))
-    f.write(struct.pack("<B", DType.code_of(dtype)))
-    f.write(struct.pack("<Q", lengths.size))
-    f.write(struct.pack("<Q", doc_idx.size))
-    f.write(lengths.astype("<i4").tobytes())
+    out.write(MMIDIDX_MAGIC)
+    out.write(struct.pack("<Q", 1))
+    out.write(struct.pack("<B", DType.code_of(dtype)))
+    out.write(struct.pack("<Q", lengths.size))
+    out.write(struct.pack("<Q", doc_idx.size))
+    out.write(lengths.astype("<i4").tobytes())
     # pointers = exclusive cumulative sum of byte lengths, in int64, written in slabs to bound memory
     start = 0
     for lo in range(0, lengths.size, _POINTER_CHUNK):
         nbytes = lengths[lo:lo + _POINTER_CHUNK].astype(np.int64) * dtype.itemsize
         ends = np.cumsum(nbytes) + start
-        f.write((ends - nbytes).astype("<i8").tobytes())
+        out.write((ends - nbytes).astype("<i8").tobytes())
         start = int(ends[-1])
-    f.write(doc_idx.astype("<i8").tobytes())
+    out.write(doc_idx.astype("<i8").tobytes())
 
 
 class MMIDIDXHeader(NamedTuple):
