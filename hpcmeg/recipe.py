@@ -1,11 +1,14 @@
 """The recipe: one typed description of a run that every stage reads.
 
-Owns the schema (nested dataclasses, one docstring per field, the only place a default lives),
-loading YAML with ``yaml.safe_load``, cluster profiles, ``--set section.key=value`` overrides,
-validation that reports every problem at once (one line each, naming the ``--set`` item, the
-recipe or profile line, or the bare key; a problem spanning several keys is blamed on the one set
-most directly), ``read_recipe`` (the recipe with its problems, so ``submit``'s checks can add theirs
-in the same run), and the derived values (data-parallel size, gradient accumulation, padded vocabulary).
+Owns reading a recipe: loading YAML with ``yaml.safe_load``, cluster profiles, ``--set
+section.key=value`` overrides, ``read_recipe`` (the recipe with its problems, so ``submit``'s checks
+can add theirs in the same run), ``load_recipe`` (raising them) and writing a recipe back
+(``to_dict``, ``dump_yaml``, ``write_resolved``). The schema (nested dataclasses, one docstring per
+field, the only place a default lives) is recipe_schema.py; turning YAML into it, recipe_yaml.py;
+``validate`` (every problem at once, one line each, naming the ``--set`` item, the recipe or profile
+line, or the bare key) is here; the derived values (``derive``: data-parallel size,
+gradient accumulation, padded vocabulary, paths; ``data_plan``), recipe_plan.py. This module is
+the recipe's public face: those names are importable from here.
 
 Precedence, lowest first: dataclass defaults < cluster profile < recipe file < ``--set``.
 This module never touches torch or the process environment (profiles are searched on paths
@@ -17,25 +20,24 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import json
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import yaml
 
 from hpcmeg.fsutil import write_text_atomic
-from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.megatron.lr_schedule import schedule_from_recipe
-from hpcmeg.megatron.parallel_dims import ParallelDims
-from hpcmeg.recipe_schema import CHOICES, DataConfig, Recipe, field_range
+# re-exported: with load_recipe, the names the stages import from the recipe
+from hpcmeg.recipe_plan import (DataPlan, Derived, RunPaths, data_plan, dataset_blend, derive,  # noqa: F401
+                                parse_blend, parse_split, recipe_dims, run_paths, vocab_size_from_files)
+from hpcmeg.recipe_schema import CHOICES, Recipe, field_range
 from hpcmeg.recipe_yaml import RecipeError, Where, build, read_yaml
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
-GPT2_VOCAB_SIZE = 50257
 
 
 # ----------------------------------------------------------------------------- merging inputs
@@ -342,141 +344,12 @@ def _described(where, key: str, value) -> str:
     return describe(key, value) if describe else f"{key}={value}"
 
 
-def parse_split(split: str) -> list[float]:
-    """'949,50,1' (any separators) -> normalized [0.949, 0.05, 0.001] (padded with zeros to 3)."""
-    nums = [float(x) for x in re.findall(r"[.0-9]+", str(split))]
-    if not nums or len(nums) > 3:
-        raise ValueError(f"{split!r} must be up to three numbers like 949,50,1")
-    nums += [0.0] * (3 - len(nums))
-    total = sum(nums)
-    if total <= 0:
-        raise ValueError(f"{split!r} sums to zero")
-    return [x / total for x in nums]
-
-
-def parse_blend(items: list) -> list[tuple[float, str]]:
-    """Megatron --data-path: [prefix] or [w1, prefix1, w2, prefix2, ...] -> [(w, prefix)]."""
-    if len(items) == 1:
-        return [(1.0, str(items[0]))]
-    if len(items) % 2:
-        raise ValueError("a weighted blend is a list of weight, prefix pairs: [0.3, a, 0.7, b]")
-    out = []
-    for w, pref in zip(items[0::2], items[1::2]):
-        try:
-            wf = float(w)
-        except (TypeError, ValueError):
-            raise ValueError(f"weight {w!r} before {pref!r} is not a number") from None
-        if wf < 0:
-            raise ValueError(f"weight {w!r} is negative")
-        out.append((wf, str(pref)))
-    if sum(w for w, _ in out) <= 0:
-        raise ValueError("blend weights sum to zero")
-    return out
-
-
-# ----------------------------------------------------------------------------- derived values
-
-
-@dataclass(frozen=True)
-class Derived:
-    """Values computed from the recipe in exactly one place (shown by ``submit --dry-run``)."""
-
-    world_size: int
-    data_parallel_size: int
-    grad_accum_steps: int
-    orig_vocab_size: int
-    padded_vocab_size: int
-    ffn_hidden_size: int
-    train_samples: int
-    train_iters: int
-    tokens_per_iteration: int
-    run_dir: str
-    data_prefix: str
-    checkpoint_dir: str
-
-
-def vocab_size_from_files(data: DataConfig) -> int:
-    """Unpadded vocabulary size: entries of vocab.json (the embedded GPT-2 file has 50,257)."""
-    if data.vocab_file:
-        try:
-            with open(data.vocab_file, encoding="utf-8") as f:
-                vocab = json.load(f)
-            if not isinstance(vocab, dict) or not vocab:
-                raise ValueError(f"a JSON {type(vocab).__name__}, not a token -> id mapping")
-            return len(vocab)
-        except (OSError, ValueError) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise RecipeError([f"data.vocab_file: cannot read {data.vocab_file!r} as a vocabulary ({why}); point "
-                               f"it at a GPT-2 style vocab.json, or null for the embedded GPT-2 one"]) from None
-    if data.tokenizer_model:
-        tj = Path(data.tokenizer_model) / "tokenizer.json"
-        try:
-            with open(tj, encoding="utf-8") as f:
-                tok = json.load(f)
-            return len(tok["model"]["vocab"]) + sum(1 for a in tok.get("added_tokens", []) if a["content"] not in tok["model"]["vocab"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-            raise RecipeError([f"data.tokenizer_model: cannot read {str(tj)!r} ({why}); point data.tokenizer_model "
-                               f"at a Hugging Face tokenizer directory"]) from None
-    return GPT2_VOCAB_SIZE
-
-
-def recipe_dims(r: Recipe, world_size: int | None = None) -> ParallelDims:
-    """The recipe's parallel layout as a ParallelDims (torch-free), for the planned cluster or for
-    `world_size` processes actually running."""
-    par = r.parallel
-    return ParallelDims(world=r.cluster.world_size() if world_size is None else world_size, tp=par.tensor,
-                        pp=par.pipeline, vpp=par.virtual_pipeline or 1, sequence_parallel=par.sequence_parallel,
-                        distributed_optimizer=par.distributed_optimizer)
-
-
-class RunPaths(NamedTuple):
-    run_dir: str
-    data_prefix: str
-    checkpoint_dir: str
-
-
-def run_paths(r: Recipe) -> RunPaths:
-    """The run directory, the dataset prefix and the checkpoint directory (part of ``derive``; these
-    need no layout or vocabulary, so the checks of a recipe with other problems can still use them)."""
-    run_dir = str(Path(r.run.output_root) / r.run.name)
-    prefix = r.data.output_prefix or str(Path(run_dir) / "data" / r.run.name)
-    return RunPaths(run_dir, prefix, r.checkpoint.dir or str(Path(run_dir) / "checkpoints"))
-
-
-def derive(r: Recipe, orig_vocab_size: int | None = None) -> Derived:
-    dims = recipe_dims(r)
-    world, dp = dims.world, dims.dp
-    t = r.train
-    accum = t.global_batch_size // (t.micro_batch_size * dp)  # validate() made sure it divides
-    orig = orig_vocab_size if orig_vocab_size is not None else (r.model.vocab_size or vocab_size_from_files(r.data))
-    samples = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
-    iters = t.train_iters if t.train_iters is not None else -(-samples // t.global_batch_size)
-    run_dir, prefix, checkpoint_dir = run_paths(r)
-    return Derived(
-        world_size=world, data_parallel_size=dp, grad_accum_steps=accum, orig_vocab_size=orig,
-        padded_vocab_size=pad_vocab_size(orig, r.model.make_vocab_size_divisible_by, r.parallel.tensor),
-        ffn_hidden_size=r.model.ffn_hidden_size or 4 * r.model.hidden_size,
-        train_samples=samples, train_iters=iters,
-        tokens_per_iteration=t.global_batch_size * r.data.seq_length,
-        run_dir=run_dir, data_prefix=prefix, checkpoint_dir=checkpoint_dir,
-    )
-
-
-def dataset_prefixes(r: Recipe, d: Derived) -> list[tuple[float, str]]:
-    """The (weight, prefix) list training reads: data.data_path, else what preprocessing writes."""
-    if r.data.data_path:
-        return parse_blend(r.data.data_path)
-    level = "sentence" if r.data.split_sentences else "document"
-    return [(1.0, f"{d.data_prefix}_{r.data.json_keys[0]}_{level}")]
-
-
-def to_dict(r: Recipe) -> dict:
+def to_dict(recipe: Recipe) -> dict:
     """The recipe as plain data, without the values of ``cluster.secret_env`` (every recipe copy hpcmeg
     writes, recipe.yaml, train_recipe.yaml and the one inside checkpoints, is made from this)."""
     from hpcmeg.jobenv import redact_recipe_dict
 
-    out = dataclasses.asdict(r)
+    out = dataclasses.asdict(recipe)
     out.pop("source", None)
     return redact_recipe_dict(out)
 
@@ -487,13 +360,13 @@ def from_dict(data: dict) -> Recipe:
     return load_recipe(None, data=data, profile=(data.get("cluster") or {}).get("profile"))
 
 
-def dump_yaml(r: Recipe) -> str:
-    return yaml.safe_dump(to_dict(r), sort_keys=False, default_flow_style=False)
+def dump_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False, default_flow_style=False)
 
 
-def write_resolved(r: Recipe, path: str | os.PathLike) -> Path:
+def write_resolved(recipe: Recipe, path: str | os.PathLike) -> Path:
     """Write the resolved recipe atomically (hpcmeg.fsutil: temp name, fsync, rename), creating parent dirs."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, dump_yaml(r))
+    write_text_atomic(path, dump_yaml(recipe))
     return path

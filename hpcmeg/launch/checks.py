@@ -1,7 +1,7 @@
 """The checks `hpcmeg validate` and `hpcmeg submit` share, beyond the recipe's own validation.
 
 Contract (called from ``hpcmeg.launch.submit.prepare``, the one function both commands run):
-- ``run_dir_problems(r, run_dir) -> [line]``: the run directory's path must not hold ``%``.
+- ``run_dir_problems(recipe, run_dir) -> [line]``: the run directory's path must not hold ``%``.
 - ``expand_inputs(specs, allow_missing) -> files``: data.inputs -> files; an unmatched spec is a
   RecipeError line naming ``data.inputs[i]`` and the pattern (a dry run keeps it and warns);
   ``input_files`` returns those lines instead of raising (``prepare`` reports them with the rest).
@@ -9,8 +9,9 @@ Contract (called from ``hpcmeg.launch.submit.prepare``, the one function both co
   every input (plain or gzip; one line read per file, so cheap even for thousands of shards) must be a
   JSON object with every ``data.json_keys`` key holding text: the mismatch preprocess would otherwise
   find minutes later inside its Slurm job.
-- ``dataset_problems(r, d, stages) -> [line]``: a train stage without its preprocess stage needs the
-  tokenized dataset (data.data_path, or an earlier preprocess output) to exist already.
+- ``dataset_problems(recipe, paths, stages) -> [line]``: a train stage without its preprocess stage
+  needs the tokenized dataset (data.data_path, or an earlier preprocess output under
+  ``paths.data_prefix``: a Derived or RunPaths) to exist already.
 - ``DataError``: a data fault found by these checks (exit 1; recipe faults are RecipeError, exit 2).
 
 Why '%' is refused rather than escaped: submitit substitutes ``%j``/``%t``/``%A``/``%a`` in its job
@@ -27,7 +28,7 @@ import os
 import sys
 import zlib
 
-from hpcmeg.recipe import RecipeError
+from hpcmeg.recipe import RecipeError, dataset_blend
 
 _FIRST_LINE_LIMIT = 64 << 20  # bytes: a first document longer than this is not checked
 _BLANK_LINES = 64  # leading blank lines skipped before giving up on a file's first document
@@ -41,9 +42,9 @@ class DataError(Exception):
         self.lines = lines
 
 
-def run_dir_problems(r, run_dir: str) -> list[str]:
-    if "%" in r.run.name:
-        return [f"run.name: '{r.run.name}' contains '%'; Slurm and submitit expand %j, %A, %a, %t in the paths "
+def run_dir_problems(recipe, run_dir: str) -> list[str]:
+    if "%" in recipe.run.name:
+        return [f"run.name: '{recipe.run.name}' contains '%'; Slurm and submitit expand %j, %A, %a, %t in the paths "
                 f"of the run directory (submitit has no escape for it), which would put job files outside it; "
                 f"choose a name without '%'"]
     if "%" in run_dir:
@@ -85,16 +86,14 @@ def input_files(specs: list[str], allow_missing: bool = False) -> tuple[list[str
     return out, bad
 
 
-def dataset_problems(r, d, stages: tuple[str, ...]) -> list[str]:
+def dataset_problems(recipe, paths, stages: tuple[str, ...]) -> list[str]:
     """A train stage needs its dataset: data.data_path's prefixes, or (without the preprocess stage in
     this submission) the preprocess output of an earlier one. One line for the first one missing."""
-    if "train" not in stages or ("preprocess" in stages and not r.data.data_path):
+    if "train" not in stages or ("preprocess" in stages and not recipe.data.data_path):
         return []
-    from hpcmeg.recipe import dataset_prefixes
-
-    for _, prefix in dataset_prefixes(r, d):
+    for _, prefix in dataset_blend(recipe.data, paths.data_prefix):
         if not (os.path.isfile(f"{prefix}.bin") and os.path.isfile(f"{prefix}.idx")):
-            if r.data.data_path:
+            if recipe.data.data_path:
                 return [f"data.data_path: no tokenized dataset at {prefix}.bin/.idx; give the prefix of an "
                         f"existing .bin/.idx pair (without the extension)"]
             return [f"--stages: no 'preprocess' stage and no dataset at {prefix}.bin/.idx yet; submit with "

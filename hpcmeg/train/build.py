@@ -19,7 +19,6 @@ Contract
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 
@@ -28,7 +27,7 @@ import torch
 
 from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.procenv import DistEnv
-from hpcmeg.recipe import Derived, Recipe, RecipeError, derive, recipe_dims, to_dict, write_resolved
+from hpcmeg.recipe import Derived, Recipe, RecipeError, data_plan, derive, recipe_dims, to_dict, write_resolved
 
 
 def runtime_layout(recipe: Recipe, world_size: int) -> tuple[ParallelDims, Derived]:
@@ -37,10 +36,7 @@ def runtime_layout(recipe: Recipe, world_size: int) -> tuple[ParallelDims, Deriv
     problems = dims.problems() + dims.batch_problems(recipe.train.global_batch_size, recipe.train.micro_batch_size)
     if problems:
         raise RecipeError([f"{key}: {msg} ({world_size} processes are running)" for key, msg in problems])
-    derived = derive(recipe)
-    return dims, dataclasses.replace(derived, world_size=world_size, data_parallel_size=dims.dp,
-                                     grad_accum_steps=dims.grad_accum(recipe.train.global_batch_size,
-                                                                      recipe.train.micro_batch_size))
+    return dims, derive(recipe, world_size=world_size)
 
 
 def _auto(flag: str, device: torch.device) -> bool:
@@ -295,8 +291,9 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
                              train.precision, buffer.param_dtype, cfg.fp32_residual_connection),
                          precision=train.precision, grad_clip=train.clip_grad, loss_scaler=scaler,
                          compile=_auto(train.compile, dev), device=dev)
-        train_ds, valid_ds, _ = (vocab_checked(recipe, derived, ds) for ds in
-                                 build_datasets(recipe, derived, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
+        data = data_plan(recipe, derived)
+        train_ds, valid_ds, _ = (vocab_checked(data, ds) for ds in
+                                 build_datasets(data, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
         evals = eval_batches(valid_ds, train.eval_iters if train.eval_interval else 0, train.micro_batch_size,
                              derived.grad_accum_steps, ctx.dp_rank, ctx.dp_size, dev)
         with torch.device("meta"):  # the whole model's count (this rank holds a TP/PP part of it), for MFU

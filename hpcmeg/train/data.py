@@ -1,15 +1,15 @@
-"""Recipe -> train/validation datasets and this rank's batches (uses hpcmeg/data, owns none of it).
+"""A data plan -> train/validation datasets and this rank's batches (uses hpcmeg/data, owns none of it).
 
 Contract
-- `requested_samples(recipe, derived) -> (train, valid, test)`: the counts that key the index
-  cache; `hpcmeg prepare-cache` and training both call this, so a prepared cache is always a hit.
-  train = derived.train_samples (Megatron). valid = eval_iters x global batch: hpcmeg evaluates
-  on the SAME first eval_iters global batches of the validation split every time (Megatron walks
-  on through fresh validation samples at each evaluation), so validation curves are smooth and
-  comparable across runs and frameworks. test = eval_iters x global batch (Megatron).
-- `build_datasets(recipe, derived, barrier, is_rank0)`: global rank 0 (is_rank0) builds missing
-  index files first; after barrier() the other ranks load them (the file lock in index_cache covers
-  other jobs sharing a cache).
+- Every function here takes a DataPlan (hpcmeg.recipe_plan.data_plan, derived once per start from
+  the recipe: the blend of (weight, prefix) pairs, split, sequence length, seed, index cache
+  directory, the sample counts and the vocabulary); nothing here reads the recipe.
+  `plan.samples` = (train, valid, test) keys the index cache: `hpcmeg prepare-cache` and training
+  both take it from data_plan, so a prepared cache is always a hit (data_plan says why validation
+  always uses the same first eval_iters global batches).
+- `build_datasets(plan, barrier, is_rank0)`: global rank 0 (is_rank0) builds missing index files
+  first; after barrier() the other ranks load them (the file lock in index_cache covers other jobs
+  sharing a cache).
 - `TrainBatches`: an iterator of steps; each step is a list of `grad_accum_steps` micro batches
   (tokens int64 [mbs, L], labels int64 [mbs, L]) already on the device. The order is Megatron's
   pretraining sampler from `consumed_samples` (resume is arithmetic: same consumed -> same
@@ -19,71 +19,58 @@ Contract
   touched by data loading, which keeps interrupted-and-resumed runs bit-identical.
 - `eval_batches(...)`: the fixed evaluation set of this rank: eval_iters steps of micro batches
   (tokens, labels, loss_mask), built once and kept in (pinned) host memory.
-- `vocab_checked(recipe, derived, ds)`: the dataset with every sample's token ids checked against
-  the vocabulary on the host (TokenIdError naming model.vocab_size / the tokenizer and the data).
+- `vocab_checked(plan, ds)`: the dataset with every sample's token ids checked against the
+  vocabulary on the host (TokenIdError naming model.vocab_size / the tokenizer and the data).
 """
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import torch
 
 from hpcmeg.data.gpt_dataset import GPTDatasetConfig
 from hpcmeg.data.sampler import PretrainingSampler, collate
-from hpcmeg.recipe import Derived, Recipe, dataset_prefixes
+from hpcmeg.recipe_plan import DataPlan
 
 
-def requested_samples(r: Recipe, d: Derived) -> tuple[int, int, int]:
-    per_eval = r.train.eval_iters * r.train.global_batch_size
-    valid = per_eval if r.train.eval_interval and r.train.eval_iters else 0
-    return d.train_samples, valid, per_eval
+def dataset_config(plan: DataPlan) -> GPTDatasetConfig:
+    return GPTDatasetConfig(seq_length=plan.seq_length, seed=plan.seed, split=plan.split, cache_dir=plan.cache_dir)
 
 
-def index_cache_dir(r: Recipe, d: Derived) -> str:
-    return r.data.index_cache_dir or os.path.join(d.run_dir, "index-cache")
-
-
-def dataset_config(r: Recipe, d: Derived) -> GPTDatasetConfig:
-    return GPTDatasetConfig(seq_length=r.data.seq_length, seed=r.train.seed, split=r.data.split,
-                            cache_dir=index_cache_dir(r, d))
-
-
-def blend_arg(r: Recipe, d: Derived) -> list[str]:
+def blend_arg(plan: DataPlan) -> list[str]:
     """Megatron --data-path form for hpcmeg.data.blended: [prefix] or [w1, p1, w2, p2, ...]."""
-    pairs = dataset_prefixes(r, d)
-    if len(pairs) == 1:
-        return [pairs[0][1]]
-    return [x for w, p in pairs for x in (repr(float(w)), p)]
+    if len(plan.blend) == 1:
+        return [plan.blend[0][1]]
+    return [x for w, p in plan.blend for x in (repr(float(w)), p)]
 
 
-def check_inputs_exist(r: Recipe, d: Derived) -> None:
+def check_inputs_exist(plan: DataPlan) -> None:
     from hpcmeg.data.indexed import dataset_exists
 
-    missing = [p for _, p in dataset_prefixes(r, d) if not dataset_exists(p)]
+    missing = [p for _, p in plan.blend if not dataset_exists(p)]
     if missing:
-        where = "data.data_path" if r.data.data_path else "the preprocess stage output"
+        where = "data.data_path" if plan.from_data_path else "the preprocess stage output"
         raise FileNotFoundError(f"no tokenized dataset at {missing[0]}.bin/.idx ({where}); run "
                                 f"`hpcmeg submit RECIPE --stages preprocess` (or `hpcmeg preprocess`) first")
 
 
-def build_datasets(r: Recipe, d: Derived, barrier=lambda: None, is_rank0: bool = True) -> list:
+def build_datasets(plan: DataPlan, barrier=lambda: None, is_rank0: bool = True) -> list:
     """[train, valid, test] datasets; rank 0 builds the index cache, the others wait then load."""
     from hpcmeg.data.blended import build_train_valid_test_datasets
 
-    check_inputs_exist(r, d)
-    cfg, blend, counts = dataset_config(r, d), blend_arg(r, d), requested_samples(r, d)
+    check_inputs_exist(plan)
+    cfg, blend = dataset_config(plan), blend_arg(plan)
     out = None
     if is_rank0:
-        out = build_train_valid_test_datasets(cfg, blend, counts)
+        out = build_train_valid_test_datasets(cfg, blend, plan.samples)
     barrier()
     if out is None:
-        out = build_train_valid_test_datasets(cfg, blend, counts)
+        out = build_train_valid_test_datasets(cfg, blend, plan.samples)
     return out
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 class TrainBatches:
@@ -164,8 +151,8 @@ class _VocabChecked(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.ds)
 
-    def __getitem__(self, i: int) -> dict:
-        item = self.ds[i]
+    def __getitem__(self, index: int) -> dict:
+        item = self.ds[index]
         top = int(max(item["tokens"].max(initial=0), item["labels"].max(initial=0)))
         if top >= self.vocab_size:
             raise TokenIdError(f"the data holds token id {top} but the vocabulary has {self.vocab_size} tokens "
@@ -173,16 +160,15 @@ class _VocabChecked(torch.utils.data.Dataset):
         return item
 
 
-def vocab_checked(r: Recipe, d: Derived, ds):
+def vocab_checked(plan: DataPlan, ds):
     """`ds` wrapped so that a token id >= the vocabulary size is one clear error (None stays None)."""
     if ds is None:
         return None
-    data = ", ".join(p for _, p in dataset_prefixes(r, d))
-    if r.model.vocab_size is not None:
-        fix = (f"model.vocab_size={r.model.vocab_size} is too small for {data}: raise it, or set it to null to "
+    data = ", ".join(p for _, p in plan.blend)
+    if plan.vocab_set:
+        fix = (f"model.vocab_size={plan.vocab_size} is too small for {data}: raise it, or set it to null to "
                f"read it from the tokenizer files")
     else:
-        tok = r.data.tokenizer_model or r.data.vocab_file or "the embedded GPT-2 vocabulary"
-        fix = (f"{data} was tokenized with a larger vocabulary than {tok}: point data.vocab_file / "
+        fix = (f"{data} was tokenized with a larger vocabulary than {plan.tokenizer}: point data.vocab_file / "
                f"data.tokenizer_model at the tokenizer that wrote it, or set model.vocab_size")
-    return _VocabChecked(ds, d.orig_vocab_size, fix)
+    return _VocabChecked(ds, plan.vocab_size, fix)

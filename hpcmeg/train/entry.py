@@ -45,7 +45,7 @@ from hpcmeg.errors import one_line
 from hpcmeg.fsutil import write_text_atomic
 from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, EXIT_REQUEUE
 from hpcmeg.procenv import dist_env, slurm_job_end_time
-from hpcmeg.recipe import Recipe, RecipeError, derive, load_recipe
+from hpcmeg.recipe import Recipe, RecipeError, data_plan, derive, load_recipe, run_paths
 
 STATUS_FILE = "train_status.json"
 WALLTIME_MARGIN_S = 60.0  # plus the measured longest save and step (WallTimeGuard)
@@ -81,18 +81,18 @@ def _record_failure(run_dir: str, iteration, code: int, reason: str) -> None:
             pass
 
 
-def _wall_clock_end(r: Recipe, ctx) -> float | None:
+def _wall_clock_end(recipe: Recipe, ctx) -> float | None:
     """Earliest of the Slurm job's end time (asked once, by rank 0) and train.exit_duration_minutes."""
     end = slurm_job_end_time() if ctx.is_rank0 and os.environ.get("SLURM_JOB_ID") else None
     end = ctx.all_reduce_max(int(end) if end else -1)  # rank 0's answer reaches everyone
     ends = [float(end)] if end > 0 else []
-    if r.train.exit_duration_minutes:
-        ends.append(time.time() + 60.0 * r.train.exit_duration_minutes)
+    if recipe.train.exit_duration_minutes:
+        ends.append(time.time() + 60.0 * recipe.train.exit_duration_minutes)
     return min(ends) if ends else None
 
 
-def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built=None, signals=None) -> int:
-    """Train `r` in this process group; returns an exit code (see the module docstring).
+def train(recipe: Recipe, *, environ=None, exit_interval: int | None = None, on_built=None, signals=None) -> int:
+    """Train `recipe` in this process group; returns an exit code (see the module docstring).
 
     on_built(trainer) runs after everything is built and before the first step (hooks for fault
     injection in tests, or extra instrumentation). signals: an ExitSignal the caller installed
@@ -109,7 +109,7 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
     env = dist_env(environ)
     tag = f"hpcmeg train [rank {env.rank}]" if env.world_size > 1 else "hpcmeg train"
     sig = signals if signals is not None else ExitSignal().install()  # a SIGTERM in start-up is kept
-    run_dir = derive(r).run_dir
+    run_dir = run_paths(recipe).run_dir  # for the status file; build_trainer derives the rest, once
     trainer = ctx = peers = None
     guard = WallTimeGuard(None, WALLTIME_MARGIN_S)
 
@@ -120,9 +120,9 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
             return f"wall-time guard ({guard.remaining_s():.0f} s left)"
         return None
 
-    def on_context(c) -> None:
+    def on_context(context) -> None:
         nonlocal peers
-        peers = PeerReport.of(c)  # from here on a failure on any rank is seen by every rank
+        peers = PeerReport.of(context)  # from here on a failure on any rank is seen by every rank
 
     def iteration():
         return trainer.state.iteration if trainer else None
@@ -141,10 +141,10 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
             _record_failure(run_dir, iteration(), code, lines[0])
         return code
 
-    def stopped_by(e: PeerFailed) -> int:
+    def stopped_by(failure: PeerFailed) -> int:
         """Another rank failed (it printed its own line): one line naming it, its exit code."""
-        first, code, lines = e.failures[0]
-        print(f"{tag}: stopping: {e}" + (f": {lines[0]}" if env.rank == 0 else " (its own line names the problem)"),
+        first, code, lines = failure.failures[0]
+        print(f"{tag}: stopping: {failure}" + (f": {lines[0]}" if env.rank == 0 else " (its own line names the problem)"),
               file=sys.stderr)
         if env.rank == 0:
             _record_failure(run_dir, iteration(), code, f"rank {first}: {lines[0]}")
@@ -153,12 +153,12 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
 
     try:
         if env.rank == 0:
-            _process_count_warning(r, env.world_size, tag)
+            _process_count_warning(recipe, env.world_size, tag)
         caught: list = []
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", CheckpointWarning)
-                trainer, ctx = build_trainer(r, env, stop=stop, exit_interval=exit_interval,
+                trainer, ctx = build_trainer(recipe, env, stop=stop, exit_interval=exit_interval,
                                              on_step_time=guard.record_step, on_save_time=guard.record_save,
                                              on_context=on_context)
         except (CheckpointLoadError, UnsafeCheckpointError, UnreadableCheckpointError):
@@ -169,7 +169,7 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
             _show_warnings(caught, tag)
         if peers is not None:
             peers.startup_done()  # every rank learns here whether another one failed to start
-        guard.end_time = _wall_clock_end(r, ctx)
+        guard.end_time = _wall_clock_end(recipe, ctx)
         if ctx.all_reduce_max(sig.flag):  # a stop asked before the first step: nothing new to save
             reason = f"signal {sig.received.name}" if sig.flag else "a signal on another rank"
             it = trainer.state.iteration
@@ -216,18 +216,18 @@ def train(r: Recipe, *, environ=None, exit_interval: int | None = None, on_built
                 sig.restore()
 
 
-def _process_count_warning(r: Recipe, running: int, tag: str) -> None:
+def _process_count_warning(recipe: Recipe, running: int, tag: str) -> None:
     """One line when the processes running are not the recipe's cluster.nodes x tasks per node. Not
     refused: data parallelism takes whatever count runs (one process to debug, torchrun on a
     workstation, srun in an allocation), keeping the global batch by gradient accumulation."""
-    c = r.cluster
-    planned = c.world_size()
+    cluster = recipe.cluster
+    planned = cluster.world_size()
     if planned == running:
         return
-    per = "cluster.gpus_per_node" if c.gpus_per_node > 0 else "cluster.cpu_tasks_per_node"
+    per = "cluster.gpus_per_node" if cluster.gpus_per_node > 0 else "cluster.cpu_tasks_per_node"
     print(f"{tag}: warning: {running} process(es) are running but the recipe plans {planned} (cluster.nodes "
-          f"{c.nodes} x {per} {c.tasks_per_node()}); data parallelism and gradient accumulation follow the "
-          f"{running} running (train.global_batch_size {r.train.global_batch_size} is kept); start "
+          f"{cluster.nodes} x {per} {cluster.tasks_per_node()}); data parallelism and gradient accumulation follow "
+          f"the {running} running (train.global_batch_size {recipe.train.global_batch_size} is kept); start "
           f"{planned} to run as planned", file=sys.stderr)
 
 
@@ -237,26 +237,25 @@ def cli_train(args) -> int:
     # first: a SIGTERM while the recipe loads and torch imports is kept (the run then stops before
     # its first step with a line), not fatal
     with ExitSignal() as sig:
-        r = load_recipe(args.recipe, args.overrides, args.profile)
-        return train(r, signals=sig)
+        recipe = load_recipe(args.recipe, args.overrides, args.profile)
+        return train(recipe, signals=sig)
 
 
 def cli_prepare_cache(args) -> int:
     """Build the GPT dataset index cache the training run will load (run it on a login node)."""
     from hpcmeg.data.blended import prepare_cache
-    from hpcmeg.train.data import blend_arg, check_inputs_exist, dataset_config, index_cache_dir, requested_samples
+    from hpcmeg.train.data import blend_arg, check_inputs_exist, dataset_config
 
-    r = load_recipe(args.recipe, args.overrides, args.profile)
-    d = derive(r)
+    recipe = load_recipe(args.recipe, args.overrides, args.profile)
+    plan = data_plan(recipe, derive(recipe))
     try:
-        check_inputs_exist(r, d)
-        counts = requested_samples(r, d)
+        check_inputs_exist(plan)
         t0 = time.time()
-        out = prepare_cache(dataset_config(r, d), blend_arg(r, d), counts)
+        out = prepare_cache(dataset_config(plan), blend_arg(plan), plan.samples)
     except (OSError, ValueError) as e:
         print(f"hpcmeg prepare-cache: {one_line(e)}", file=sys.stderr)
         return EXIT_ERROR
-    for name, n, ds in zip(("train", "valid", "test"), counts, out):
+    for name, n, ds in zip(("train", "valid", "test"), plan.samples, out):
         print(f"{name}: requested {n} samples, built {len(ds) if ds is not None else 0}")
-    print(f"index cache ready in {index_cache_dir(r, d)} ({time.time() - t0:.1f} s)")
+    print(f"index cache ready in {plan.cache_dir} ({time.time() - t0:.1f} s)")
     return EXIT_OK
