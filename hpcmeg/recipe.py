@@ -6,7 +6,7 @@ can add theirs in the same run), ``load_recipe`` (raising them) and writing a re
 (``to_dict``, ``dump_yaml``, ``write_resolved``). The schema (nested dataclasses, one docstring per
 field, the only place a default lives) is recipe_schema.py; turning YAML into it, recipe_yaml.py;
 ``validate`` (every problem at once, one line each, naming the ``--set`` item, the recipe or profile
-line, or the bare key) is here; the derived values (``derive``: data-parallel size,
+line, or the bare key), recipe_checks.py; the derived values (``derive``: data-parallel size,
 gradient accumulation, padded vocabulary, paths; ``data_plan``), recipe_plan.py. This module is
 the recipe's public face: those names are importable from here.
 
@@ -20,9 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -30,11 +28,11 @@ from typing import Any, Optional
 import yaml
 
 from hpcmeg.fsutil import write_text_atomic
-from hpcmeg.megatron.lr_schedule import schedule_from_recipe
+from hpcmeg.recipe_checks import validate
 # re-exported: with load_recipe, the names the stages import from the recipe
 from hpcmeg.recipe_plan import (DataPlan, Derived, RunPaths, data_plan, dataset_blend, derive,  # noqa: F401
                                 parse_blend, parse_split, recipe_dims, run_paths, vocab_size_from_files)
-from hpcmeg.recipe_schema import CHOICES, Recipe, field_range
+from hpcmeg.recipe_schema import Recipe
 from hpcmeg.recipe_yaml import RecipeError, Where, build, read_yaml
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -177,171 +175,6 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | None = No
     if loaded.problems:
         raise RecipeError(list(loaded.problems))
     return loaded.recipe
-
-
-def _ranged_fields(r: Recipe):
-    """(dotted key, value, Range) of every field whose schema entry carries a range."""
-    for sec in dataclasses.fields(r):
-        obj = getattr(r, sec.name)
-        if dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                rng = field_range(f)
-                if rng is not None:
-                    yield f"{sec.name}.{f.name}", getattr(obj, f.name), rng
-
-
-def validate(r: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozenset(),
-             refused: set[str] | None = None) -> list[str]:
-    """Range checks (the schema's `ranged` fields) and consistency checks that span fields.
-
-    Returns one line per problem. ``failed`` holds keys (or whole sections) whose value was
-    already refused while reading (type errors, typos): no check looks at them again, so one
-    mistake is one line, never a cascade about the placeholder left in its place. ``refused`` (if
-    given) receives those and every key refused here. A problem that spans several keys is blamed on
-    the one set with the highest precedence (``--set``, then the recipe, then the profile: where
-    ``where`` is a recipe_yaml.Where), naming the others' values."""
-    p: list[str] = []
-    bad = set(failed)
-    origin = getattr(where, "origin", lambda key: (0, ""))
-
-    def ok(*keys: str) -> bool:
-        return not any(k in bad or k.split(".")[0] in bad for k in keys)
-
-    def refuse(key: str, text: str, also: tuple[str, ...] = (), named: bool = False) -> None:
-        """One line about ``key``, or, when one of ``also`` (the other keys the problem spans) was set
-        with a higher precedence (the user's --set over a recipe or profile line), about that one.
-        ``named``: the text already names every key with its value and origin."""
-        blamed = max((key, *also), key=lambda k: origin(k)[0])  # ties: `key`, the problem's own
-        if blamed == key or named:
-            p.append(f"{where(blamed)}: {text}")
-        else:
-            p.append(f"{where(blamed)}: {key}: {text} ({_described(where, key, _value(r, key))})")
-        bad.add(key)
-
-    m, t, c = r.model, r.train, r.cluster
-    for key, val, rng in _ranged_fields(r):
-        if not ok(key) or val is None or isinstance(val, bool) or not isinstance(val, (int, float)):
-            continue
-        if not math.isfinite(val) or not rng.accepts(val):
-            refuse(key, f"{val} is out of range; use a value {rng.describe()}")
-    for (sec, key), allowed in CHOICES.items():
-        val = getattr(getattr(r, sec), key)
-        if ok(f"{sec}.{key}") and val not in allowed:
-            guess = difflib.get_close_matches(str(val), allowed, n=1)
-            hint = f"; did you mean '{guess[0]}'?" if guess else ""
-            refuse(f"{sec}.{key}", f"{val!r} is not one of {', '.join(allowed)}{hint}")
-    if ok("run.name"):
-        name = r.run.name
-        if not name:
-            refuse("run.name", "a run needs a name")
-        elif any(ch in name for ch in "/\0") or name in (".", ".."):
-            refuse("run.name", f"{name!r} must be a plain name (no '/'): it names the run directory")
-        elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
-            refuse("run.name", f"{name!r} contains a control character (a newline, tab...); use a plain name: "
-                               f"it names the run directory and appears in job names")
-    if ok("data.json_keys") and not r.data.json_keys:
-        refuse("data.json_keys", "give at least one JSON key holding the text, e.g. [text]")
-    if ok("model.hidden_size", "model.num_attention_heads") and m.hidden_size % m.num_attention_heads:
-        refuse("model.hidden_size", f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}",
-               also=("model.num_attention_heads",))
-    if ok("model.recompute_gelu_layers", "model.num_layers") and m.recompute_gelu_layers > m.num_layers:
-        refuse("model.recompute_gelu_layers", f"{m.recompute_gelu_layers} exceeds model.num_layers={m.num_layers}; "
-               "use at most num_layers", also=("model.num_layers",))
-    if ok("data.seq_length", "model.max_position_embeddings") and r.data.seq_length > m.max_position_embeddings:
-        refuse("data.seq_length", f"{r.data.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}",
-               also=("model.max_position_embeddings",))
-    # the parallel layout: sizes, then its fit to the batch and the model (hpcmeg/megatron/parallel_dims.py,
-    # the one place these rules live; the train job checks the running processes with the same object)
-    per_node = "cluster.gpus_per_node" if c.gpus_per_node > 0 else "cluster.cpu_tasks_per_node"
-    layout = ("cluster.nodes", "cluster.gpus_per_node", "cluster.cpu_tasks_per_node", "parallel.tensor",
-              "parallel.pipeline", "parallel.virtual_pipeline", "parallel.sequence_parallel")
-    if ok(*layout):
-        dims = recipe_dims(r)
-        # the processes: nodes x ranks per node, each named with where it was set
-        ranks = (f"ranks ({_described(where, 'cluster.nodes', c.nodes)} x "
-                 f"{_described(where, per_node, getattr(c, per_node.split('.')[1]))})")
-        sizes = dims.problems(check_implemented=False, ranks=ranks)
-        for key, text in sizes:
-            # the rank count against tensor x pipeline: blamed on whichever of the four was set most directly
-            spans = key == "cluster.nodes" and dims.world >= 1
-            refuse(key, text, also=("parallel.tensor", "parallel.pipeline", per_node) if spans else (), named=spans)
-        if not sizes:
-            fit = dims.model_problems(num_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                                      ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-                                      seq_length=r.data.seq_length)
-            fit += dims.batch_problems(t.global_batch_size, t.micro_batch_size,
-                                       "GPUs" if c.gpus_per_node > 0 else "CPU ranks")
-            for key, text in fit:
-                deps = {"model.num_attention_heads": ("model.num_attention_heads",),
-                        "model.ffn_hidden_size": ("model.ffn_hidden_size", "model.hidden_size"),
-                        "model.num_layers": ("model.num_layers",), "data.seq_length": ("data.seq_length",),
-                        "train.global_batch_size": ("train.global_batch_size", "train.micro_batch_size")}[key]
-                if ok(*deps):
-                    # the layout keys the rule divides by can be what the user just changed (--set parallel.tensor=8)
-                    spans = {"model.num_attention_heads": ("parallel.tensor",),
-                             "model.ffn_hidden_size": ("parallel.tensor",),
-                             "model.num_layers": ("parallel.pipeline", "parallel.virtual_pipeline"),
-                             "data.seq_length": ("parallel.tensor",),
-                             "train.global_batch_size": ("train.micro_batch_size", "parallel.tensor",
-                                                         "parallel.pipeline", "cluster.nodes", per_node)}[key]
-                    refuse(key, text, also=spans)
-            for key, text in dims.problems():  # layouts the train job cannot run yet: said here, before
-                refuse(key, text)              # anything is submitted (sizes are fine at this point)
-    if ok("train.train_iters", "train.train_samples") and (t.train_iters is None) == (t.train_samples is None):
-        refuse("train.train_iters", "set exactly one of train.train_iters and train.train_samples")
-    if ok("train.min_lr", "train.lr") and t.min_lr > t.lr:
-        refuse("train.min_lr", f"{t.min_lr} is above train.lr={t.lr}; lower train.min_lr", also=("train.lr",))
-    sched = ("train.lr", "train.min_lr", "train.lr_decay_style", "train.lr_decay_iters", "train.lr_warmup_iters",
-             "train.lr_warmup_fraction", "train.train_iters", "train.train_samples", "train.global_batch_size")
-    if ok(*sched) and (t.train_iters is None) != (t.train_samples is None):
-        try:
-            schedule_from_recipe(t, t.global_batch_size, t.train_samples or t.train_iters * t.global_batch_size)
-        except ValueError as e:
-            refuse("train.lr_warmup_iters", f"{e}; shorten the warmup (train.lr_warmup_iters or "
-                     f"train.lr_warmup_fraction) or lengthen the decay (train.lr_decay_iters)")
-    if ok("data.split"):
-        try:
-            split = parse_split(r.data.split)
-            if split[0] <= 0:
-                refuse("data.split", f"the training share of {r.data.split!r} is zero")
-        except ValueError as e:
-            refuse("data.split", f"{e}")
-    blend = r.data.data_path
-    if ok("data.data_path") and blend and len(blend) > 1:
-        try:
-            parse_blend(blend)
-        except ValueError as e:
-            refuse("data.data_path", f"{e}")
-    if ok("data.data_path", "data.inputs") and not blend and not r.data.inputs:
-        refuse("data.inputs", "give JSONL inputs to preprocess (data.inputs) or existing datasets (data.data_path)")
-    if ok("cluster.executor") and c.executor == "slurm":
-        for key in ("time", "preprocess_time", "convert_time"):
-            if ok(f"cluster.{key}") and c.time_limit_minutes(getattr(c, key)) is None:
-                refuse(f"cluster.{key}", f"{getattr(c, key)!r} is not a Slurm time (MM, HH:MM:SS or D-HH:MM:SS)")
-        limit = c.time_limit_minutes()
-        if ok("cluster.time", "cluster.signal_lead_s") and limit is not None and c.signal_lead_s >= limit * 60:
-            refuse("cluster.signal_lead_s", f"{c.signal_lead_s} s is not shorter than cluster.time={c.time}; "
-                     f"lower it or raise cluster.time", also=("cluster.time",))
-    if ok("container.runtime", "container.image") and r.container.runtime != "none" and not r.container.image:
-        refuse("container.image", f"container.runtime={r.container.runtime} needs an image")
-    if ok("convert.iterations"):
-        it = str(r.convert.iterations).strip()
-        if it not in ("last", "all") and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", it):
-            refuse("convert.iterations", f"{it!r} must be last, all, or a comma list of iterations (100,200)")
-    if refused is not None:
-        refused |= bad
-    return p
-
-
-def _value(r: Recipe, key: str):
-    sec, name = key.split(".", 1)
-    return getattr(getattr(r, sec), name)
-
-
-def _described(where, key: str, value) -> str:
-    """'key=value (where it was set)' with a recipe_yaml.Where, plain 'key=value' otherwise."""
-    describe = getattr(where, "describe", None)
-    return describe(key, value) if describe else f"{key}={value}"
 
 
 def to_dict(recipe: Recipe) -> dict:
