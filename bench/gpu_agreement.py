@@ -487,75 +487,16 @@ def bda_ln_checks(rows):
         print(f"bda_layer_norm {size}: errs {errs} ms {times} {'ok' if ok else 'FAIL'}", flush=True)
 
 
-def adamw_checks(rows, n_time: int = 1_311_000_000):
-    """train.optimizer_kernel 'triton' (hpcmeg/train/triton_adamw.py): the update kernel against the
-    eager twin on CUDA (16 M elements: elements that differ, per tensor, expected none) and Inductor's
-    compiled twin (what 'auto' runs); then both timed in place at `n_time` elements (1.3B's), with a
-    few launch shapes of the kernel: ms per update and TB/s at 30 bytes per element (fp32 gradient,
-    bf16 parameter copy). Needs ~24 GB. ~30 s."""
-    from hpcmeg.train import optim, triton_adamw as ta
-
-    def hp_for(step):
-        return torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 1 - 0.9 ** step, 0.8, (1 - 0.95 ** step) ** 0.5],
-                            device="cuda")
-
-    g = torch.Generator(device="cuda").manual_seed(5)
-    n = 16 * 1024 * 1024
-    base = [torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g) * 1e-2,
-            torch.rand(n, device="cuda", generator=g) * 1e-4]
-    grad = torch.randn(n, device="cuda", generator=g) * 1e-2
-    outs = {}
-    for name, fn in (("eager", optim.adamw_master_update_), ("triton", ta.adamw_update_),
-                     ("compiled", optim._compiled_update())):
-        master, m, v = (t.clone() for t in base)
-        p16 = master.bfloat16()
-        for step in (1, 2, 3):
-            fn(p16, master, grad, m, v, hp_for(step))
-        outs[name] = dict(p16=p16, master=master, exp_avg=m, exp_avg_sq=v)
-    torch.cuda.synchronize()
-    for name in ("triton", "compiled"):
-        diff = {k: int((outs[name][k] != outs["eager"][k]).sum()) for k in outs["eager"]}
-        errs = {k: rel(outs[name][k], outs["eager"][k]) for k in outs["eager"]}
-        ok = all(e < 1e-6 for e in errs.values())
-        rows.append(dict(check=f"AdamW update {name} vs eager twin, 3 steps x {n}", differing=diff, rel_err=errs, ok=ok))
-        print(f"adamw {name}: differing elements {diff} rel {errs} {'ok' if ok else 'FAIL'}", flush=True)
-    del outs, base, grad
-    torch.cuda.empty_cache()
-
-    master = torch.randn(n_time, device="cuda", generator=g)
-    m, v, grad = torch.zeros_like(master), torch.zeros_like(master), torch.randn_like(master) * 1e-2
-    p16, hp = master.bfloat16(), hp_for(1)
-    variants = {"compiled": optim._compiled_update()}
-    for block, warps in ((4096, 8), (2048, 4), (1024, 4), (8192, 8), (8192, 16)):
-        launch = ta.Launch(block=block, warps=warps)
-        variants[f"triton block {block} warps {warps}"] = lambda *a, _l=launch: ta.adamw_update_(*a, launch=_l)
-    times = {}
-    for name, fn in variants.items():
-        for _ in range(2):
-            fn(p16, master, grad, m, v, hp)  # warm-up (compiles)
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(10):
-            fn(p16, master, grad, m, v, hp)
-        t1.record()
-        t1.synchronize()
-        ms = t0.elapsed_time(t1) / 10
-        times[name] = dict(ms=round(ms, 3), tb_s=round(30 * n_time / ms / 1e9, 2))
-        print(f"adamw {name}: {times[name]}", flush=True)
-    rows.append(dict(check=f"AdamW update timed at {n_time} elements", ms=times, ok=True))
-
-
 def main():
     ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--parts", default="ops,model,dropout,wgrad,ce,kernels,lt,ltstep",
-                    help="comma list of ops, model, dropout, wgrad, ce, kernels, lt, ltstep, bdaln, adamw, "
+                    help="comma list of ops, model, dropout, wgrad, ce, kernels, lt, ltstep, bdaln, "
                          "run in that order")
     a = ap.parse_args()
     table = {"ops": op_checks, "model": model_checks, "dropout": dropout_and_accumulation_checks,
              "wgrad": wgrad_fusion_checks, "ce": ce_checks, "kernels": kernel_impl_checks,
-             "lt": lambda rows: lt_checks(rows, a.out), "ltstep": lt_step_checks, "bdaln": bda_ln_checks,
-             "adamw": adamw_checks}
+             "lt": lambda rows: lt_checks(rows, a.out), "ltstep": lt_step_checks, "bdaln": bda_ln_checks}
     parts = a.parts.split(",")  # run in the order given: a lease's timeout cuts the last ones
     unknown = [p for p in parts if p not in table]
     if unknown:

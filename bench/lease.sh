@@ -2,7 +2,7 @@
 # The next GPU lease in one `run` call (< 600 s): the open timing questions of issue 19, in order of
 # what they decide, each step under its own timeout and all under one budget, every result in $OUT.
 #
-#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: bdaln adamw u1.3B, for the one
+#   bash bench/lease.sh [STAGE ...]        stages, run in the order given (default: bdaln u1.3B, for the one
 #                                          target still missed after session 19; then `a1.3B u1.3B`):
 #     probes  attention tiles (bench/dev/attention_probe.py: heavy-first launch order, the forward drawing
 #             its own keep bits (fwd_draw, session 20) and tile variants
@@ -28,8 +28,7 @@
 #             model.recompute_gelu_layers 1 and 2 (100 MB less each, for one GELU pass a layer; session
 #             18: 1.305-1.308x at 9.10 GB), at 355M micro 16 with backward_in_forward (session 18:
 #             1.196x at 20.98 GB against 21.75; session 19 with gelu_impl cublaslt_dgelu: 1.203x); the
-#             bias-dropout-add + LayerNorm forward kernel (layernorm_impl triton_forward, untimed) with
-#             the AdamW kernel (optimizer_kernel triton, untimed), then alone; the
+#             bias-dropout-add + LayerNorm forward kernel (layernorm_impl triton_forward, untimed); the
 #             A/B rows of the defaults (cuDNN attention; gelu_impl cublaslt, session 18's; gelu_impl
 #             triton), as far as the budget goes (the probes' files from this call, else from $LEASE_BEST)
 #     uall    the acceptance row of issue 19 in ONE call: at 124M, 355M and 1.3B the nanoGPT anchor and
@@ -71,11 +70,6 @@
 #             Inductor's compiled plain ops + the keep-bits kernel at the three sizes' shapes
 #             (bench/gpu_agreement.py --parts bdaln, ~30 s). Inductor's kernel reads each row twice
 #             above hidden 1024: 92 us per [8192, 2048] call at 1.3B on the H100
-#     adamw   the AdamW update kernel (train.optimizer_kernel triton, session 20, untimed so far) against
-#             the eager twin on CUDA (elements that differ: none expected) and Inductor's compiled twin
-#             (the default), then both timed at 1.3B's 1.31 G elements with five launch shapes of the
-#             kernel (bench/gpu_agreement.py --parts adamw, ~40 s, 24 GB). Inductor's took 19.7 ms per
-#             1.3B step on the H100, 2.0 TB/s
 #     a1.3B   attention tiles at 1.3B's head dim 128 only (bench/dev/attention_probe.py, p = 0.1; ~60 s):
 #             the default tiles were tuned at head dim 64 and checked at 128 only against a few
 #             variants (H200, session 12); these add 32-wide key steps, 8 warps, 16-row backward
@@ -95,7 +89,7 @@
 #             ~74 one-microsecond `triton_poi_fused__to_copy_1` casts per micro batch convert
 #     loss    loss parity with Hugging Face over 400 steps at 124M (bench/loss_parity.py; dropout 0), the
 #             shipped defaults (gelu_impl cublaslt_dgelu since session 19), the 1.3B candidates
-#             (layernorm_impl triton_forward + optimizer_kernel triton) and backward_in_forward
+#             (layernorm_impl triton_forward) and backward_in_forward
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device as its README says), LEASE_BEST (a
 # folder in the tree with an earlier call's attention_best_<size>.txt, for a call without the
@@ -169,9 +163,7 @@ user_path_u() {  # user_path_u SIZE MAX_S
     [[ $size == 124M ]] && items="$items hpcmeg:mb=16 hpcmeg:mb=16,set=model.recompute_gelu_layers=1 hpcmeg:mb=16,set=model.recompute_gelu_layers=2"
     [[ $size == 355M ]] && items="$items hpcmeg:mb=16,set=$BIF"
     # the bias-dropout-add + LayerNorm forward as one Triton row pass (session 19, untimed): for
-    # 1.3B's hidden 2048, where Inductor's kernel reads each row twice; with it the AdamW kernel
-    # (session 20, untimed; the adamw stage times both updates on their own), then alone
-    items="$items hpcmeg:set=model.layernorm_impl=triton_forward|train.optimizer_kernel=triton"
+    # 1.3B's hidden 2048, where Inductor's kernel reads each row twice
     items="$items hpcmeg:set=model.layernorm_impl=triton_forward"
     user_path "$size" "$max" "$size" "$items hpcmeg:set=model.attention_backend=cudnn hpcmeg:set=model.gelu_impl=cublaslt hpcmeg:set=model.gelu_impl=triton"
 }
@@ -191,11 +183,11 @@ lt_ok() {
     [[ -e $OUT/lt/lt_ok ]]
 }
 
-[[ $# -eq 0 ]] && set -- bdaln adamw u1.3B
+[[ $# -eq 0 ]] && set -- bdaln u1.3B
 for stage in "$@"; do  # every stage checked before any runs
     case $stage in
-        ab124 | ab1.3B | probes | quick | ce | gemm | mlpbwd | bdaln | adamw | a1.3B | u124 | u355 | u1.3B | uall | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
-        *) echo "bench/lease.sh: unknown stage '$stage' (want ab124, ab1.3B, probes, quick, ce, gemm, mlpbwd, bdaln, adamw, a1.3B, u124, u355, u1.3B, uall, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
+        ab124 | ab1.3B | probes | quick | ce | gemm | mlpbwd | bdaln | a1.3B | u124 | u355 | u1.3B | uall | b124 | b355 | checks | p124 | p124m16 | p355 | p1.3B | pbif | pops | loss) ;;
+        *) echo "bench/lease.sh: unknown stage '$stage' (want ab124, ab1.3B, probes, quick, ce, gemm, mlpbwd, bdaln, a1.3B, u124, u355, u1.3B, uall, b124, b355, checks, p124, p124m16, p355, p1.3B, pbif, pops or loss)" >&2
            exit 2 ;;
     esac
 done
@@ -207,11 +199,10 @@ for stage in "$@"; do
             user_path 124M 560 124M_ab "hpcmeg hpcmeg:set=model.gelu_impl=triton hpcmeg:set=model.gelu_impl=inductor \
 hpcmeg:set=model.dropout_impl=native hpcmeg:set=model.layernorm_impl=inductor hpcmeg:set=model.cross_entropy=compiled \
 hpcmeg:set=model.attention_backend=cudnn nano" ;;
-        ab1.3B)  # the untimed candidates: attention launch variants (124M, 1.3B), the AdamW kernel, then 1.3B rows
+        ab1.3B)  # the untimed candidates: attention launch variants (124M, 1.3B), then 1.3B rows
             step attention_probe_ab 150 python bench/dev/attention_probe.py --sizes 124M,1.3B --p 0.1 --no-sdpa --tag lease_ab \
                 --no-agreement --fwd "default fwd_draw=1 heavy_first=1 fwd_n=32 fwd_warps=8" \
                 --bwd "default heavy_first=1 dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8 bwd_stages=2"
-            step adamw_check 100 python bench/gpu_agreement.py --parts adamw --out "$OUT/adamw"
             user_path 1.3B 450 1.3B_ab "hpcmeg hpcmeg:set=model.layernorm_impl=triton_forward hpcmeg:set=model.gelu_impl=triton" ;;
         probes)
             step attention_probe 200 python bench/dev/attention_probe.py --sizes 124M,355M,1.3B --p 0.1 --tag lease \
@@ -248,7 +239,6 @@ hpcmeg:only=355M,mb=16,set=$BIF$x hpcmeg:only=1.3B${x:+,set=${x#|}}" ;;
             --set train.global_batch_size=24 --ops --no-cudagraphs ;;
         mlpbwd) step mlp_bwd_probe 100 python bench/dev/mlp_bwd_probe.py --out "$OUT" --tag lease ;;
         bdaln) step bda_ln_check 90 python bench/gpu_agreement.py --parts bdaln --out "$OUT/bdaln" ;;
-        adamw) step adamw_check 100 python bench/gpu_agreement.py --parts adamw --out "$OUT/adamw" ;;
         a1.3B) step attention_probe_1.3B 120 python bench/dev/attention_probe.py --sizes 1.3B --p 0.1 --no-sdpa --tag lease_1.3B \
             --agree "fwd_n=32+dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8+fwd_draw=1" \
             --fwd "default fwd_draw=1 fwd_n=32 fwd_warps=8 fwd_m=128+fwd_warps=8+fwd_n=32 heavy_first=1" \

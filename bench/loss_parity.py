@@ -50,9 +50,8 @@ VARIANTS = {"default": [], "attn_triton": ["model.attention_backend=triton"], "a
             # session 19 made gelu_impl cublaslt_dgelu the default (loss_parity_h100_s19.json ran it as
             # "dgelu", beside "default" = session 18's); "s18_gelu" is session 18's GELU (forward epilogue only)
             "dgelu": ["model.gelu_impl=cublaslt_dgelu"], "s18_gelu": ["model.gelu_impl=cublaslt"],
-            # the 1.3B candidates (sessions 19 and 20, opt-in): the bias-dropout-add + LayerNorm
-            # forward kernel and the AdamW update kernel
-            "kernels_1.3B": ["model.layernorm_impl=triton_forward", "train.optimizer_kernel=triton"]}
+            # the 1.3B candidate (session 19, opt-in): the bias-dropout-add + LayerNorm forward kernel
+            "kernels_1.3B": ["model.layernorm_impl=triton_forward"]}
 
 def run_hpcmeg(r) -> dict:
     times, trainer = tt.run_trainer(r)

@@ -104,7 +104,7 @@ def probe() -> list[tuple[str, str]]:
         if os.environ.get(var):
             add(f"env {var}", os.environ[var])
     # the fast paths `hpcmeg train` would pick with the recipe defaults (model.fused=auto,
-    # attention_backend=auto, train.compile=auto, optimizer_kernel=auto, bf16), from the trainer's own rules
+    # attention_backend=auto, train.compile=auto, bf16), from the trainer's own rules
     add("fast path: attention", _attention_path(cuda))
     add("fast path: fused ops", "on (Triton LayerNorm / bias-dropout-add / cross-entropy kernels, GELU in cuBLASLt "
                                 "epilogues)" if cuda else "off (plain twins)")

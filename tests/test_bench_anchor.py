@@ -150,7 +150,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     (best / "lt_ok").write_text("agreed\n")  # an earlier call's cuBLASLt check: says nothing about this GPU
     ce = "block=8192+warps=16+prefetch=1+reverse=1"
     (best / "ce_best.txt").write_text(ce)  # an earlier call's ce stage found a faster CE launch
-    r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355", "p355", "p1.3B", "mlpbwd", "bdaln", "adamw",
+    r = subprocess.run(["bash", lease, "gemm", "u124", "b124", "u355", "p355", "p1.3B", "mlpbwd", "bdaln",
                         "a1.3B"],
                        capture_output=True, text=True, cwd=str(tmp_path), timeout=120,
                        env={**os.environ, "OUT": str(out), "LEASE_BEST": str(best), "LEASE_BUDGET_S": "200",
@@ -165,16 +165,16 @@ def test_lease_script_items(tmp_path, monkeypatch):
     items, bif, u355 = (part.split("\n", 1)[0].split() for part in logged.split("--items ")[1:4])
     # u124: the anchor, the shipped defaults, the CE launch at micro 12 and 16, the probe's tiles,
     # plain micro 16, micro 16 with one and two layers' GELU recomputed, the Triton forward of the
-    # bias-dropout-add + LayerNorm with the AdamW kernel, then alone, then the A/B rows of the defaults
+    # bias-dropout-add + LayerNorm, then the A/B rows of the defaults
     # (cuDNN attention, session 18's cuBLASLt GELU forward epilogue only, the Triton GELU)
-    tf, adamw = "model.layernorm_impl=triton_forward", "train.optimizer_kernel=triton"
-    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 13, items
+    tf = "model.layernorm_impl=triton_forward"
+    assert items[:2] == ["nano", "hpcmeg"] and len(items) == 12, items
     got = [user_path.parse_item(i, "124M")[1] for i in items[2:]]
-    assert [o["mb"] for o in got] == [12, 16, 12, 16, 16, 16, 12, 12, 12, 12, 12]
+    assert [o["mb"] for o in got] == [12, 16, 12, 16, 16, 16, 12, 12, 12, 12]
     assert [o.get("env", {}) for o in got] == [{"HPCMEG_CE_LAUNCH": ce}, {"HPCMEG_CE_LAUNCH": ce},
-                                              {"HPCMEG_ATTENTION_BLOCKS": spec}, {}, {}, {}, {}, {}, {}, {}, {}]
-    assert [o["set"] for o in got][-7:] == [["model.recompute_gelu_layers=1"], ["model.recompute_gelu_layers=2"],
-                                            [tf, adamw], [tf], ["model.attention_backend=cudnn"],
+                                              {"HPCMEG_ATTENTION_BLOCKS": spec}, {}, {}, {}, {}, {}, {}, {}]
+    assert [o["set"] for o in got][-6:] == [["model.recompute_gelu_layers=1"], ["model.recompute_gelu_layers=2"],
+                                            [tf], ["model.attention_backend=cudnn"],
                                             ["model.gelu_impl=cublaslt"], ["model.gelu_impl=triton"]]
     attn_env = got[2]["env"]
     # b124: backward_in_forward at micro 12, 16 and 24, then plain micro 16
@@ -184,7 +184,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     assert [(o2["mb"], o2["set"]) for o2 in got] == [(12, [bif_set]), (16, [bif_set]), (24, [bif_set]), (16, [])]
     # u355: the CE launch too; the probe's tiles are the defaults there: no tiles row
     assert u355 == ["nano", "hpcmeg", f"hpcmeg:env=HPCMEG_CE_LAUNCH:{ce}", f"hpcmeg:mb=16,env=HPCMEG_CE_LAUNCH:{ce}",
-                    f"hpcmeg:mb=16,set={bif_set}", f"hpcmeg:set={tf}|{adamw}", f"hpcmeg:set={tf}",
+                    f"hpcmeg:mb=16,set={bif_set}", f"hpcmeg:set={tf}",
                     "hpcmeg:set=model.attention_backend=cudnn",
                     "hpcmeg:set=model.gelu_impl=cublaslt", "hpcmeg:set=model.gelu_impl=triton"], u355
     # the profiles of the two missed targets, each at its user path's micro and global batch
@@ -196,8 +196,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
     # bias-dropout-add + LayerNorm forward kernel's check
     assert "bench/dev/mlp_bwd_probe.py --out" in logged
     assert "bench/gpu_agreement.py --parts bdaln" in logged
-    # the AdamW kernel's check and timing; the attention tiles at 1.3B's head dim, checked against the twin
-    assert "bench/gpu_agreement.py --parts adamw" in logged
+    # the attention tiles at 1.3B's head dim, checked against the twin
     cmd = logged.split("== attention_probe_1.3B ")[1].split("\n", 1)[0]
     assert "--sizes 1.3B " in cmd and "--agree fwd_n=32+dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8+fwd_draw=1 " in cmd, cmd
     # without an earlier check the u stage checks cuBLASLt's epilogues first and says when they failed
@@ -213,7 +212,7 @@ def test_lease_script_items(tmp_path, monkeypatch):
         logged = t.extractfile("lease.log").read().decode()
     assert "did NOT agree" in logged
     assert logged.split("--items ")[1].split("\n", 1)[0].split() == [
-        "nano", "hpcmeg", f"hpcmeg:set={tf}|{adamw}", f"hpcmeg:set={tf}", "hpcmeg:set=model.attention_backend=cudnn",
+        "nano", "hpcmeg", f"hpcmeg:set={tf}", "hpcmeg:set=model.attention_backend=cudnn",
         "hpcmeg:set=model.gelu_impl=cublaslt", "hpcmeg:set=model.gelu_impl=triton"]
     monkeypatch.setenv(triton_attention.BLOCKS_ENV, attn_env[triton_attention.BLOCKS_ENV])
     b = triton_attention.blocks_from_env()

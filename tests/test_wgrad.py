@@ -130,7 +130,7 @@ def test_compiled_sink_step_matches_eager_hooks():
         torch.testing.assert_close(g_c[name], g_e[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_a_sunk_weight_with_a_grad_is_an_error_and_auto_needs_a_fused_cuda_model():
+def test_a_sunk_weight_with_a_grad_is_an_error_and_the_fusion_needs_a_fused_cuda_model():
     m = fused_gpt(fused=False)
     w = m.encoder.layers[0].mlp.dense_h_to_4h.weight
     buf = ParamAndGradBuffer([("all", list(m.parameters()))], param_dtype=torch.float32,
@@ -140,10 +140,11 @@ def test_a_sunk_weight_with_a_grad_is_an_error_and_auto_needs_a_fused_cuda_model
     m(x, y).sum().backward()  # a plain model: autograd gives the sunk weight a .grad
     with pytest.raises(RuntimeError, match="sunk weight got a .grad"):
         buf.finish_grads()
-    with pytest.raises(ValueError, match="train.gradient_accumulation_fusion=on needs a fused model"):
-        wgrad_fusion("on", m, torch.float32)
-    assert not wgrad_fusion("auto", fused_gpt(), torch.bfloat16)  # CPU: auto stays off
-    assert wgrad_fusion("on", fused_gpt(), torch.float32) and not wgrad_fusion("off", fused_gpt(), torch.bfloat16)
+    with pytest.raises(ValueError, match="wgrad_fusion needs a fused model"):
+        build_optimizer(fused_gpt(fused=False), 1e-3, wgrad_fusion=True)
+    # the trainer's rule: a fused model with bf16/fp16 parameters on CUDA only
+    assert not wgrad_fusion(fused_gpt(), torch.bfloat16)  # CPU
+    assert not wgrad_fusion(fused_gpt(fused=False), torch.bfloat16)
 
 
 def _run_sink(world: int, rank: int, distributed: bool, micro_per_rank: int, ce: str = "fused"):

@@ -132,17 +132,12 @@ def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def wgrad_fusion(flag: str, model, param_dtype: torch.dtype) -> bool:
-    """Whether the weight-gradient GEMMs accumulate into the main grads (train.gradient_accumulation_fusion):
-    only a fused model's layers take sinks; auto wants CUDA and low-precision parameters (there the
-    GEMM saves the separate bf16 -> fp32 pass; with fp32 parameters there is nothing to convert)."""
-    fused = model.cfg.fused
-    if flag == "on" and not fused:
-        raise ValueError("train.gradient_accumulation_fusion=on needs a fused model: set model.fused=on, "
-                         "or the fusion to auto/off")
-    if flag == "auto":
-        return fused and param_dtype != torch.float32 and next(model.parameters()).is_cuda
-    return flag == "on"
+def wgrad_fusion(model, param_dtype: torch.dtype) -> bool:
+    """Whether the weight-gradient GEMMs accumulate into the main grads (Megatron's gradient-accumulation
+    fusion): only a fused model's layers take the main grads, and only on CUDA with bf16/fp16
+    parameters does it pay (the GEMM saves the separate bf16 -> fp32 pass; with fp32 parameters
+    there is nothing to convert)."""
+    return model.cfg.fused and param_dtype != torch.float32 and next(model.parameters()).is_cuda
 
 
 def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ctx, model, plan):
@@ -158,8 +153,7 @@ def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ct
     buffer, optimizer = rank_optimizer(
         model, plan, dims, ctx, param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, summed), lr=train.lr,
         weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-        accumulate=train.grad_accumulation, wgrad_fusion=wgrad_fusion(train.gradient_accumulation_fusion, model, pdt),
-        update_kernel=train.optimizer_kernel)
+        wgrad_fusion=wgrad_fusion(model, pdt))
     scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale) if train.precision == "fp16" else None
     return buffer, optimizer, scaler
 

@@ -10,8 +10,8 @@ Owns:
   FlatAdamW(buffer, groups, lr, betas, eps): Megatron's mixed-precision optimizer over the flat
     buffers of hpcmeg/parallel/grad_buffer.py (see its docstring below); the gradient norm's
     squares summed in fp64 (sum_of_squares_fp64, compiled on CUDA).
-  adamw_master_update_: the update (plain PyTorch; on CUDA compiled by Inductor to one Triton kernel,
-    or hpcmeg/train/triton_adamw.py's hand-written kernel: FlatAdamW's `update_kernel`).
+  adamw_master_update_: the update (plain PyTorch; on CUDA FlatAdamW runs it compiled by Inductor to
+    one Triton kernel, and falls back to the plain one if compiling fails).
   DynamicLossScaler: Megatron-style dynamic loss scale for fp16 (initial 2**32, x0.5 on overflow
     after `hysteresis` overflows, x2 after `growth_interval` clean steps, floor `min_scale`).
 The LR schedule is not here: the trainer writes param_group["lr"] before each step.
@@ -44,7 +44,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, *,
                     param_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype | None = None,
                     dp_size: int = 1, dp_rank: int = 0, dp_group=None, distributed: bool = False,
-                    bucket_numel: int | None = None, compiled: bool | None = None, update_kernel: str = "auto",
+                    bucket_numel: int | None = None, compiled: bool | None = None,
                     replicated: frozenset = frozenset(), partial_grads: frozenset = frozenset(),
                     tp_size: int = 1, tp_rank: int = 0, tp_group=None, tied: frozenset = frozenset(),
                     embedding_group=None, count_tied_in_norm: bool = True, pp_size: int = 1, pp_group=None,
@@ -104,7 +104,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
     norm_skip = {c for c, _ in classes if c.endswith((".replicated", ".partial")) and tp_rank != 0}
     norm_skip |= {c for c, _ in classes if c.endswith(".tied") and not count_tied_in_norm}
     norm_groups = ((tp_group,) if tp_size > 1 else ()) + ((pp_group,) if pp_size > 1 else ())
-    return buffer, FlatAdamW(buffer, groups, lr=lr, betas=betas, eps=eps, compiled=compiled, update_kernel=update_kernel,
+    return buffer, FlatAdamW(buffer, groups, lr=lr, betas=betas, eps=eps, compiled=compiled,
                              norm_skip=frozenset(norm_skip), norm_groups=norm_groups)
 
 
@@ -179,30 +179,6 @@ def _compiled_update():
     return torch.compile(adamw_master_update_)
 
 
-UPDATE_KERNELS = ("auto", "compiled", "triton", "plain")
-
-
-def update_kernel_for(choice: str, compiled: bool, master: torch.Tensor) -> str:
-    """The update FlatAdamW runs (its docstring): 'auto' resolved; 'triton' where it cannot run is an error."""
-    from hpcmeg.train import triton_adamw
-    if choice not in UPDATE_KERNELS:
-        raise ValueError(f"FlatAdamW: update_kernel {choice!r} is not one of {', '.join(UPDATE_KERNELS)}")
-    if choice == "auto":
-        return "compiled" if compiled else "plain"
-    if choice == "triton" and not triton_adamw.available(master):
-        raise ValueError("train.optimizer_kernel=triton needs Triton and the optimizer on CUDA; set it to auto")
-    return choice
-
-
-def _update_fn(kernel: str):
-    if kernel == "compiled":
-        return _compiled_update()
-    if kernel == "triton":
-        from hpcmeg.train.triton_adamw import adamw_update_
-        return adamw_update_
-    return adamw_master_update_
-
-
 def sum_of_squares_fp64(g: torch.Tensor) -> torch.Tensor:
     """sum(g ** 2) in fp64 (an fp32 square is exact in fp64). Compiled on CUDA (_compiled_sumsq) the
     cast fuses into the reduction: one read of g. torch.linalg.vector_norm(g, dtype=float64) first
@@ -229,10 +205,12 @@ class FlatAdamW:
     layout to the last fp32 bit in practice) and folds the clip coefficient into the
     next `step()`, which runs adamw_master_update_ over each piece the buffer says this rank owns
     (one per group without sharding, one per bucket with it), writing the updated parameters in
-    place, and then lets the buffer all-gather them. `update_kernel` picks what runs it: 'compiled'
-    (torch.compile of adamw_master_update_), 'triton' (triton_adamw.adamw_update_, the plain
-    update's rounding op for op), 'plain' (the twin itself), or 'auto': compiled when `compiled` (default: on CUDA),
-    else plain. `compiled` also decides the gradient norm's sum of squares.
+    place, and then lets the buffer all-gather them. With `compiled` (default: on CUDA) the update and
+    the gradient norm's sum of squares run torch.compile'd (`update` 'compiled'), else plain
+    (`update` 'plain'); a compiled one that fails runs its plain twin from then on. A hand-written
+    update kernel cannot pay for itself: the whole update is under 2 % of a step at every size
+    (1.3B on an H100: Inductor's 19.7 ms of a 1005 ms step, at 2.0 TB/s of the ~3 TB/s the card
+    reaches; bench/results/user_path_h100_s19.md), short of the 1 % tokens/s a second fast path has to win.
     `unscale_and_check_(inv_scale)` (fp16) unscales the shard's gradients in place and returns a
     device flag, 1 when any was inf/nan on any rank.
     `param_groups` are plain dicts (lr, betas, eps, weight_decay, params): the LR schedule writes them.
@@ -246,7 +224,7 @@ class FlatAdamW:
 
     def __init__(self, buffer: ParamAndGradBuffer, groups: list[dict], lr: float, betas=(0.9, 0.95),
                  eps: float = 1e-8, compiled: bool | None = None, norm_skip: frozenset = frozenset(),
-                 norm_groups: tuple = (), update_kernel: str = "auto"):
+                 norm_groups: tuple = ()):
         self.buffer = buffer
         self.param_groups = []
         for i, g in enumerate(groups):
@@ -261,7 +239,7 @@ class FlatAdamW:
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=buffer.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.compiled = buffer.device.type == "cuda" if compiled is None else compiled
-        self.update_kernel = update_kernel_for(update_kernel, self.compiled, self.master)
+        self.update = "compiled" if self.compiled else "plain"  # what step() runs (plain after a compiler failure)
         self.step_count = 0
         self._coef = None  # clip coefficient for the next step(), set by clip_grad_norm_
         self._sumsq_plain = False  # set when the compiled sum of squares failed once
@@ -269,7 +247,7 @@ class FlatAdamW:
     @property
     def name(self) -> str:
         kind = "distributed " if self.buffer.sharded else ""
-        return f"hpcmeg.FlatAdamW({kind}{self.update_kernel})"
+        return f"hpcmeg.FlatAdamW({kind}{self.update})"
 
     def _owned_grads(self, skip: frozenset = frozenset()) -> list[torch.Tensor]:
         buf = self.buffer
@@ -331,7 +309,7 @@ class FlatAdamW:
         if self._coef is None:  # step() without clip_grad_norm_(): no clipping
             self._coef = torch.ones((), device=self.buffer.device)
         self.step_count += 1
-        fn = _update_fn(self.update_kernel)
+        fn = _compiled_update() if self.update == "compiled" else adamw_master_update_
         buf = self.buffer
         for g in self.param_groups:
             pieces = [piece for cls in g["classes"] for piece in buf.update_pieces(cls)]
@@ -352,9 +330,9 @@ class FlatAdamW:
                 except Exception as ex:  # a compiler failure must not stop training: run the plain twin
                     if fn is adamw_master_update_:
                         raise
-                    print(f"FlatAdamW: the {self.update_kernel} update failed ({type(ex).__name__}: {ex}); "
+                    print(f"FlatAdamW: the compiled update failed ({type(ex).__name__}: {ex}); "
                           "using the plain one", flush=True)
-                    self.update_kernel, fn = "plain", adamw_master_update_
+                    self.update, fn = "plain", adamw_master_update_
                     fn(*args)
         self._coef = None
         buf.gather_params()

@@ -42,7 +42,7 @@ def rank_model(config: GPTConfig, dims: ParallelDims, ctx, init_seed: int, devic
 def rank_optimizer(model, plan: TensorParallelPlan, dims: ParallelDims, ctx, *, param_dtype: torch.dtype,
                    grad_dtype: torch.dtype, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
                    bucket_numel: int | None = None, compiled: bool | None = None, accumulate: str = "bucketed",
-                   wgrad_fusion: bool = False, update_kernel: str = "auto"):
+                   wgrad_fusion: bool = False):
     from hpcmeg.parallel.pipeline.stages import tied_parameters
     from hpcmeg.train.optim import build_optimizer
 
@@ -54,7 +54,7 @@ def rank_optimizer(model, plan: TensorParallelPlan, dims: ParallelDims, ctx, *, 
         bucket_numel=bucket_numel, compiled=compiled, replicated=plan.replicated, partial_grads=plan.partial_grads,
         tp_size=dims.tp, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group, tied=tied, embedding_group=ctx.embedding_group,
         count_tied_in_norm=first or not last, pp_size=dims.pp, pp_group=ctx.pp_group, accumulate=accumulate,
-        wgrad_fusion=wgrad_fusion, update_kernel=update_kernel)
+        wgrad_fusion=wgrad_fusion)
 
 
 def rank_step(model, buffer, optimizer, dims: ParallelDims, ctx, *, micro_batch: int, seq_length: int,
