@@ -6,7 +6,7 @@ emulated nodes, compared with one process training the same recipe in this test.
 - DP2 over 2 nodes x 1 task with the distributed optimizer (gloo between the two slurmd "nodes"):
   the losses equal the single process's (accumulation 2) to fp32 round-off of the logged DP mean,
   and the final weights bit for bit (the two micro batches' gradients are summed once either way;
-  the norm is layout-independent, see hpcmeg/train/optim.py).
+  the norm is layout-independent, see hpcmeg/train/flat_adamw.py).
 """
 from __future__ import annotations
 

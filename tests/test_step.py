@@ -8,7 +8,8 @@ import torch
 
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
-from hpcmeg.train.optim import DynamicLossScaler, build_optimizer, param_groups
+from hpcmeg.train.loss_scale import DynamicLossScaler
+from hpcmeg.train.optim import build_optimizer, param_groups
 from hpcmeg.train.step import TrainStep
 
 
@@ -168,7 +169,7 @@ def test_bf16_resume_is_exact():
 
 def test_master_update_compiled_matches_plain():
     """The compiled fused update (what CUDA runs) agrees with the plain twin (here on CPU)."""
-    from hpcmeg.train.optim import _compiled_update, adamw_master_update_
+    from hpcmeg.train.adamw_update import adamw_master_update_, compiled_update
     g = torch.Generator().manual_seed(0)
     n = 4099
     ins = [torch.randn(n, generator=g) for _ in range(3)]
@@ -178,7 +179,7 @@ def test_master_update_compiled_matches_plain():
     a = [ins[0].to(torch.bfloat16)] + [t.clone() for t in ins]
     b = [t.clone() for t in a]
     adamw_master_update_(a[0], a[1], g16, a[2], a[3], hp)
-    _compiled_update()(b[0], b[1], g16, b[2], b[3], hp)
+    compiled_update()(b[0], b[1], g16, b[2], b[3], hp)
     # the same operations; Inductor's C++ kernel takes the IEEE square root, the twin torch's (MKL's,
     # an ulp off for some inputs on some CPUs: tests/TOLERANCES.md): masters a few fp32 ulps apart at
     # most, under rtol 1e-5 (case 2) with room. The bf16 copies are not compared with each other: a
@@ -192,9 +193,9 @@ def test_master_update_compiled_matches_plain():
 def test_sum_of_squares_compiled_matches_plain_and_vector_norm():
     """The gradient norm's fp64 sum of squares: compiled (what CUDA runs, the cast fused into the
     reduction) == plain twin == torch.linalg.vector_norm(dtype=float64) squared, to fp64 rounding."""
-    from hpcmeg.train.optim import _compiled_sumsq, sum_of_squares_fp64
+    from hpcmeg.train.adamw_update import compiled_sum_of_squares, sum_of_squares_fp64
     g = torch.randn(100_003, generator=torch.Generator().manual_seed(1)) * 1e-3
-    plain, comp = sum_of_squares_fp64(g), _compiled_sumsq()(g)
+    plain, comp = sum_of_squares_fp64(g), compiled_sum_of_squares()(g)
     ref = torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
     assert plain.dtype == comp.dtype == torch.float64
     assert abs(float(plain - ref)) <= 1e-13 * float(ref) and abs(float(comp - ref)) <= 1e-13 * float(ref)

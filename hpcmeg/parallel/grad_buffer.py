@@ -3,7 +3,7 @@
 Why: torch DDP keeps gradients in the parameters' dtype, so with bf16 parameters it would sum
 micro batches and all-reduce in bf16; Megatron's rule for bf16 is "accumulate and all-reduce in
 fp32". Here the parameters become views of ONE flat buffer, gradients land in a flat "main grad"
-buffer of `grad_dtype`, and the optimizer (hpcmeg/train/optim.py FlatAdamW) updates this rank's
+buffer of `grad_dtype`, and the optimizer (hpcmeg/train/flat_adamw.py FlatAdamW) updates this rank's
 pieces of both in place. Design and sources: shared/docs/parallel-design.md B.4.
 
 Contract

@@ -143,7 +143,7 @@ def wgrad_fusion(model, param_dtype: torch.dtype) -> bool:
 def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ctx, model, plan):
     """(buffer, optimizer, loss scaler or None) for this rank."""
     from hpcmeg.parallel.grad_buffer import main_grad_dtype
-    from hpcmeg.train.optim import DynamicLossScaler
+    from hpcmeg.train.loss_scale import DynamicLossScaler
     from hpcmeg.train.rank_model import rank_optimizer
 
     train = recipe.train

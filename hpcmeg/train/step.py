@@ -5,7 +5,7 @@ Contract:
             loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", dp_size=1,
             compile_mode=None, compile_options=None)
     buffer: the ParamAndGradBuffer that owns the model's parameters and gradients
-    (hpcmeg/parallel/grad_buffer.py); optimizer: the FlatAdamW over it (hpcmeg/train/optim.py).
+    (hpcmeg/parallel/grad_buffer.py); optimizer: the FlatAdamW over it (hpcmeg/train/flat_adamw.py).
   .launch(micro_batches) -> PendingStep: queues the whole step on the device and returns without a
     host sync (bf16/fp32); .result() later waits for just this step's two numbers (copied to pinned
     host memory behind the step; the caller may add its own device values to that copy with
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from hpcmeg.train.optim import DynamicLossScaler
+from hpcmeg.train.loss_scale import DynamicLossScaler
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
