@@ -91,6 +91,118 @@ def _wall_clock_end(recipe: Recipe, ctx) -> float | None:
     return min(ends) if ends else None
 
 
+class _TrainJob:
+    """One `train` call on this rank: what its failure report and status file read at any point (the
+    trainer and context once built, the peers once the process group exists)."""
+
+    def __init__(self, recipe: Recipe, env, sig, guard):
+        self.recipe, self.env, self.sig, self.guard = recipe, env, sig, guard
+        self.tag = f"hpcmeg train [rank {env.rank}]" if env.world_size > 1 else "hpcmeg train"
+        self.run_dir = run_paths(recipe).run_dir  # for the status file; build_trainer derives the rest, once
+        self.trainer = self.ctx = self.peers = None
+
+    def stop(self) -> str | None:
+        if self.sig.flag:
+            return f"signal {self.sig.received.name}"
+        if self.guard.should_stop():
+            return f"wall-time guard ({self.guard.remaining_s():.0f} s left)"
+        return None
+
+    def on_context(self, context) -> None:
+        from hpcmeg.train.peers import PeerReport
+
+        self.peers = PeerReport.of(context)  # from here on a failure on any rank is seen by every rank
+
+    def iteration(self):
+        return self.trainer.state.iteration if self.trainer else None
+
+    def failed(self, code: int, lines: list[str], same_everywhere: bool = False) -> int:
+        """This rank's failure: its lines (by rank 0 alone when several ranks found the same),
+        recorded for the other ranks and, on rank 0, in train_status.json."""
+        if self.peers is not None:
+            show = self.peers.fail(code, lines)
+        else:  # before the process group: a recipe problem is found alike by every rank
+            show = self.env.rank == 0 or not same_everywhere
+        if show:
+            for line in lines:
+                print(f"{self.tag}: {line}", file=sys.stderr)
+        if self.env.rank == 0:
+            _record_failure(self.run_dir, self.iteration(), code, lines[0])
+        return code
+
+    def stopped_by(self, failure) -> int:
+        """Another rank failed (it printed its own line): one line naming it, its exit code."""
+        first, code, lines = failure.failures[0]
+        rank0 = self.env.rank == 0
+        print(f"{self.tag}: stopping: {failure}" + (f": {lines[0]}" if rank0 else " (its own line names the problem)"),
+              file=sys.stderr)
+        if rank0:
+            _record_failure(self.run_dir, self.iteration(), code, f"rank {first}: {lines[0]}")
+        self.peers.acknowledge()
+        return code
+
+    def build(self, exit_interval: int | None) -> None:
+        """build_trainer; the checkpoints it skipped are one line each (none when loading failed: the
+        error line names the checkpoint files already, it alone is the report)."""
+        from hpcmeg.checkpoint.safe import UnreadableCheckpointError, UnsafeCheckpointError
+        from hpcmeg.checkpoint.store import CheckpointLoadError, CheckpointWarning
+        from hpcmeg.train.build import build_trainer
+
+        caught: list = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", CheckpointWarning)
+                self.trainer, self.ctx = build_trainer(
+                    self.recipe, self.env, stop=self.stop, exit_interval=exit_interval,
+                    on_step_time=self.guard.record_step, on_save_time=self.guard.record_save,
+                    on_context=self.on_context)
+        except (CheckpointLoadError, UnsafeCheckpointError, UnreadableCheckpointError):
+            caught = [w for w in caught if not issubclass(w.category, CheckpointWarning)]
+            raise
+        finally:
+            _show_warnings(caught, self.tag)
+
+    def run(self, exit_interval: int | None, on_built) -> int:
+        """Build, learn whether every rank started, then train; the exit code."""
+        rank0 = self.env.rank == 0
+        if rank0:
+            _process_count_warning(self.recipe, self.env.world_size, self.tag)
+        self.build(exit_interval)
+        if self.peers is not None:
+            self.peers.startup_done()  # every rank learns here whether another one failed to start
+        self.guard.end_time = _wall_clock_end(self.recipe, self.ctx)
+        if self.ctx.all_reduce_max(self.sig.flag):  # a stop asked before the first step: nothing new to save
+            return self.stopped_before_first_step()
+        if on_built is not None:
+            on_built(self.trainer)
+        out = self.trainer.run()
+        code = EXIT_OK if out.status == "finished" else EXIT_REQUEUE
+        if rank0:
+            _write_status(self.run_dir, out.status, out.iteration, code, out.reason)
+        return code
+
+    def stopped_before_first_step(self) -> int:
+        reason = f"signal {self.sig.received.name}" if self.sig.flag else "a signal on another rank"
+        it = self.trainer.state.iteration
+        self.trainer.metrics.write({"kind": "event", "what": "preempted", "iteration": it, "reason": reason})
+        self.trainer.metrics.print(f"stopping before the first step at iteration {it} ({reason}): nothing new "
+                                   f"to save; resume me")
+        if self.env.rank == 0:
+            _write_status(self.run_dir, "preempted", it, EXIT_REQUEUE, reason)
+        return EXIT_REQUEUE
+
+    def close(self) -> None:
+        try:
+            if self.trainer is not None:
+                self.trainer.wait_for_save()
+                self.trainer.metrics.close()
+        finally:
+            if self.ctx is not None:
+                self.ctx.destroy()
+            if self.peers is not None:
+                self.peers.linger()  # a failed rank waits for the others' lines (kill-on-bad-exit)
+
+
 def train(recipe: Recipe, *, environ=None, exit_interval: int | None = None, on_built=None, signals=None) -> int:
     """Train `recipe` in this process group; returns an exit code (see the module docstring).
 
@@ -98,120 +210,38 @@ def train(recipe: Recipe, *, environ=None, exit_interval: int | None = None, on_
     injection in tests, or extra instrumentation). signals: an ExitSignal the caller installed
     earlier (cli_train: before the recipe loads and torch imports); None = installed here."""
     from hpcmeg.parallel.context import DeviceUnavailableError
-    from hpcmeg.train.build import build_trainer
     from hpcmeg.checkpoint.safe import UnreadableCheckpointError, UnsafeCheckpointError
-    from hpcmeg.checkpoint.store import CheckpointLoadError, CheckpointWarning
+    from hpcmeg.checkpoint.store import CheckpointLoadError
     from hpcmeg.train.data import TokenIdError
-    from hpcmeg.train.peers import PeerFailed, PeerReport
+    from hpcmeg.train.peers import PeerFailed
     from hpcmeg.train.signals import ExitSignal, WallTimeGuard
     from hpcmeg.train.trainer import TrainingDiverged
 
     env = dist_env(environ)
-    tag = f"hpcmeg train [rank {env.rank}]" if env.world_size > 1 else "hpcmeg train"
     sig = signals if signals is not None else ExitSignal().install()  # a SIGTERM in start-up is kept
-    run_dir = run_paths(recipe).run_dir  # for the status file; build_trainer derives the rest, once
-    trainer = ctx = peers = None
-    guard = WallTimeGuard(None, WALLTIME_MARGIN_S)
-
-    def stop():
-        if sig.flag:
-            return f"signal {sig.received.name}"
-        if guard.should_stop():
-            return f"wall-time guard ({guard.remaining_s():.0f} s left)"
-        return None
-
-    def on_context(context) -> None:
-        nonlocal peers
-        peers = PeerReport.of(context)  # from here on a failure on any rank is seen by every rank
-
-    def iteration():
-        return trainer.state.iteration if trainer else None
-
-    def failed(code: int, lines: list[str], same_everywhere: bool = False) -> int:
-        """This rank's failure: its lines (by rank 0 alone when several ranks found the same),
-        recorded for the other ranks and, on rank 0, in train_status.json."""
-        if peers is not None:
-            show = peers.fail(code, lines)
-        else:  # before the process group: a recipe problem is found alike by every rank
-            show = env.rank == 0 or not same_everywhere
-        if show:
-            for line in lines:
-                print(f"{tag}: {line}", file=sys.stderr)
-        if env.rank == 0:
-            _record_failure(run_dir, iteration(), code, lines[0])
-        return code
-
-    def stopped_by(failure: PeerFailed) -> int:
-        """Another rank failed (it printed its own line): one line naming it, its exit code."""
-        first, code, lines = failure.failures[0]
-        print(f"{tag}: stopping: {failure}" + (f": {lines[0]}" if env.rank == 0 else " (its own line names the problem)"),
-              file=sys.stderr)
-        if env.rank == 0:
-            _record_failure(run_dir, iteration(), code, f"rank {first}: {lines[0]}")
-        peers.acknowledge()
-        return code
-
+    job = _TrainJob(recipe, env, sig, WallTimeGuard(None, WALLTIME_MARGIN_S))
     try:
-        if env.rank == 0:
-            _process_count_warning(recipe, env.world_size, tag)
-        caught: list = []
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", CheckpointWarning)
-                trainer, ctx = build_trainer(recipe, env, stop=stop, exit_interval=exit_interval,
-                                             on_step_time=guard.record_step, on_save_time=guard.record_save,
-                                             on_context=on_context)
-        except (CheckpointLoadError, UnsafeCheckpointError, UnreadableCheckpointError):
-            # the error line names the checkpoint files already: it alone is the report
-            caught = [w for w in caught if not issubclass(w.category, CheckpointWarning)]
-            raise
-        finally:
-            _show_warnings(caught, tag)
-        if peers is not None:
-            peers.startup_done()  # every rank learns here whether another one failed to start
-        guard.end_time = _wall_clock_end(recipe, ctx)
-        if ctx.all_reduce_max(sig.flag):  # a stop asked before the first step: nothing new to save
-            reason = f"signal {sig.received.name}" if sig.flag else "a signal on another rank"
-            it = trainer.state.iteration
-            trainer.metrics.write({"kind": "event", "what": "preempted", "iteration": it, "reason": reason})
-            trainer.metrics.print(f"stopping before the first step at iteration {it} ({reason}): nothing new "
-                                  f"to save; resume me")
-            if env.rank == 0:
-                _write_status(run_dir, "preempted", it, EXIT_REQUEUE, reason)
-            return EXIT_REQUEUE
-        if on_built is not None:
-            on_built(trainer)
-        out = trainer.run()
-        code = EXIT_OK if out.status == "finished" else EXIT_REQUEUE
-        if env.rank == 0:
-            _write_status(run_dir, out.status, out.iteration, code, out.reason)
-        return code
+        return job.run(exit_interval, on_built)
     except PeerFailed as e:
-        return stopped_by(e)
+        return job.stopped_by(e)
     except RecipeError as e:
-        return failed(EXIT_BAD_RECIPE, list(e.problems), same_everywhere=True)
+        return job.failed(EXIT_BAD_RECIPE, list(e.problems), same_everywhere=True)
     except (TokenIdError, DeviceUnavailableError) as e:  # the recipe does not fit the data / the machine
-        return failed(EXIT_BAD_RECIPE, [one_line(e)])
+        return job.failed(EXIT_BAD_RECIPE, [one_line(e)])
     except (TrainingDiverged, OSError, ValueError, CheckpointLoadError, UnsafeCheckpointError,
             UnreadableCheckpointError) as e:  # data and runtime faults whose message names the file and fix
-        return failed(EXIT_ERROR, [one_line(e)])
+        return job.failed(EXIT_ERROR, [one_line(e)])
     except Exception as e:  # noqa: BLE001 - report, mark, exit non-zero
         # a collective that lost its peer: the rank that failed recorded why (PeerReport)
-        peer = peers.peer_failures() if peers is not None and isinstance(e, RuntimeError) else None
+        peer = job.peers.peer_failures() if job.peers is not None and isinstance(e, RuntimeError) else None
         if peer is not None:
-            return stopped_by(peer)
+            return job.stopped_by(peer)
         traceback.print_exc()
-        return failed(EXIT_ERROR, [f"error: {type(e).__name__}: {one_line(e)}"])
+        return job.failed(EXIT_ERROR, [f"error: {type(e).__name__}: {one_line(e)}"])
     finally:
         try:
-            if trainer is not None:
-                trainer.wait_for_save()
-                trainer.metrics.close()
+            job.close()
         finally:
-            if ctx is not None:
-                ctx.destroy()
-            if peers is not None:
-                peers.linger()  # a failed rank waits for the others' lines (kill-on-bad-exit)
             if signals is None:
                 sig.restore()
 
