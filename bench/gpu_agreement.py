@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hpcmeg.model import fused, ops  # noqa: E402
 from hpcmeg.model.config import GPTConfig  # noqa: E402
 from hpcmeg.model.gpt import GPT  # noqa: E402
-from hpcmeg.train.optim import build_optimizer  # noqa: E402
+from hpcmeg.train.optim import AdamWConfig, build_optimizer  # noqa: E402
 from hpcmeg.train.step import TrainStep  # noqa: E402
 
 TOL = 2e-2
@@ -116,7 +116,7 @@ def model_checks(rows):
     for name, comp, mode in (("eager", False, None), ("compile", True, None), ("compile_cg", True, "reduce-overhead")):
         torch.manual_seed(0)
         m = GPT(dataclasses.replace(cfg, fused=True)).cuda()
-        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16)  # the trainer's bf16 path
+        buf, opt = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16)  # the trainer's bf16 path
         st = TrainStep(m, buf, opt, "bf16", 1.0, compile=comp, device="cuda", compile_mode=mode)
         g = torch.Generator(device="cuda").manual_seed(3)
         d = torch.randint(0, 1024, (4, 257), device="cuda", generator=g)
@@ -188,7 +188,7 @@ def dropout_and_accumulation_checks(rows):
         if not drop:
             c = dataclasses.replace(c, hidden_dropout=0.0, attention_dropout=0.0)
         m = GPT(c).cuda()
-        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, accumulate=accumulate)
+        buf, opt = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16, accumulate=accumulate)
         st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")  # default: CUDA graphs
         out = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
         torch._dynamo.reset()
@@ -274,7 +274,7 @@ def wgrad_fusion_checks(rows):
     def curve(fusion, ce="grad_in_forward"):
         torch.manual_seed(0)
         m = GPT(dataclasses.replace(cfg, fused_ce=ce)).cuda()
-        buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.float32,
+        buf, opt = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16, grad_dtype=torch.float32,
                                    wgrad_fusion=fusion)
         st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
         skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k)
@@ -312,7 +312,8 @@ def _graphed_curve(mbs, **cfg_kw):
     cfg = GPTConfig(4, 768, 12, 3072, 1024, 1024, fused=True, **cfg_kw)
     torch.manual_seed(0)
     m = GPT(cfg).cuda()
-    buf, opt = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.float32, wgrad_fusion=True)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16, grad_dtype=torch.float32,
+                               wgrad_fusion=True)
     st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
     skips = sum(counters["inductor"].get(k, 0) for k in list(counters["inductor"]) if "cudagraph_skip" in k)
     out = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]

@@ -28,7 +28,9 @@ sys.path.insert(0, ROOT)
 from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.model.config import GPTConfig  # noqa: E402
 from hpcmeg.model.gpt import GPT  # noqa: E402
-from hpcmeg.train.optim import build_optimizer  # noqa: E402
+from hpcmeg.megatron.parallel_dims import ParallelDims  # noqa: E402
+from hpcmeg.parallel.context import ParallelContext  # noqa: E402
+from hpcmeg.train.optim import AdamWConfig, build_optimizer  # noqa: E402
 from hpcmeg.train.step import TrainStep  # noqa: E402
 
 SIZES = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "1.3B": (24, 2048, 16)}
@@ -45,6 +47,14 @@ def model_for(size: str) -> GPT:
         return GPT(cfg)
 
 
+def dp_rank0_layout(dp: int) -> ParallelContext:
+    """Data-parallel rank 0 of `dp` ranks with the distributed optimizer (dp > 1), for the memory its
+    buffer and state take: no process group, as building them communicates nothing."""
+    return ParallelContext(world_size=dp, rank=0, local_rank=0, tp_size=1, pp_size=1, dp_size=dp, tp_rank=0,
+                           dp_rank=0, pp_rank=0, device=torch.device("cuda"),
+                           dims=ParallelDims(dp, distributed_optimizer=dp > 1))
+
+
 def state_bytes(buf, opt) -> int:
     return sum(t.numel() * t.element_size() for t in (buf.param_data, buf.grad_data, opt.master, opt.exp_avg,
                                                       opt.exp_avg_sq))
@@ -56,8 +66,8 @@ def measure(size: str, mb: int, steps: int = 6) -> dict:
     for dp in DPS:
         model = model_for(size)
         n = model.num_params()
-        buf, opt = build_optimizer(model, 3e-4, param_dtype=torch.bfloat16, grad_dtype=torch.float32, dp_size=dp,
-                                   dp_rank=0, distributed=dp > 1)
+        buf, opt = build_optimizer(model, AdamWConfig(3e-4), dp_rank0_layout(dp), param_dtype=torch.bfloat16,
+                                   grad_dtype=torch.float32)
         per_dp[dp] = state_bytes(buf, opt)
         buf.remove_hooks()
         del model, buf, opt
@@ -66,7 +76,7 @@ def measure(size: str, mb: int, steps: int = 6) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     model = model_for(size)
-    buf, opt = build_optimizer(model, 3e-4, param_dtype=torch.bfloat16, grad_dtype=torch.float32)
+    buf, opt = build_optimizer(model, AdamWConfig(3e-4), param_dtype=torch.bfloat16, grad_dtype=torch.float32)
     allocated_state = torch.cuda.memory_allocated() - base
     step = TrainStep(model, buf, opt, "bf16", grad_clip=1.0, compile=True, device="cuda",
                      compile_options={"triton.cudagraphs": True})

@@ -42,7 +42,7 @@ from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.model.config import GPTConfig  # noqa: E402
 from hpcmeg.model.flops import flops_per_token, measure_bf16_peak  # noqa: E402
 from hpcmeg.model.gpt import GPT  # noqa: E402
-from hpcmeg.train.optim import build_optimizer  # noqa: E402
+from hpcmeg.train.optim import AdamWConfig, build_optimizer  # noqa: E402
 from hpcmeg.train.step import TrainStep  # noqa: E402
 
 SIZES = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "1.3B": (24, 2048, 16)}
@@ -215,7 +215,7 @@ def _build_step(model, v: dict):
     master = v.get("master", False)
     pdt = torch.bfloat16 if master else torch.float32
     gdt = torch.float32 if v.get("fp32_grad") or not master else torch.bfloat16
-    buf, opt = build_optimizer(model, 3e-4, weight_decay=0.1, param_dtype=pdt, grad_dtype=gdt)
+    buf, opt = build_optimizer(model, AdamWConfig(3e-4, weight_decay=0.1), param_dtype=pdt, grad_dtype=gdt)
     step = TrainStep(model, buf, opt, "bf16", grad_clip=1.0, compile=v.get("compile", True), device="cuda",
                      compile_options=v.get("options"))
     return step, f"{opt.name} grads {str(gdt).split('.')[-1]}"

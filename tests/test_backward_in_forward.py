@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hpcmeg.model.fused_ce import linear_cross_entropy
-from hpcmeg.train.optim import build_optimizer
+from hpcmeg.train.optim import AdamWConfig, build_optimizer
 from hpcmeg.train.step import TrainStep
 from test_wgrad import fused_gpt, micro_batches
 
@@ -70,7 +70,7 @@ def test_keeps_no_vocabulary_sized_tensor_and_checks_its_promise():
 
 def _train(ce: str, compile: bool = False, masked: bool = True, steps: int = 2):
     m = fused_gpt(ce=ce)
-    buf, opt = build_optimizer(m, 1e-2, bucket_numel=3000, wgrad_fusion=True)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2), bucket_numel=3000, wgrad_fusion=True)
     ts = TrainStep(m, buf, opt, "fp32", grad_clip=1.0, device="cpu", compile=compile)
     assert ts.pass_loss_weights == (ce == "backward_in_forward")
     hist = []
@@ -154,11 +154,11 @@ def test_the_compiled_sunk_model_makes_no_copy_of_the_main_grad_buffer(kw):
 
     from hpcmeg.model.config import GPTConfig
     from hpcmeg.model.gpt import GPT
-    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.optim import AdamWConfig, build_optimizer
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                     max_position_embeddings=64, padded_vocab_size=128, fused=True, **kw)
     m = GPT(cfg, init_seed=3)
-    buf, _ = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+    buf, _ = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
     tok = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     compiled = torch.compile(m)
@@ -182,7 +182,7 @@ def test_through_the_main_grad_sinks_as_grad_in_forward():
     summed over chunks in the forward, added in the backward) are grad_in_forward's."""
     from hpcmeg.model.config import GPTConfig
     from hpcmeg.model.gpt import GPT
-    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.optim import AdamWConfig, build_optimizer
     from hpcmeg.train.step import TrainStep
     tok = torch.randint(0, 128, (2, 65), generator=torch.Generator().manual_seed(0))
     mbs = [(tok[:, :-1].contiguous(), tok[:, 1:].contiguous())] * 2
@@ -192,7 +192,7 @@ def test_through_the_main_grad_sinks_as_grad_in_forward():
                         max_position_embeddings=64, padded_vocab_size=128, fused=True, fused_ce=impl,
                         hidden_dropout=0.0, attention_dropout=0.0)
         m = GPT(cfg, init_seed=3)
-        buf, opt = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+        buf, opt = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
         TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
         main[impl] = buf.grad_data.clone()
     # case 2 (the chunked d weight) through two layers; atol 1e-6 for main grads of a mean loss (~1e-3)

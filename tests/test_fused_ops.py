@@ -270,7 +270,7 @@ def test_triton_dropout_path_inside_the_compiled_model(monkeypatch):
     the rule (a dropped element contributes nothing, kept ones are scaled by 1/(1-p))."""
     from hpcmeg.model.gpt import GPT
     from hpcmeg.model.config import GPTConfig
-    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.optim import AdamWConfig, build_optimizer
     from hpcmeg.train.step import TrainStep
 
     if not fused.HAVE_TRITON_DROPOUT:
@@ -294,7 +294,7 @@ def test_triton_dropout_path_inside_the_compiled_model(monkeypatch):
     def losses(seed):
         torch.manual_seed(0)
         m = GPT(cfg)
-        buf, opt = build_optimizer(m, 1e-3)
+        buf, opt = build_optimizer(m, AdamWConfig(1e-3))
         st = TrainStep(m, buf, opt, "fp32", compile=True, device="cpu")
         torch.manual_seed(seed)
         out = [st.run(mbs).loss for _ in range(2)]

@@ -17,10 +17,12 @@ import copy
 import pytest
 import torch
 
+from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
+from hpcmeg.parallel.context import context_for
 from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer, main_grad_dtype
-from hpcmeg.train.optim import build_optimizer, param_groups
+from hpcmeg.train.optim import AdamWConfig, BufferClass, Role, build_optimizer, param_groups
 from hpcmeg.train.step import TrainStep
 
 VOCAB = 128
@@ -76,28 +78,30 @@ def assert_weights_close(a: dict, b: dict, *, rtol: float, atol: float, steps: i
 def test_layout_views_alignment_and_classes():
     m = tiny_gpt()
     before = snapshot(m)
-    buf, opt = build_optimizer(m, 1e-3, bucket_numel=3000)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=3000)
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # values moved, unchanged
     base = buf.param_data.data_ptr()
     for p in buf.params:
         a, b = buf.locate(p)
         assert p.data_ptr() == base + a * buf.param_data.element_size() and a % 64 == 0
+    decay, no_decay = BufferClass("decay", Role.PLAIN), BufferClass("no_decay", Role.PLAIN)
+    assert buf.classes == [decay, no_decay]  # one process, every parameter PLAIN: a class per group
     prev_end, seen = 0, []
     for bk in buf.buckets:
         assert bk.start == prev_end and (bk.end - bk.start) % 64 == 0
         assert all(buf.locate(p)[0] >= bk.start and buf.locate(p)[1] <= bk.end for p in bk.params)
         seen.append(bk.cls)
         prev_end = bk.end
-    assert seen == sorted(seen, key=["decay", "no_decay"].index)  # buckets never interleave classes
-    assert len([c for c in seen if c == "decay"]) > 1  # 3000-element buckets: the decay class is cut
-    (d0, d1, _), = buf.update_pieces("decay")  # one process: one piece per class, contiguous
-    (n0, n1, _), = buf.update_pieces("no_decay")
+    assert seen == sorted(seen, key=[decay, no_decay].index)  # buckets never interleave classes
+    assert len([c for c in seen if c == decay]) > 1  # 3000-element buckets: the decay class is cut
+    (d0, d1, _), = buf.update_pieces(decay)  # one process: one piece per class, contiguous
+    (n0, n1, _), = buf.update_pieces(no_decay)
     assert d0 == 0 and d1 == n0 and n1 == buf.numel == buf.shard_numel
 
 
 def test_hooks_sum_micro_batches_and_zero_unused_params():
     m = tiny_gpt()
-    buf, _ = build_optimizer(m, 1e-3)
+    buf, _ = build_optimizer(m, AdamWConfig(1e-3))
     ref = tiny_gpt()
     (x, y), = batches(1, 4)
     buf.start_step(2)
@@ -122,7 +126,7 @@ def test_hooks_sum_micro_batches_and_zero_unused_params():
 
 def _accumulated(accumulate: str, n_micro: int, param_dtype, unused: bool = False, bucket_numel: int = 3000):
     m = tiny_gpt()
-    buf, _ = build_optimizer(m, 1e-3, param_dtype=param_dtype, grad_dtype=torch.float32,
+    buf, _ = build_optimizer(m, AdamWConfig(1e-3), param_dtype=param_dtype, grad_dtype=torch.float32,
                              bucket_numel=bucket_numel, accumulate=accumulate)
     pos = m.embedding.position_embeddings.weight
     (x, y), = batches(1, 2 * n_micro, seed=7)
@@ -165,25 +169,25 @@ def test_bucketed_accumulation_with_one_big_bucket_and_bf16_main_grads():
         plain = _accumulated("per_param", 2, torch.bfloat16, bucket_numel=bucket_numel)
         assert torch.equal(fast.grad_data, plain.grad_data)
     m = tiny_gpt()
-    a, _ = build_optimizer(m, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, accumulate="bucketed")
+    a, _ = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, accumulate="bucketed")
     (x, y), = batches(1, 2)
     a.start_step(1)
     m(x, y).sum().backward()
     a.finish_grads()
     ref = tiny_gpt()
-    r, _ = build_optimizer(ref, 1e-3, param_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, accumulate="per_param")
+    r, _ = build_optimizer(ref, AdamWConfig(1e-3), param_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, accumulate="per_param")
     r.start_step(1)
     ref(x, y).sum().backward()
     r.finish_grads()
     assert a.grad_data.dtype == torch.bfloat16 and torch.equal(a.grad_data, r.grad_data)
     assert torch.count_nonzero(a.grad_data) > 0.9 * sum(p.numel() for p in m.parameters())
     with pytest.raises(ValueError, match="accumulate="):
-        build_optimizer(tiny_gpt(), 1e-3, accumulate="fused")
+        build_optimizer(tiny_gpt(), AdamWConfig(1e-3), accumulate="fused")
 
 
 def test_flat_adamw_matches_torch_adamw():
     m, ref = tiny_gpt(), tiny_gpt()
-    buf, opt = build_optimizer(m, 1e-2, weight_decay=0.1)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2, weight_decay=0.1))
     ref_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     steps = batches(3, 4)
     train_steps(m, buf, opt, steps, micro=4, clip=0.0)
@@ -196,7 +200,7 @@ def test_flat_adamw_matches_torch_adamw():
 
 def test_state_dict_is_torch_adamw_layout_and_round_trips():
     m, ref = tiny_gpt(), tiny_gpt()
-    buf, opt = build_optimizer(m, 1e-2)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2))
     steps = batches(3, 4)
     train_steps(m, buf, opt, steps, micro=4)
     ref_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=1e-2)
@@ -210,7 +214,7 @@ def test_state_dict_is_torch_adamw_layout_and_round_trips():
     # a fresh model + optimizer loaded from it continues exactly like the original
     m2 = tiny_gpt(seed=5)
     m2.load_state_dict(m.state_dict())
-    buf2, opt2 = build_optimizer(m2, 1e-2)
+    buf2, opt2 = build_optimizer(m2, AdamWConfig(1e-2))
     opt2.load_state_dict(copy.deepcopy(sd))
     more = batches(2, 4, seed=9)
     assert train_steps(m, buf, opt, more, micro=4) == train_steps(m2, buf2, opt2, more, micro=4)
@@ -220,7 +224,7 @@ def test_state_dict_is_torch_adamw_layout_and_round_trips():
 def test_bf16_params_keep_fp32_masters():
     m = tiny_gpt()
     master_before = {n: p.detach().clone() for n, p in m.named_parameters()}
-    buf, opt = build_optimizer(m, 1e-2, param_dtype=torch.bfloat16)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2), param_dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     for n, p in m.named_parameters():  # the masters are the fp32 values the model had
         a, b = buf.locate(p)
@@ -253,8 +257,8 @@ def _dp_case(rank, world, distributed, clip, micro, n_steps, bucket_numel):
     import torch.distributed as dist
 
     m = tiny_gpt()
-    buf, opt = build_optimizer(m, 1e-2, dp_size=world, dp_rank=rank, dp_group=None, distributed=distributed,
-                               bucket_numel=bucket_numel)
+    ctx = context_for(ParallelDims(world, distributed_optimizer=distributed), rank, rank, "cpu")
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2), ctx, bucket_numel=bucket_numel)
     hist = train_steps(m, buf, opt, batches(n_steps, micro * world), micro=micro, rank=rank, world=world,
                        clip=clip)
     sd = opt.state_dict()  # collective when distributed
@@ -267,7 +271,7 @@ def _dp_case(rank, world, distributed, clip, micro, n_steps, bucket_numel):
 def _reference(world: int, micro: int, n_steps: int, clip: float):
     """One process, accumulation = world: the same global batches."""
     m = tiny_gpt()
-    buf, opt = build_optimizer(m, 1e-2)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2))
     hist = train_steps(m, buf, opt, batches(n_steps, micro * world), micro=micro, clip=clip)
     return hist, snapshot(m), opt.state_dict()
 
@@ -313,7 +317,8 @@ def _resume_case(rank, world, sd):
     import torch.distributed as dist
 
     m = tiny_gpt()
-    buf, opt = build_optimizer(m, 1e-2, dp_size=world, dp_rank=rank, distributed=True, bucket_numel=3000)
+    ctx = context_for(ParallelDims(world, distributed_optimizer=True), rank, rank, "cpu")
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2), ctx, bucket_numel=3000)
     opt.load_state_dict(copy.deepcopy(sd))
     back = opt.state_dict()
     dist.barrier()

@@ -12,7 +12,7 @@ import torch
 
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
-from hpcmeg.train.optim import build_optimizer
+from hpcmeg.train.optim import AdamWConfig, build_optimizer
 
 
 @pytest.mark.parametrize("kw", [{}, {"attention_backend": "triton"}, {"gelu_impl": "triton"},
@@ -26,7 +26,7 @@ def test_the_sunk_fused_model_has_no_graph_break(kw):
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                     max_position_embeddings=64, padded_vocab_size=128, fused=True, **kw)
     m = GPT(cfg, init_seed=3)
-    buf, _ = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+    buf, _ = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
     assert buf.is_sunk(m.encoder.layers[0].mlp.dense_h_to_4h.weight)
     tok = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()

@@ -1,6 +1,8 @@
-"""FlatAdamW's two updates: torch.compile'd (what CUDA runs) against the plain twin inside the optimizer
-over a model's buffers, and the fall-back to the plain update when the compiler fails for real.
-(The update function on its own against its twin, and the gradient norm's sum of squares:
+"""build_optimizer's parameter roles (the buffer classes, their extra reductions and what the norm
+counts, in one process; the parallel layouts themselves: test_tp_model.py, test_pp_model.py), and
+FlatAdamW's two updates: torch.compile'd (what CUDA runs) against the plain twin inside the
+optimizer over a model's buffers, and the fall-back to the plain update when the compiler fails for
+real. (The update function on its own against its twin, and the gradient norm's sum of squares:
 test_step.py.)"""
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import sys
 
 import torch
 
+from hpcmeg.model.config import GPTConfig
+from hpcmeg.model.gpt import GPT
+from hpcmeg.train.optim import AdamWConfig, BufferClass, Role, build_optimizer, param_roles
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # one clipped step of two micro batches over a tiny GPT's buffers (two parameter groups, so the
@@ -18,14 +24,14 @@ _ONE_STEP = r"""
 import torch
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
-from hpcmeg.train.optim import build_optimizer
+from hpcmeg.train.optim import AdamWConfig, build_optimizer
 from hpcmeg.train.step import TrainStep
 
 def one_step(compiled):
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=96,
                     max_position_embeddings=32, padded_vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPT(cfg, init_seed=3)
-    buf, opt = build_optimizer(model, 1e-2, weight_decay=0.1, compiled=compiled)
+    buf, opt = build_optimizer(model, AdamWConfig(1e-2, weight_decay=0.1), compiled=compiled)
     step = TrainStep(model, buf, opt, "fp32", grad_clip=0.05, device="cpu")
     start = opt.master.clone()
     x = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -33,6 +39,35 @@ def one_step(compiled):
     assert not torch.equal(opt.master, start)  # the step moved the weights
     return opt, norm
 """
+
+
+def test_param_roles_the_more_specific_wins():
+    roles = param_roles(tied=[1], partial=[2, 3], replicated=[1, 2, 3, 4])
+    assert roles == {1: Role.TIED, 2: Role.PARTIAL, 3: Role.PARTIAL, 4: Role.REPLICATED}
+    assert param_roles() == {}
+
+
+def test_roles_make_buffer_classes_in_role_order_with_their_reductions():
+    """A role's parameters get a class of their own in each group where it has members (in Role's
+    order, a PLAIN class always); partial and tied classes get an extra reduction; one process (tp
+    rank 0, the first stage) counts every class in the norm."""
+    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                          max_position_embeddings=16, padded_vocab_size=64), init_seed=0)
+    wte, wpe = model.embedding.word_embeddings.weight, model.embedding.position_embeddings.weight
+    ln = model.encoder.layers[0].input_layernorm
+    roles = param_roles(tied=[id(wte)], partial=[id(ln.weight)], replicated=[id(ln.weight), id(ln.bias), id(wpe)])
+    buf, opt = build_optimizer(model, AdamWConfig(1e-3), roles=roles)
+    decay, no_decay = (lambda role: BufferClass("decay", role)), (lambda role: BufferClass("no_decay", role))
+    assert buf.classes == [decay(Role.TIED), decay(Role.PLAIN), decay(Role.REPLICATED), no_decay(Role.PLAIN),
+                           no_decay(Role.REPLICATED), no_decay(Role.PARTIAL)]
+    assert [g["classes"] for g in opt.param_groups] == [buf.classes[:3], buf.classes[3:]]
+    assert [bk.params for bk in buf.buckets if bk.cls == decay(Role.TIED)] == [[wte]]
+    assert [bk.params for bk in buf.buckets if bk.cls == no_decay(Role.PARTIAL)] == [[ln.weight]]
+    assert buf.extra_reductions == ((decay(Role.TIED), None), (no_decay(Role.PARTIAL), None))
+    assert opt.norm_skip == frozenset() and opt.norm_groups == ()
+    # no roles: one PLAIN class per group
+    buf, _ = build_optimizer(GPT(model.cfg, init_seed=0), AdamWConfig(1e-3))
+    assert buf.classes == [decay(Role.PLAIN), no_decay(Role.PLAIN)]
 
 
 def test_compiled_update_in_the_optimizer_follows_the_plain_one():

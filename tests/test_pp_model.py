@@ -21,6 +21,7 @@ from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.context import context_for
 from hpcmeg.megatron.parallel_dims import ParallelDims
+from hpcmeg.train.optim import AdamWConfig
 from hpcmeg.train.rank_model import rank_model, rank_optimizer, rank_step
 
 pytestmark = pytest.mark.dist
@@ -68,8 +69,8 @@ def _case(rank, world, tp, pp, vpp, M, steps, lr, distributed):
     dims = ParallelDims(world, tp=tp, pp=pp, vpp=vpp, distributed_optimizer=distributed)
     ctx = context_for(dims, rank, rank, "cpu")
     model, plan, rng = rank_model(CFG, dims, ctx, 3, "cpu")
-    buf, opt = rank_optimizer(model, plan, dims, ctx, param_dtype=torch.float32, grad_dtype=torch.float32, lr=lr,
-                              weight_decay=0.1)
+    buf, opt = rank_optimizer(model, plan, ctx, AdamWConfig(lr, weight_decay=0.1), param_dtype=torch.float32,
+                              grad_dtype=torch.float32)
     step = rank_step(model, buf, opt, dims, ctx, micro_batch=MB, seq_length=SEQ, act_dtype=torch.float32,
                      precision="fp32", grad_clip=1.0, device="cpu")
     hist = []
@@ -88,8 +89,8 @@ def reference(M: int, steps: int, lr: float):
     m = GPT(CFG, init_seed=3)
     dims = ParallelDims(1)
     ctx = context_for(dims, 0, 0, "cpu")
-    buf, opt = rank_optimizer(m, _empty_plan(), dims, ctx, param_dtype=torch.float32,
-                              grad_dtype=torch.float32, lr=lr, weight_decay=0.1)
+    buf, opt = rank_optimizer(m, _empty_plan(), ctx, AdamWConfig(lr, weight_decay=0.1), param_dtype=torch.float32,
+                              grad_dtype=torch.float32)
     step = rank_step(m, buf, opt, dims, ctx, micro_batch=MB, seq_length=SEQ, act_dtype=torch.float32,
                      precision="fp32", grad_clip=1.0, device="cpu")
     hist = []

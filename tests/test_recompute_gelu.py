@@ -83,14 +83,14 @@ def test_the_compiled_graph_saves_no_gelu_output():
 def test_through_the_main_grad_sinks():
     """TrainStep with wgrad fusion: fc1's and fc2's weight gradients go into the buffer from the
     recomputing layer's backward as from the others'."""
-    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.optim import AdamWConfig, build_optimizer
     from hpcmeg.train.step import TrainStep
     tok = _tok()
     mbs = [(tok[:, :-1].contiguous(), tok[:, 1:].contiguous())] * 2
     main = {}
     for k in (0, 2):
         m = GPT(_cfg(recompute_gelu_layers=k), init_seed=3)
-        buf, opt = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+        buf, opt = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
         assert buf.is_sunk(m.encoder.layers[0].mlp.dense_4h_to_h.weight)
         TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
         main[k] = {n: buf.grad_data[slice(*buf.locate(p))].clone() for n, p in m.named_parameters()}

@@ -9,7 +9,7 @@ import torch
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 from hpcmeg.train.loss_scale import DynamicLossScaler
-from hpcmeg.train.optim import build_optimizer, param_groups
+from hpcmeg.train.optim import AdamWConfig, build_optimizer, param_groups
 from hpcmeg.train.step import TrainStep
 
 
@@ -37,7 +37,7 @@ def test_param_groups_no_decay_for_biases_and_norms():
     assert {names[id(p)] for p in decay["params"]} >= {"embedding.word_embeddings.weight",
                                                       "encoder.layers.1.mlp.dense_4h_to_h.weight"}
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
-    _, opt = build_optimizer(m, 1e-3)
+    _, opt = build_optimizer(m, AdamWConfig(1e-3))
     assert opt.name == "hpcmeg.FlatAdamW(plain)"
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
@@ -45,7 +45,7 @@ def test_param_groups_no_decay_for_biases_and_norms():
 @pytest.mark.parametrize("precision,fused", [("fp32", False), ("bf16", True)])
 def test_loss_decreases(precision, fused):
     m = tiny_model(fused)
-    buf, opt = build_optimizer(m, 3e-3, weight_decay=0.0)
+    buf, opt = build_optimizer(m, AdamWConfig(3e-3, weight_decay=0.0))
     step = TrainStep(m, buf, opt, precision, grad_clip=1.0, device="cpu")
     x, y = batch()
     losses = [step.run([(x, y)]).loss for _ in range(15)]
@@ -57,7 +57,7 @@ def test_grad_accumulation_equals_one_big_batch():
     results, grads = [], []
     for split in (1, 2):
         m = tiny_model()
-        buf, opt = build_optimizer(m, 0.0)  # lr 0: the reduced gradients stay in the buffer to compare
+        buf, opt = build_optimizer(m, AdamWConfig(0.0))  # lr 0: the reduced gradients stay in the buffer to compare
         step = TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu")
         mbs = [(x[i:i + 4 // split], y[i:i + 4 // split]) for i in range(0, 4, 4 // split)]
         results.append(step.run(mbs))
@@ -72,7 +72,7 @@ def test_loss_mask_excludes_tokens():
     m = tiny_model()
     x, y = batch(2)
     mask = torch.ones(2, 32); mask[:, 16:] = 0
-    buf, opt = build_optimizer(m, 0.0)
+    buf, opt = build_optimizer(m, AdamWConfig(0.0))
     step = TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu")
     got = step.run([(x, y, mask)]).loss
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_loss_mask_excludes_tokens():
 
 def test_fp16_overflow_skips_step_and_lowers_scale():
     m = tiny_model()
-    buf, opt = build_optimizer(m, 1e-3)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-3))
     scaler = DynamicLossScaler(initial_scale=2.0 ** 10, hysteresis=1, growth_interval=2)
     step = TrainStep(m, buf, opt, "fp16", grad_clip=1.0, loss_scaler=scaler, device="cpu")
     x, y = batch()
@@ -117,7 +117,7 @@ def test_loss_scaler_hysteresis_and_floor():
 
 def _bf16_setup(seed=0, lr=3e-3, grad_dtype=None):
     m = tiny_model(fused=True, seed=seed)
-    buf, opt = build_optimizer(m, lr, weight_decay=0.1, param_dtype=torch.bfloat16, grad_dtype=grad_dtype)
+    buf, opt = build_optimizer(m, AdamWConfig(lr, weight_decay=0.1), param_dtype=torch.bfloat16, grad_dtype=grad_dtype)
     return m, buf, opt
 
 

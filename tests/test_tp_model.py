@@ -30,7 +30,7 @@ from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.context import context_for
 from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.parallel.tensor import parallelize_tensor
-from hpcmeg.train.optim import build_optimizer
+from hpcmeg.train.optim import AdamWConfig, build_optimizer, param_roles
 from hpcmeg.train.step import TrainStep
 
 pytestmark = pytest.mark.dist
@@ -87,9 +87,8 @@ def _grads_case(rank, world, tp, sp):
     # the global norm the optimizer will compute, through the real buffer path
     m2 = model()
     plan2 = parallelize_tensor(m2, ctx, sequence_parallel=sp)
-    buf, opt = build_optimizer(m2, 0.0, replicated=plan2.replicated, partial_grads=plan2.partial_grads,
-                               tp_size=tp, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group, dp_size=ctx.dp_size,
-                               dp_rank=ctx.dp_rank, dp_group=ctx.dp_group)
+    roles = param_roles(partial=plan2.partial_grads, replicated=plan2.replicated)
+    buf, opt = build_optimizer(m2, AdamWConfig(0.0), ctx, roles)
     step = TrainStep(m2, buf, opt, "fp32", grad_clip=0.0, device="cpu", dp_size=ctx.dp_size)
     res = step.run([(xs, ys)])
     return {"loss": loss.item(), "grads": grads, "norm": res.grad_norm}
@@ -100,10 +99,8 @@ def _train_case(rank, world, tp, sp, steps, distributed, compiled=False, sink=Fa
                       rank, rank, "cpu")
     m = model(fused=sink, gelu_impl=gelu_impl)
     plan = parallelize_tensor(m, ctx, sequence_parallel=sp)
-    buf, opt = build_optimizer(m, 1e-3, replicated=plan.replicated, partial_grads=plan.partial_grads,
-                               tp_size=tp, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group, dp_size=ctx.dp_size,
-                               dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=distributed,
-                               wgrad_fusion=sink)
+    roles = param_roles(partial=plan.partial_grads, replicated=plan.replicated)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-3), ctx, roles, wgrad_fusion=sink)
     step = TrainStep(m, buf, opt, "fp32", grad_clip=1.0, device="cpu", dp_size=ctx.dp_size, compile=compiled)
     hist = []
     for x, y in batches(steps, MB * ctx.dp_size):
@@ -117,7 +114,7 @@ def _train_case(rank, world, tp, sp, steps, distributed, compiled=False, sink=Fa
 def reference(steps: int, rows: int, fused: bool = False):
     """One process, the same global batches (accumulated when rows > MB)."""
     m = model(fused=fused)
-    buf, opt = build_optimizer(m, 1e-3)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-3))
     step = TrainStep(m, buf, opt, "fp32", grad_clip=1.0, device="cpu")
     hist = []
     for x, y in batches(steps, rows):

@@ -240,7 +240,7 @@ def test_qkv_bias_gradient_comes_from_the_attention_op():
 def test_qkv_bias_split_with_main_grad_sinks():
     """Gradient-accumulation fusion: the QKV weight's GEMM adds into its main grad while its bias
     (given detached) gets no sum there; the buffer's main grads equal the default backend's."""
-    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.optim import AdamWConfig, build_optimizer
     from hpcmeg.train.step import TrainStep
     g = torch.Generator().manual_seed(9)
     mbs = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in
@@ -248,7 +248,7 @@ def test_qkv_bias_split_with_main_grad_sinks():
     grads = {}
     for backend in ("auto", "triton"):
         m = _model(attention_dropout=0.0, attention_backend=backend)
-        buf, opt = build_optimizer(m, 1e-3, bucket_numel=5000, wgrad_fusion=True)
+        buf, opt = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
         TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
         grads[backend] = {n: buf.grad_data[slice(*buf.locate(p))].clone() for n, p in m.named_parameters()}
     for n, want in grads["auto"].items():  # case 3; atol 1e-6: main grads of a mean loss, mostly ~1e-3

@@ -14,12 +14,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.model import wgrad
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
+from hpcmeg.parallel.context import context_for
 from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer
 from hpcmeg.train.build import wgrad_fusion
-from hpcmeg.train.optim import build_optimizer
+from hpcmeg.train.optim import AdamWConfig, build_optimizer
 from hpcmeg.train.step import TrainStep
 
 VOCAB = 128
@@ -84,7 +86,7 @@ def test_wgrad_op_passes_opcheck():
 
 def _grads(fusion: bool, n_micro: int, compile: bool = False, fused: bool = True, ce: str = "fused"):
     m = fused_gpt(fused=fused, ce=ce)
-    buf, opt = build_optimizer(m, 1e-2, bucket_numel=3000, wgrad_fusion=fusion)
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2), bucket_numel=3000, wgrad_fusion=fusion)
     ts = TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu", compile=compile)
     hist = []
     for step in range(2):
@@ -141,7 +143,7 @@ def test_a_sunk_weight_with_a_grad_is_an_error_and_the_fusion_needs_a_fused_cuda
     with pytest.raises(RuntimeError, match="sunk weight got a .grad"):
         buf.finish_grads()
     with pytest.raises(ValueError, match="wgrad_fusion needs a fused model"):
-        build_optimizer(fused_gpt(fused=False), 1e-3, wgrad_fusion=True)
+        build_optimizer(fused_gpt(fused=False), AdamWConfig(1e-3), wgrad_fusion=True)
     # the trainer's rule: a fused model with bf16/fp16 parameters on CUDA only
     assert not wgrad_fusion(fused_gpt(), torch.bfloat16)  # CPU
     assert not wgrad_fusion(fused_gpt(fused=False), torch.bfloat16)
@@ -149,8 +151,8 @@ def test_a_sunk_weight_with_a_grad_is_an_error_and_the_fusion_needs_a_fused_cuda
 
 def _run_sink(world: int, rank: int, distributed: bool, micro_per_rank: int, ce: str = "fused"):
     m = fused_gpt(ce=ce)
-    buf, opt = build_optimizer(m, 1e-2, dp_size=world, dp_rank=rank, dp_group=None, distributed=distributed,
-                               bucket_numel=3000, wgrad_fusion=True)
+    ctx = context_for(ParallelDims(world, distributed_optimizer=distributed), rank, rank, "cpu")
+    buf, opt = build_optimizer(m, AdamWConfig(1e-2), ctx, bucket_numel=3000, wgrad_fusion=True)
     ts = TrainStep(m, buf, opt, "fp32", grad_clip=1.0, device="cpu", dp_size=world)
     hist = []
     for step in range(3):

@@ -8,10 +8,11 @@ pieces of both in place. Design and sources: shared/docs/parallel-design.md B.4.
 
 Contract
 - ``ParamAndGradBuffer(classes, *, param_dtype, grad_dtype, dp_size=1, dp_rank=0, dp_group=None,
-  shard=False, bucket_numel=10M, align=64)``. ``classes`` is an ordered list of ``(name, [params])``
-  (the optimizer's decay / no-decay groups). Every parameter's storage moves into ``param_data``
-  (dtype ``param_dtype``, values copied; a Parameter keeps its identity, so modules, the optimizer and
-  torch.compile keep working): do not move or re-cast the model afterwards.
+  shard=False, bucket_numel=10M, align=64)``. ``classes`` is an ordered list of ``(key, [params])``
+  (any hashable keys: the optimizer's decay / no-decay groups, split by parameter role). Every
+  parameter's storage moves into ``param_data`` (dtype ``param_dtype``, values copied; a Parameter
+  keeps its identity, so modules, the optimizer and torch.compile keep working): do not move or
+  re-cast the model afterwards.
 - Layout: class by class; inside a class in REVERSE registration order (backward produces the last
   layers' gradients first, so buckets fill in order); every parameter starts at a multiple of
   ``align`` elements; a class is cut into buckets of about ``bucket_numel`` elements (a parameter is
@@ -57,6 +58,7 @@ Contract
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +83,8 @@ class Bucket:
     start: int
     end: int
     """[start, end) in the full buffers; (end - start) is a multiple of align * dp_size."""
-    cls: str
+    cls: Hashable
+    """The key of the class it belongs to (the optimizer's decay / no-decay x parameter role)."""
     params: list
     shard_start: int
     """Where this rank's slice of the bucket starts in shard coordinates."""
@@ -90,7 +93,7 @@ class Bucket:
 
 
 class ParamAndGradBuffer:
-    def __init__(self, classes: list[tuple[str, list[nn.Parameter]]], *, param_dtype: torch.dtype,
+    def __init__(self, classes: list[tuple[Hashable, list[nn.Parameter]]], *, param_dtype: torch.dtype,
                  grad_dtype: torch.dtype, dp_size: int = 1, dp_rank: int = 0, dp_group=None,
                  shard: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL, align: int = 64,
                  extra_reductions: tuple = (), accumulate: str = "bucketed", sunk: frozenset = frozenset()):
@@ -361,7 +364,7 @@ class ParamAndGradBuffer:
 
     # --------------------------------------------------------------------------- geometry
 
-    def update_pieces(self, cls: str) -> list[tuple[int, int, int]]:
+    def update_pieces(self, cls: Hashable) -> list[tuple[int, int, int]]:
         """(full_start, full_end, shard_start) of what this rank updates in class `cls`."""
         if not self.sharded:
             a, b = self._class_range[cls]

@@ -144,16 +144,18 @@ def build_optimizer_for(recipe: Recipe, derived: Derived, dims: ParallelDims, ct
     """(buffer, optimizer, loss scaler or None) for this rank."""
     from hpcmeg.parallel.grad_buffer import main_grad_dtype
     from hpcmeg.train.loss_scale import DynamicLossScaler
+    from hpcmeg.train.optim import AdamWConfig
     from hpcmeg.train.rank_model import rank_optimizer
 
     train = recipe.train
     pdt = param_dtype_for(train.precision, ctx.device)
     # summed over micro batches, ranks or pipeline stages' shared embedding: fp32 (main_grad_dtype)
     summed = derived.grad_accum_steps * (2 if dims.pp > 1 else 1)
-    buffer, optimizer = rank_optimizer(
-        model, plan, dims, ctx, param_dtype=pdt, grad_dtype=main_grad_dtype(pdt, dims.dp, summed), lr=train.lr,
-        weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-        wgrad_fusion=wgrad_fusion(model, pdt))
+    hyper = AdamWConfig(lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
+                        eps=train.adam_eps)
+    buffer, optimizer = rank_optimizer(model, plan, ctx, hyper, param_dtype=pdt,
+                                       grad_dtype=main_grad_dtype(pdt, dims.dp, summed),
+                                       wgrad_fusion=wgrad_fusion(model, pdt))
     scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale) if train.precision == "fp16" else None
     return buffer, optimizer, scaler
 

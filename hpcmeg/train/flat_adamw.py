@@ -46,15 +46,15 @@ class FlatAdamW:
     masters then come from the model) at any data-parallel size, sharded or not; every rank calls it.
     After loading model weights from outside, call `masters_from_params()`."""
 
-    def __init__(self, buffer: ParamAndGradBuffer, groups: list[dict], lr: float, betas=(0.9, 0.95),
-                 eps: float = 1e-8, compiled: bool | None = None, norm_skip: frozenset = frozenset(),
-                 norm_groups: tuple = ()):
+    def __init__(self, buffer: ParamAndGradBuffer, groups: list[dict], *, compiled: bool | None = None,
+                 norm_skip: frozenset = frozenset(), norm_groups: tuple = ()):
+        """groups: dicts of lr, betas, eps, weight_decay, params and classes (the buffer class keys the
+        group's parameters live in); hpcmeg/train/optim.py's build_optimizer makes them."""
         self.buffer = buffer
-        self.param_groups = []
-        for i, g in enumerate(groups):
-            self.param_groups.append({"lr": lr, "betas": tuple(betas), "eps": eps,
-                                      "weight_decay": g.get("weight_decay", 0.0), "params": list(g["params"]),
-                                      "classes": list(g.get("classes", [f"group{i}"]))})
+        # torch AdamW's keys in torch's order: state_dict() saves them as the checkpoint's param_groups
+        self.param_groups = [{"lr": g["lr"], "betas": tuple(g["betas"]), "eps": g["eps"],
+                              "weight_decay": g["weight_decay"], "params": list(g["params"]),
+                              "classes": list(g["classes"])} for g in groups]
         # classes this rank leaves out of the gradient norm (TP-replicated ones off tp_rank 0), and the
         # groups over which the sum of squares is added up (beyond the DP group of a sharded buffer)
         self.norm_skip, self.norm_groups = frozenset(norm_skip), tuple(norm_groups)

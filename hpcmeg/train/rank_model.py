@@ -6,10 +6,11 @@ Contract (build.py calls these with the recipe's values; the parallel tests call
   the CPU with the name-keyed init (every layout starts from the same weights), cut into this rank's
   tensor-parallel shards (hpcmeg/parallel/tensor.py; `plan` says which parameters are replicated,
   which have partial gradients), moved to `device`. `rng`: the TP RNG stream (None at TP 1).
-- `rank_optimizer(model, plan, dims, ctx, **hyper) -> (buffer, optimizer)`: ParamAndGradBuffer +
-  FlatAdamW with this rank's groups: DP (all-reduce or, with the distributed optimizer,
-  reduce-scatter), the TP plan, the tied embedding over the embedding group (first and last
-  stage), the norm summed over TP and PP and counting every parameter once.
+- `rank_optimizer(model, plan, ctx, hyper, ...) -> (buffer, optimizer)`: ParamAndGradBuffer +
+  FlatAdamW with this rank's groups (hpcmeg/train/optim.py's build_optimizer): DP (all-reduce or,
+  with the distributed optimizer, reduce-scatter), the parameter roles from the TP plan and the
+  tied embedding (summed over the embedding group: first and last stage), the norm summed over TP
+  and PP and counting every parameter once.
 - `rank_step(model, buffer, optimizer, dims, ctx, *, micro_batch, seq_length, act_dtype, **kw)`: a
   TrainStep at PP 1, else a PipelineTrainStep with its P2P sized [micro_batch, seq(/tp under SP), h].
 """
@@ -39,22 +40,17 @@ def rank_model(config: GPTConfig, dims: ParallelDims, ctx, init_seed: int, devic
     return StageModel(chunks, ctx.pp_rank, dims.pp).to(device), plan, rng
 
 
-def rank_optimizer(model, plan: TensorParallelPlan, dims: ParallelDims, ctx, *, param_dtype: torch.dtype,
-                   grad_dtype: torch.dtype, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                   bucket_numel: int | None = None, compiled: bool | None = None, accumulate: str = "bucketed",
+def rank_optimizer(model, plan: TensorParallelPlan, ctx, hyper, *, param_dtype: torch.dtype,
+                   grad_dtype: torch.dtype, bucket_numel: int | None = None, compiled: bool | None = None,
                    wgrad_fusion: bool = False):
+    """hyper: an AdamWConfig (hpcmeg/train/optim.py); the keywords are build_optimizer's."""
     from hpcmeg.parallel.pipeline.stages import tied_parameters
-    from hpcmeg.train.optim import build_optimizer
+    from hpcmeg.train.optim import build_optimizer, param_roles
 
-    tied = frozenset(id(p) for p in tied_parameters(model)) if dims.pp > 1 else frozenset()
-    first, last = ctx.pp_rank == 0, ctx.pp_rank == dims.pp - 1
-    return build_optimizer(
-        model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, param_dtype=param_dtype, grad_dtype=grad_dtype,
-        dp_size=dims.dp, dp_rank=ctx.dp_rank, dp_group=ctx.dp_group, distributed=dims.distributed_optimizer,
-        bucket_numel=bucket_numel, compiled=compiled, replicated=plan.replicated, partial_grads=plan.partial_grads,
-        tp_size=dims.tp, tp_rank=ctx.tp_rank, tp_group=ctx.tp_group, tied=tied, embedding_group=ctx.embedding_group,
-        count_tied_in_norm=first or not last, pp_size=dims.pp, pp_group=ctx.pp_group, accumulate=accumulate,
-        wgrad_fusion=wgrad_fusion)
+    tied = [id(p) for p in tied_parameters(model)] if ctx.pp_size > 1 else []
+    roles = param_roles(tied=tied, partial=plan.partial_grads, replicated=plan.replicated)
+    return build_optimizer(model, hyper, ctx, roles, param_dtype=param_dtype, grad_dtype=grad_dtype,
+                           bucket_numel=bucket_numel, compiled=compiled, wgrad_fusion=wgrad_fusion)
 
 
 def rank_step(model, buffer, optimizer, dims: ParallelDims, ctx, *, micro_batch: int, seq_length: int,
