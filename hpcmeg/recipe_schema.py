@@ -139,39 +139,18 @@ class ModelConfig:
     first), triton (hpcmeg's own, dropout inside, q/k/v in the QKV GEMM's layout; sequence length a
     multiple of 128, head dim 16-128; 12 % faster than cuDNN per layer on an H100), cudnn, flash,
     flash_attn, efficient or math."""
-    dropout_impl: str = "triton_bits"
-    """Fused path on CUDA: triton_bits (a Philox keep-mask kernel, 8 draws of 16 bits per call; the
-    masks the residual branches save for the backward packed 8 to a byte: 0.26 GB less at 124M,
-    micro batch 16, and 0.6 % faster on an H100), triton (the same masks kept as bytes) or native
-    (torch's dropout; Inductor draws inside its fused kernels). CPU always uses native."""
-    layernorm_impl: str = "triton"
-    """Fused path: triton (each LayerNorm backward, with the residual-gradient add, dropout mask and
-    bias gradient before it, in one pass of hpcmeg/model/triton_layernorm.py), triton_forward
-    (triton, plus each bias-dropout-add + LayerNorm forward as one Triton row pass,
-    hpcmeg/model/triton_bda_layernorm.py: for hidden sizes above 1024, where Inductor's kernel reads
-    each row twice; opt-in, untimed) or inductor."""
-    gelu_impl: str = "cublaslt_dgelu"
-    """Fused path: cublaslt_dgelu (no GELU pass in either direction: cuBLASLt's GELU epilogue in
-    fc1's GEMM, its DGELU epilogue in fc2's input-gradient GEMM, fc1's bias gradient summed by fc1's
-    weight-gradient GEMM; hpcmeg/model/cublaslt.py; 0.4-1.2 % faster than cublaslt on an H100),
-    cublaslt (the forward epilogue only, the backward as triton's), triton (the MLP's GELU forward
-    and backward with its bias gradient, one pass each, hpcmeg/model/triton_gelu.py) or inductor
-    (F.gelu). The cuBLASLt ones take the triton path, with a warning, where cuBLASLt cannot."""
     recompute_gelu_layers: int = ranged(0, ge=0)
     """Fused path: the first this many layers (of each pipeline stage) keep their MLP's
     pre-activation but not its GELU output, which the backward recomputes (the Triton GELU in those
     layers): 2 x ffn bytes per token less per layer (124M at micro batch 16: 100 MB a layer) for one
     GELU pass each in the backward; for a micro batch that would not fit otherwise. At most num_layers."""
     cross_entropy: str = "grad_in_forward"
-    """Fused path: how the LM head's loss is computed (GPTConfig.fused_ce): grad_in_forward (bf16
-    logits; the forward's Triton kernel turns them into their gradient in place, so the backward
-    needs no pass over them: +0.6 % tokens/s on the 124M user path on the H200,
-    bench/results/user_path_s9b_124M_kernels.md), fused (a one-read Triton logsumexp, then one backward pass),
-    fused_inductor, compiled, chunked (least memory: logits recomputed in backward), or
-    backward_in_forward (grad_in_forward whose backward GEMMs run in the forward, chunk by chunk, so
-    the [tokens, vocab] gradient is never kept: ~103 MB less per sequence of 1024 at GPT-2's
-    vocabulary, same FLOPs; on an H100 ~1 % slower at 124M, and what lets 355M run micro batch 16
-    within nanoGPT's memory, bench/results/user_path_h100_s19.md)."""
+    """Fused path: the LM head's loss (GPTConfig.fused_ce): grad_in_forward (bf16 logits, which the
+    forward's Triton kernel turns into their gradient in place: no fp32 [tokens, vocab] tensor, no
+    backward pass over the logits) or backward_in_forward (a memory trade-off: grad_in_forward whose
+    backward GEMMs run in the forward, chunk by chunk, so the [tokens, vocab] gradient is never kept:
+    ~103 MB less per sequence of 1024 at GPT-2's vocabulary, same FLOPs; what lets 355M run micro
+    batch 16 within nanoGPT's memory on an H100)."""
 
 
 @dataclass
@@ -398,15 +377,22 @@ class ConvertConfig:
     """Run the conversion stage after training."""
 
 
+# Keys a recipe may no longer hold, and what to do instead (the loader names them with this line
+# rather than as unknown keys).
+RETIRED = {
+    "model.dropout_impl": "the fused path has one dropout (a Triton keep-mask on CUDA); model.fused: off "
+                          "gives torch's",
+    "model.layernorm_impl": "the fused path has one LayerNorm (its backward one Triton pass); model.fused: off "
+                            "gives the plain one",
+    "model.gelu_impl": "the fused path has one GELU (Triton kernels); model.fused: off gives the plain one",
+}
+
+# Every choice key's allowed values, written once: the loader checks them, GPTConfig imports its own.
 CHOICES = {
     ("data", "tokenizer_type"): ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
     ("model", "fused"): ("auto", "on", "off"),
     ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
-    ("model", "dropout_impl"): ("triton", "triton_bits", "native"),
-    ("model", "layernorm_impl"): ("triton", "triton_forward", "inductor"),
-    ("model", "gelu_impl"): ("triton", "inductor", "cublaslt", "cublaslt_dgelu"),
-    ("model", "cross_entropy"): ("fused", "grad_in_forward", "fused_inductor", "compiled", "chunked",
-                                 "backward_in_forward"),
+    ("model", "cross_entropy"): ("grad_in_forward", "backward_in_forward"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "precision"): ("bf16", "fp16", "fp32"),
     ("train", "compile"): ("auto", "on", "off"),

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import yaml
 
-from hpcmeg.recipe_schema import CHOICES
+from hpcmeg.recipe_schema import CHOICES, RETIRED
 
 # dotted keys whose choices include on and off: a YAML boolean there means the word
 _ON_OFF = frozenset(f"{sec}.{key}" for (sec, key), allowed in CHOICES.items() if {"on", "off"} <= set(allowed))
@@ -261,6 +261,9 @@ def build(cls, data: dict, prefix: str, problems: list[str], where, failed: set[
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields and path in RETIRED:
+            problems.append(f"{where(path)}: '{path}' is no longer a recipe key ({RETIRED[path]}); delete it")
+            continue
         if key not in fields:
             guess = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"; did you mean '{guess[0]}'?" if guess else f"; known keys: {', '.join(fields)}"

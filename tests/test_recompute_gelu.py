@@ -35,11 +35,10 @@ def _run(cfg, compiled=False):
     return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, sum(saved)
 
 
-@pytest.mark.parametrize("gelu_impl", ["triton", "cublaslt", "cublaslt_dgelu"])
-def test_same_gradients_one_tensor_less_saved_per_layer(gelu_impl):
-    loss, grads, saved = _run(_cfg(gelu_impl=gelu_impl))
+def test_same_gradients_one_tensor_less_saved_per_layer():
+    loss, grads, saved = _run(_cfg())
     for k in (1, 2):
-        rloss, rgrads, rsaved = _run(_cfg(gelu_impl=gelu_impl, recompute_gelu_layers=k))
+        rloss, rgrads, rsaved = _run(_cfg(recompute_gelu_layers=k))
         # the same forward (case 1, under case 5's default); the recomputing backward takes the GELU
         # derivative and fc2's weight gradient in its own ops (case 2; atol 1e-6 for ~1e-3 gradients)
         torch.testing.assert_close(rloss, loss)
@@ -47,7 +46,7 @@ def test_same_gradients_one_tensor_less_saved_per_layer(gelu_impl):
             torch.testing.assert_close(rgrads[n], want, atol=1e-6, rtol=1e-5, msg=n)
         assert saved - rsaved == k * TOKENS * FFN  # the GELU output of each recomputing layer
     assert grads["encoder.layers.0.mlp.dense_4h_to_h.weight"].abs().sum() > 0  # fc2's grad needs g
-    closs, cgrads, _ = _run(_cfg(gelu_impl=gelu_impl, recompute_gelu_layers=1), compiled=True)
+    closs, cgrads, _ = _run(_cfg(recompute_gelu_layers=1), compiled=True)
     torch.testing.assert_close(closs, loss)  # compiled against eager: case 5 on the mean loss
     for n, want in grads.items():  # case 3
         torch.testing.assert_close(cgrads[n], want, atol=1e-5, rtol=1e-4, msg=n)
@@ -75,7 +74,8 @@ def test_the_compiled_graph_saves_no_gelu_output():
         torch._dynamo.reset()
         m = GPT(_cfg(recompute_gelu_layers=k), init_seed=3)
         torch.compile(m, backend=backend)(_tok(), _tok()).mean().backward()
-        return shapes.count((TOKENS, FFN))
+        # [tokens, ffn] or [b, s, ffn]: the GEMMs save 2-D views, the GELU function its 3-D input
+        return sum(1 for sh in shapes if sh[-1] == FFN and torch.Size(sh).numel() == TOKENS * FFN)
 
     assert [saved_ffn_tensors(k) for k in (0, 1, 2)] == [4, 3, 2]  # h and g per layer, then h alone
 

@@ -40,8 +40,8 @@ CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=HEADS, ffn_hidden_s
            padded_vocab_size=512, vocab_size=500, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def model(seed: int = 3, fused: bool = False, gelu_impl: str = "triton") -> GPT:
-    return GPT(GPTConfig(**CFG, fused=fused, gelu_impl=gelu_impl), init_seed=seed)
+def model(seed: int = 3, fused: bool = False) -> GPT:
+    return GPT(GPTConfig(**CFG, fused=fused), init_seed=seed)
 
 
 def batches(n: int, rows: int, seed: int = 11):
@@ -94,10 +94,10 @@ def _grads_case(rank, world, tp, sp):
     return {"loss": loss.item(), "grads": grads, "norm": res.grad_norm}
 
 
-def _train_case(rank, world, tp, sp, steps, distributed, compiled=False, sink=False, gelu_impl="triton"):
+def _train_case(rank, world, tp, sp, steps, distributed, compiled=False, sink=False):
     ctx = context_for(ParallelDims(world, tp=tp, sequence_parallel=sp, distributed_optimizer=distributed),
                       rank, rank, "cpu")
-    m = model(fused=sink, gelu_impl=gelu_impl)
+    m = model(fused=sink)
     plan = parallelize_tensor(m, ctx, sequence_parallel=sp)
     roles = param_roles(partial=plan.partial_grads, replicated=plan.replicated)
     buf, opt = build_optimizer(m, AdamWConfig(1e-3), ctx, roles, wgrad_fusion=sink)
@@ -181,15 +181,12 @@ def test_tp2_dp2_with_distributed_optimizer_equals_one_process(dist_pool):
 
 def test_tp2_sp_with_gradient_accumulation_fusion_equals_one_process(dist_pool):
     """The weight-gradient sinks on TP shards (the layers keep calling linear on local weights; each
-    shard's GEMM writes its own slice of the main grads), with sequence parallelism; then the same
-    with gelu_impl 'cublaslt' and 'cublaslt_dgelu' (its MLP function on the column / row shards of
-    fc1 / fc2, the latter's fc1 bias gradient from the shard's weight-gradient op; the twins on CPU)
-    against the one-process default."""
+    shard's GEMM writes its own slice of the main grads), with sequence parallelism, against the
+    one-process default."""
     ref_hist, ref_w = reference(3, MB, fused=True)
-    for gelu in ("triton", "cublaslt", "cublaslt_dgelu"):
-        for r in dist_pool(2).run(_train_case, 2, True, 3, False, False, True, gelu):
-            assert [h[1] for h in r["hist"]] == pytest.approx([h[1] for h in ref_hist], rel=1e-5)
-            assert_weights_close(r["weights"], ref_w, steps=3)
+    for r in dist_pool(2).run(_train_case, 2, True, 3, False, False, True):
+        assert [h[1] for h in r["hist"]] == pytest.approx([h[1] for h in ref_hist], rel=1e-5)
+        assert_weights_close(r["weights"], ref_w, steps=3)
 
 
 def test_compiled_tp2_equals_eager(dist_pool):

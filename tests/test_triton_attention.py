@@ -24,9 +24,8 @@ seed = torch.tensor([123456789012345], dtype=torch.int64)
 S, BH = 256, 3
 need = torch.arange(S // 16).view(1, -1) <= (torch.arange(S) // 16).view(-1, 1)  # words the kernels read
 want = ta.reference_bits(seed, BH, S, 0.3)[:, need]
-# the default tiles, then one program per row block looping up to the diagonal, taller and wider tiles
-for bl in (ta.DEFAULT_BLOCKS, ta.Blocks(bits_loop=1), ta.Blocks(bits_loop=1, bits_rows=128, bits_groups=4),
-           ta.Blocks(bits_rows=32, bits_groups=8, bits_warps=8)):
+# the default tiles, then taller and wider ones and shorter rows on more warps
+for bl in (ta.DEFAULT_LAUNCH, ta.Launch(bits_rows=128, bits_groups=4), ta.Launch(bits_rows=32, bits_groups=8, bits_warps=8)):
     bits = ta.keep_bits(seed, BH, S, 0.3, bl)
     assert torch.equal(bits[:, need], want), ("keep bits", bl)
 # thresholds with the top bit set and the extremes (the packing compares bytes 4 at a time)
@@ -35,12 +34,12 @@ for p in (0.05, 0.499, 0.5, 0.6, 0.99):
 
 torch.manual_seed(0)
 B, S, H, D = 2, 128, 2, 16
-# several blocks per row, tiles of one or two keep words per row (16 or 32 columns), heaviest blocks first
-small = ta.Blocks(fwd_m=32, fwd_n=16, dkv_n=32, dkv_m=16, dq_m=32, dq_n=16, heavy_first=1)
+# several blocks per row, tiles of one or two keep words per row (16 or 32 columns)
+small = ta.Launch(fwd_m=32, fwd_n=16, dkv_n=32, dkv_m=16, dq_m=32, dq_n=16)
 # one diagonal block per program (its rows span S); 4 keep words per tile row forward, 8 in dK/dV, 2 in dQ
-wide = ta.Blocks(fwd_m=128, fwd_n=64, dkv_n=128, dkv_m=32, dq_m=128, dq_n=32)
+wide = ta.Launch(fwd_m=128, fwd_n=64, dkv_n=128, dkv_m=32, dq_m=128, dq_n=32)
 for p in (0.0, 0.2):
-    for blocks in (small, ta.DEFAULT_BLOCKS, wide):
+    for blocks in (small, ta.DEFAULT_LAUNCH, wide):
         qkv = torch.randn(B, S, H, 3 * D)
         out, lse, bits = ta.forward(qkv, seed, p, blocks)
         # case 2, 10x wider: the kernels take exp2 of scores scaled by log2(e) block by block with an
@@ -61,18 +60,6 @@ for p in (0.0, 0.2):
         assert db.shape == (H * 3 * D,)
         g2, none = ta.backward(do, qkv, out, lse, bits, p, blocks)  # without: the same dqkv, no bias sums
         assert torch.equal(g2, g) and none.numel() == 0
-        # fwd_draw: the forward draws the words itself: those of every tile it visits are the bits
-        # kernel's, the outputs are the same, and the backward given its bits the same dqkv
-        if p:
-            import dataclasses
-            drawn = dataclasses.replace(blocks, fwd_draw=1)
-            out_d, lse_d, bits_d = ta.forward(qkv, seed, p, drawn)
-            fm = blocks.fwd_m
-            visited = (torch.arange(S // 16).view(1, -1) * 16 // fm) <= (torch.arange(S) // fm).view(-1, 1)
-            assert torch.equal(bits_d[:, visited], bits[:, visited]), blocks
-            assert torch.equal(out_d, out) and torch.equal(lse_d, lse)
-            g_d, _ = ta.backward(do, qkv, out_d, lse_d, bits_d, p, blocks, bias_grad=True)
-            assert torch.equal(g_d, g)
 print("ok")
 """
 
@@ -92,13 +79,13 @@ def test_shipped_tiles_compile_to_wgmma_without_spills():
     ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16",
                 PQ="*fp32", PKV="*fp32")
     ints = {n: "i32" for n in ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "H", "S", "thresh")}
-    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32", "SEED": "*i64"}
+    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
     aligned = ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "S")
-    b = ta.DEFAULT_BLOCKS
+    b = ta.DEFAULT_LAUNCH
     for d in (64, 128):
-        flags = dict(D=d, DROPOUT=True, HEAVY=b.heavy_first)
+        flags = dict(D=d, DROPOUT=True)
         for kernel, tiles, warps, stages in (
-                (ta._attn_fwd_kernel, dict(BM=b.fwd_m, BN=b.fwd_n, DRAW=bool(b.fwd_draw)), b.fwd_warps, b.fwd_stages),
+                (ta._attn_fwd_kernel, dict(BM=b.fwd_m, BN=b.fwd_n), b.fwd_warps, b.fwd_stages),
                 (ta._attn_dkv_kernel, dict(BN=b.dkv_n, BM=b.dkv_m, BIAS_GRAD=True), b.bwd_warps, b.bwd_stages),
                 (ta._attn_dq_kernel, dict(BM=b.dq_m, BN=b.dq_n, BIAS_GRAD=True), b.bwd_warps, b.bwd_stages)):
             k = compile_for_hopper(kernel, types, dict(flags, **tiles), warps, stages, aligned_ints=aligned)
@@ -109,18 +96,17 @@ def test_shipped_tiles_compile_to_wgmma_without_spills():
 
 
 def test_kernels_compile_for_hopper():
-    """What the GPU runs: the default tiles at head dim 64; the heavy-first grids with the probe's
-    wider backward iterations (dkv_m = dq_n = 64) and the forward drawing its keep words at head dim 128."""
+    """What the GPU runs: the default tiles at head dim 64; wider backward iterations (dkv_m = dq_n =
+    64) at head dim 128 (each fits an SM's shared memory)."""
     pytest.importorskip("triton")
     ptrs = dict(QKV="*bf16", O="*bf16", DO="*bf16", DQKV="*bf16", LSE="*fp32", DELTA="*fp32", BITS="*i16",
                 PQ="*fp32", PKV="*fp32")
     ints = {n: "i32" for n in ("s_b", "s_s", "s_h", "o_b", "o_s", "o_h", "H", "S", "thresh")}
-    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32", "SEED": "*i64"}
-    other = ta.Blocks(heavy_first=1 - ta.DEFAULT_BLOCKS.heavy_first, dkv_m=64, dq_n=64, fwd_draw=1)
-    for d, blocks in ((64, ta.DEFAULT_BLOCKS), (128, other)):
-        flags = dict(D=d, DROPOUT=True, HEAVY=blocks.heavy_first)
-        fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n,
-                                                                  DRAW=bool(blocks.fwd_draw)),
+    types = {**ptrs, **ints, "keep_scale": "fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    other = ta.Launch(dkv_m=64, dq_n=64)
+    for d, blocks in ((64, ta.DEFAULT_LAUNCH), (128, other)):
+        flags = dict(D=d, DROPOUT=True)
+        fwd = compile_for_hopper(ta._attn_fwd_kernel, types, dict(flags, BM=blocks.fwd_m, BN=blocks.fwd_n),
                                  blocks.fwd_warps, blocks.fwd_stages)
         flags["BIAS_GRAD"] = True  # the backward as the model runs it (the QKV bias gradient's row sums)
         assert fwd.metadata.shared <= 227 * 1024  # fits an H100/H200 SM
@@ -130,9 +116,8 @@ def test_kernels_compile_for_hopper():
             assert k.metadata.shared <= 227 * 1024
         compile_for_hopper(ta._attn_bias_grad_kernel, dict(PQ="*fp32", PKV="*fp32", DBIAS="*bf16", NQ="i32",
                                                            NK="i32", H="i32"), dict(D=d, ROWS=32), 1)
-    for loop in (0, 1):  # the keep-bits kernel, both launch shapes
-        compile_for_hopper(ta._attn_bits_kernel, dict(seed_ptr="*i64", BITS="*i16", S="i32", thresh="i32"),
-                           dict(R=64, G=8, LOOP=loop), 4)
+    compile_for_hopper(ta._attn_bits_kernel, dict(seed_ptr="*i64", BITS="*i16", S="i32", thresh="i32"),
+                       dict(R=64, G=8), 4)
 
 
 def test_keep_mask_statistics_and_seed_dependence():

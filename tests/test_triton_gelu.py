@@ -30,7 +30,7 @@ def within_one_ulp(a, b):
     err = (a.float() - b.float()).abs()
     assert bool((err <= b.float().abs() * step + 1e-5).all()), err.max().item()
 
-def check(shape, dtype, blocks=tg.DEFAULT_BLOCKS, rows=None, scale=3.0):
+def check(shape, dtype, blocks=tg.DEFAULT_LAUNCH, rows=None, scale=3.0):
     h = (torch.randn(shape) * scale).to(dtype)
     dg = torch.randn(shape).to(dtype)
     g = tg.gelu_forward(h, blocks)
@@ -62,7 +62,7 @@ def check(shape, dtype, blocks=tg.DEFAULT_BLOCKS, rows=None, scale=3.0):
     assert torch.equal(tg.gelu_backward(dg, h, blocks, rows)[1], dbias)  # deterministic
 
 torch.manual_seed(0)
-small = tg.Blocks(fwd_block=256, bwd_f=64, bwd_rows=8, sum_f=32, sum_rows=4)
+small = tg.Launch(fwd_block=256, bwd_f=64, bwd_rows=8, sum_f=32, sum_rows=4)
 for shape in [(37, 200), (2, 9, 96), (64, 512), (5, 1000)]:
     check(shape, torch.float32)
 # several partial rows of dbias: F > BLOCK_F, N > rows per tile, R > 1 (and > sum_rows: two sum steps)

@@ -92,7 +92,7 @@ for wdtype in (torch.float32, torch.bfloat16):
         else:
             assert ((g.float() - r).abs() <= r.abs() * 2.0**-7 * 1.01 + 1e-6).all(), (name, rel(g, r))
     n_checks += 1
-# the mask packed eight to a byte (dropout_impl 'triton_bits'): the same results as the bool mask,
+# the mask packed eight to a byte (what the model saves on CUDA): the same results as the bool mask,
 # bit for bit, in the twin and the kernels (several programs, a ragged tail, H = 96 and 768)
 from hpcmeg.model.triton_dropout import pack_bits
 for shape, launch in (((37, 96), few), ((39, 768), tln.Launch(programs=8)), ((2, 45, 256), tln.DEFAULT_LAUNCH)):

@@ -5,40 +5,32 @@ What "fused" means here, op by op:
     in and out), else PyTorch SDPA with a backend priority list (cuDNN > flash > mem-efficient
     > math by default: on Hopper cuDNN's kernel is the fastest SDPA backend; the list falls
     through when a backend refuses the inputs, e.g. dropout or CPU tensors).
-  * dropout (embedding output, residual branches): on CUDA a bool keep-mask from the Philox
-    kernel of triton_dropout.py (8 draws of 16 bits per Philox call; Inductor's own lowering draws
-    one per element inside the fused kernel, which made the bias-dropout-add+LN kernel 61 us
-    instead of 18 us at 124M on the H200), the scaling fused by Inductor; GPTConfig.dropout_impl
-    'triton_bits' packs the residual branches' masks 8 to a byte (what the bias-dropout-add +
-    LayerNorm saves for its backward: 1/8 of the memory); 'native' keeps torch's dropout.
-    Attention dropout stays inside the SDPA kernel.
+  * dropout (embedding output, residual branches): on CUDA a keep-mask from the Philox kernel of
+    triton_dropout.py (8 draws of 16 bits per Philox call; Inductor's own lowering draws one per
+    element inside the fused kernel, which made the bias-dropout-add+LN kernel 61 us instead of
+    18 us at 124M on the H200), the scaling fused by Inductor; the residual branches' masks, which
+    the bias-dropout-add + LayerNorm saves for its backward, packed 8 to a byte. Attention dropout
+    stays inside the attention kernel.
   * layer_norm / bias_dropout_add(_layer_norm): the forwards are one expression each on the native
     kernels (F.layer_norm), which Inductor fuses under torch.compile with the neighbouring residual
-    adds, dropout scaling and casts. Their backward (layernorm_impl 'triton', the default) is ONE
-    pass of hpcmeg/model/triton_layernorm.py per LayerNorm: dx with the residual-gradient add and
-    the dropout mask, and the partial sums of dw, db and the branch bias gradient (gpt.py ends both
-    residual branches of a layer with bias_dropout_add_layer_norm: the MLP's with the next layer's
-    input LayerNorm or the final one, so the only plain layer_norm is layer 0's), where Inductor
-    ran a fused kernel and then column reductions re-reading its inputs (in CUDA-graph replays on
-    the H200 at 124M's shape: 37.9 vs 70.8 us; bench/results/layernorm_probe_h200_s9b.json).
-    'inductor' keeps autograd's formulation.
+    adds, dropout scaling and casts. Their backward is ONE pass of hpcmeg/model/triton_layernorm.py
+    per LayerNorm: dx with the residual-gradient add and the dropout mask, and the partial sums of
+    dw, db and the branch bias gradient (gpt.py ends both residual branches of a layer with
+    bias_dropout_add_layer_norm: the MLP's with the next layer's input LayerNorm or the final one,
+    so the only plain layer_norm is layer 0's), where Inductor ran a fused kernel and then column
+    reductions re-reading its inputs (in CUDA-graph replays on the H200 at 124M's shape: 37.9 vs
+    70.8 us; bench/results/layernorm_probe_h200_s9b.json).
   * linear layers (here and in gpt.py) go through hpcmeg/model/wgrad.py's `linear`: F.linear, or
     with a main-grad sink attached from outside (gradient-accumulation fusion) a linear whose
     weight-gradient GEMM accumulates into the fp32 main grad itself.
   * linear_bias_gelu: the bias goes INTO the matmul (cuBLASLt's bias epilogue), then tanh-GELU.
     Measured on the H200 (bench/results/profile_h200_s3a.md): with the bias add left to
     Inductor, the backward recomputed GELU' in two kernels (141 us/layer at 124M) where
-    addmm + GELU needs 83 us. gelu_impl 'triton': the GELU forward and the backward
-    with the bias gradient are hpcmeg/model/triton_gelu.py's kernels (exp2-based; 38.5 + 62.8 us
-    vs Inductor's libdevice-tanh 45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
-  * With both (bench/results/user_path_s9b_124M_kernels.md, 124M user path, one call): 494.6K vs
-    482.7K tokens/s (+2.5 %).
-  * mlp with gelu_impl 'cublaslt': no GELU forward pass, the GELU in fc1's cuBLASLt GEMM epilogue
-    (hpcmeg/model/cublaslt.py); the backward is the Triton path's. +0.9 % tokens/s in the 124M
-    user path on an H100 (bench/results/user_path_h100_s16.md). 'cublaslt_dgelu' (the default):
-    the backward's GELU in fc2's input-gradient GEMM's epilogue too, and fc1's
-    bias gradient in fc1's weight-gradient GEMM (no GELU pass in either direction): +0.4 to +1.2 %
-    tokens/s at 124M to 1.3B on an H100 (bench/results/user_path_h100_s19.md).
+    addmm + GELU needs 83 us. The GELU forward and the backward with the bias gradient are
+    hpcmeg/model/triton_gelu.py's kernels (exp2-based; 38.5 + 62.8 us vs Inductor's libdevice-tanh
+    45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
+  * With the LayerNorm and GELU kernels against Inductor's (bench/results/user_path_s9b_124M_kernels.md,
+    124M user path, one call): 494.6K vs 482.7K tokens/s (+2.5 %).
   * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
 
 Everything here also runs on CPU in fp32 (tests compare it against ops.py within 1e-5).
@@ -55,10 +47,10 @@ from hpcmeg.model import wgrad
 from hpcmeg.model.fused_ce import HAVE_TRITON_CE, autocast_cast, linear_cross_entropy  # noqa: F401  (the op set)
 
 # the custom ops these register (torch.ops.hpcmeg.flash_attention, .layer_norm_backward,
-# .bda_layer_norm, .gelu_tanh(_backward), .dropout_keep_mask) must exist before
+# .gelu_tanh(_backward), .dropout_keep_mask/_bits) must exist before
 # torch.compile traces the model; their CPU paths are the plain twins, so no triton needed
 from hpcmeg.model import triton_attention, triton_dropout
-from hpcmeg.model import cublaslt, triton_bda_layernorm, triton_gelu, triton_layernorm  # noqa: F401
+from hpcmeg.model import triton_gelu, triton_layernorm  # noqa: F401
 
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
 # imports (then the keep-mask op runs its kernel on CUDA).
@@ -94,11 +86,9 @@ class _LayerNorm(torch.autograd.Function):
         return dx.to(x.dtype), dw.to(weight.dtype), db.to(weight.dtype), None
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-               layernorm_impl: str = "triton") -> torch.Tensor:
-    """LayerNorm over the last dim; layernorm_impl 'triton': the backward in one Triton pass
-    (hpcmeg/model/triton_layernorm.py), 'inductor': autograd's (Inductor's kernels when compiled)."""
-    if layernorm_impl in ("triton", "triton_forward") and torch.is_grad_enabled():
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim; with grad, its backward in one Triton pass (_LayerNorm)."""
+    if torch.is_grad_enabled():
         return _LayerNorm.apply(x, weight, bias, eps)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -134,168 +124,117 @@ class _LinearBiasGelu(torch.autograd.Function):
         return dx, dw, dbias.to(weight.dtype), None, None
 
 
-def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sink=None,
-                     gelu_impl: str = "triton") -> torch.Tensor:
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sink=None) -> torch.Tensor:
     """tanh-GELU(x W^T + b). sink: the weight's main-grad sink (hpcmeg/model/wgrad.py), or None.
-    gelu_impl 'triton': _LinearBiasGelu; 'inductor': linear then F.gelu (Inductor's kernels)."""
-    if gelu_impl == "triton" and torch.is_grad_enabled():
+    With grad: _LinearBiasGelu (the Triton GELU kernels); without (evaluation): F.gelu."""
+    if torch.is_grad_enabled():
         x, weight, bias = autocast_cast(x, weight, bias)
         flat, offset = sink if sink is not None else (None, 0)
         return _LinearBiasGelu.apply(x, weight, bias, flat, offset)
     return F.gelu(wgrad.linear(x, weight, bias, sink), approximate="tanh")
 
 
-class _MLPCublasLt(torch.autograd.Function):
-    """GELU(x W1^T + b1) W2^T with no GELU forward pass (gelu_impl 'cublaslt', hpcmeg/model/cublaslt.py):
-    fc1's GEMM writes the GELU output g and the pre-activation h in its epilogue (on an H100 0.119
-    against 0.142 ms for the GEMM + Triton GELU at 124M's shape); the backward is gelu_impl
-    'triton''s, or with dgelu (gelu_impl 'cublaslt_dgelu') cuBLASLt's epilogues' (_mlp_backward).
-    Saves x, h and g, as _LinearBiasGelu + fc2's linear do. x [M, K] (2-D; mlp() flattens), sinks
-    as in wgrad._LinearSink."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared, dgelu):
-        g, h = torch.ops.hpcmeg.linear_gelu_aux(x, w1, b1)
-        ctx.save_for_backward(x, w1, w2, h, g)
-        ctx.sinks, ctx.dgelu = _sinks(flat1, off1, flat2, off2, shared), dgelu
-        return F.linear(g, w2)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w1, w2, h, g = ctx.saved_tensors
-        return _mlp_backward(dy, x, w1, w2, h, g, *ctx.sinks, ctx.dgelu)
-
-
 class _MLPRecomputeGelu(torch.autograd.Function):
     """GELU(x W1^T + b1) W2^T that keeps the pre-activation h but not the GELU output g: the
     backward recomputes g = GELU(h) for fc2's weight gradient with the forward's own kernel
     (hpcmeg::gelu_tanh, the same bits). Per layer it saves 2 * ffn bytes per token less (bf16; 100 MB
-    at 124M, micro batch 16) for one more GELU pass in the backward, and its forward is the GEMM +
-    GELU kernel ('triton''s), not cuBLASLt's epilogue, so that the recomputed g is the forward's.
-    GPTConfig.recompute_gelu_layers picks the layers. x [M, K] (2-D), sinks as _MLPCublasLt."""
+    at 124M, micro batch 16) for one more GELU pass in the backward. GPTConfig.recompute_gelu_layers
+    picks the layers. x [M, K] (2-D; mlp() flattens); flat/offset pairs: the weights' main-grad sinks
+    (hpcmeg/model/wgrad.py) or None, as in wgrad._LinearSink."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared, dgelu):
+    def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared):
         h = F.linear(x, w1, b1).contiguous()
         ctx.save_for_backward(x, w1, w2, h)
-        ctx.sinks, ctx.dgelu = _sinks(flat1, off1, flat2, off2, shared), dgelu
+        # shared: both weights' main grads live in flat1 (one ParamAndGradBuffer), given once: Dynamo
+        # does not trace an autograd.Function.apply that gets the same tensor twice (a graph break)
+        ctx.sinks = (flat1, off1, flat1 if shared else flat2, off2)
         return F.linear(torch.ops.hpcmeg.gelu_tanh(h), w2)
 
     @staticmethod
     def backward(ctx, dy):
         x, w1, w2, h = ctx.saved_tensors
+        flat1, off1, flat2, off2 = ctx.sinks
         # gelu_tanh_recompute, not gelu_tanh: the same kernel, but an op torch.compile does not merge
         # with the forward's call (which would save g again)
-        return _mlp_backward(dy, x, w1, w2, h, torch.ops.hpcmeg.gelu_tanh_recompute(h), *ctx.sinks, ctx.dgelu)
-
-
-def _sinks(flat1, off1, flat2, off2, shared: bool) -> tuple:
-    # shared: both weights' main grads live in flat1 (one ParamAndGradBuffer), given once: Dynamo
-    # does not trace an autograd.Function.apply that gets the same tensor twice (a graph break)
-    return flat1, off1, (flat1 if shared else flat2), off2
-
-
-def _mlp_backward(dy, x, w1, w2, h, g, flat1, off1, flat2, off2, dgelu: bool):
-    """The MLP's gradients from the saved x, h, g (the two MLP functions above); one gradient per
-    input of their forward (x, w1, b1, w2, then None for the sinks and the two flags). dgelu
-    (gelu_impl 'cublaslt_dgelu'): dh from fc2's input-gradient GEMM's DGELU epilogue, fc1's bias
-    gradient from its weight-gradient GEMM (hpcmeg/model/cublaslt.py)."""
-    dy = dy.contiguous()
-    if dgelu:
-        dh = torch.ops.hpcmeg.linear_dgelu(dy, w2, h)  # fc1's bias gradient comes below
-    else:
-        # fc2's input gradient, then the Triton GELU backward with fc1's bias gradient: cuBLASLt's
-        # DGELU_BGRAD epilogue (linear_dgelu_bgrad) measured 2.1x slower than the two on an H100
-        # (0.362 vs 0.174 ms at 124M's shape, bench/results/gpu_agreement_h100_s15_lt.json)
+        g = torch.ops.hpcmeg.gelu_tanh_recompute(h)
+        dy = dy.contiguous()
         dh, db1 = torch.ops.hpcmeg.gelu_tanh_backward(dy.matmul(w2), h)
-    dw2 = None
-    if flat2 is not None:
-        torch.ops.hpcmeg.wgrad_accumulate_(flat2, dy, g, off2)
-    else:
-        dw2 = dy.t().matmul(g)
-    dx = dh.matmul(w1)
-    dw1 = None
-    if flat1 is None:
-        dw1 = dh.t().matmul(x)
-        if dgelu:
-            db1 = dh.float().sum(0)
-    elif dgelu:  # fc1's weight gradient into the main grad, its bias gradient from the same GEMM
-        db1 = torch.ops.hpcmeg.wgrad_bgrad_(flat1, dh, x, off1)
-    else:
-        torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
-    return dx, dw1, db1.to(w1.dtype), dw2, None, None, None, None, None, None
+        dw1 = dw2 = None
+        if flat2 is not None:
+            torch.ops.hpcmeg.wgrad_accumulate_(flat2, dy, g, off2)
+        else:
+            dw2 = dy.t().matmul(g)
+        if flat1 is not None:
+            torch.ops.hpcmeg.wgrad_accumulate_(flat1, dh, x, off1)
+        else:
+            dw1 = dh.t().matmul(x)
+        return dh.matmul(w1), dw1, db1.to(w1.dtype), dw2, None, None, None, None, None
 
 
 def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, sink1=None, sink2=None,
-        gelu_impl: str = "triton", recompute_gelu: bool = False) -> torch.Tensor:
+        recompute_gelu: bool = False) -> torch.Tensor:
     """The MLP without its output bias, GELU(x W1^T + b1) W2^T; sink1/sink2: the weights' main-grad
-    sinks (wgrad.py) or None. With grad: recompute_gelu, _MLPRecomputeGelu (the Triton GELU, its
-    output recomputed in the backward); gelu_impl 'cublaslt' / 'cublaslt_dgelu', _MLPCublasLt; else linear_bias_gelu
-    with gelu_impl, then fc2's linear."""
-    if (recompute_gelu or gelu_impl in ("cublaslt", "cublaslt_dgelu")) and torch.is_grad_enabled():
+    sinks (wgrad.py) or None. With grad and recompute_gelu: _MLPRecomputeGelu (the Triton GELU, its
+    output recomputed in the backward); else linear_bias_gelu, then fc2's linear."""
+    if recompute_gelu and torch.is_grad_enabled():
         x, w1, b1, w2 = autocast_cast(x, w1, b1, w2)
         f1, o1 = sink1 if sink1 is not None else (None, 0)
         f2, o2 = sink2 if sink2 is not None else (None, 0)
-        fn = _MLPRecomputeGelu if recompute_gelu else _MLPCublasLt
-        shared = f1 is not None and f2 is f1  # one buffer: passed once (see _sinks)
-        out = fn.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, None if shared else f2, o2, shared,
-                       gelu_impl == "cublaslt_dgelu")
+        shared = f1 is not None and f2 is f1  # one buffer: passed once (see _MLPRecomputeGelu.forward)
+        out = _MLPRecomputeGelu.apply(x.reshape(-1, x.shape[-1]), w1, b1, w2, f1, o1, None if shared else f2, o2,
+                                      shared)
         return out.view(*x.shape[:-1], w2.shape[0])
-    impl = "triton" if gelu_impl.startswith("cublaslt") else gelu_impl  # no grad: the Triton GELU forward
-    return wgrad.linear(linear_bias_gelu(x, w1, b1, sink1, impl), w2, None, sink2)
+    return wgrad.linear(linear_bias_gelu(x, w1, b1, sink1), w2, None, sink2)
 
 
-def _mask_kernel_for(x: torch.Tensor, impl: str) -> bool:
+def _mask_kernel_for(x: torch.Tensor) -> bool:
     """Whether dropout of x takes the Triton keep-mask (CUDA only: on CPU the op would run its
     PyTorch twin, slower than torch's dropout)."""
-    return impl in ("triton", "triton_bits") and HAVE_TRITON_DROPOUT and x.is_cuda
+    return HAVE_TRITON_DROPOUT and x.is_cuda
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, dropout_impl: str = "triton") -> torch.Tensor:
-    """Dropout; on CUDA with dropout_impl 'triton' the keep-mask comes from triton_dropout's Philox kernel
-    (a bool [x.shape] tensor, 8 draws of 16 bits per Philox call, so p in steps of 2**-16) and the
-    scaling x * keep * keep_scale(p) (65536 / (65536 - round(p * 65536)), 1 / (1 - p) to 8e-6) is left
-    to Inductor, which fuses it (and its backward, grad * keep * keep_scale(p)) into the neighbouring kernel.
-    The seed is drawn from torch's generator, so torch.manual_seed / the saved RNG state replay it."""
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout; on CUDA the keep-mask comes from triton_dropout's Philox kernel (a bool [x.shape]
+    tensor, 8 draws of 16 bits per Philox call, so p in steps of 2**-16) and the scaling
+    x * keep * keep_scale(p) (65536 / (65536 - round(p * 65536)), 1 / (1 - p) to 8e-6) is left to
+    Inductor, which fuses it (and its backward, grad * keep * keep_scale(p)) into the neighbouring
+    kernel. The seed is drawn from torch's generator, so torch.manual_seed / the saved RNG state
+    replay it. Elsewhere torch's dropout."""
     if not training or p == 0:
         return x
-    if _mask_kernel_for(x, dropout_impl):
+    if _mask_kernel_for(x):
         keep = torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
         return x * keep * triton_dropout.keep_scale(p)
     return F.dropout(x, p=p, training=True)
 
 
-def bias_dropout_add(x, bias, residual, p: float, training: bool, dropout_impl: str = "triton"):
+def bias_dropout_add(x, bias, residual, p: float, training: bool):
     if bias is not None:
         x = x + bias.to(x.dtype)  # keep the residual in x's dtype (bias is an fp32 param under autocast)
-    return residual + dropout(x, p, training, dropout_impl)
+    return residual + dropout(x, p, training)
 
 
 class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     """out = residual + (x + bias) * keep * scale, y = LayerNorm(out) -> (out, y). The forward is
-    plain ops (Inductor fuses them into one kernel, as before); the backward is ONE triton_layernorm
-    pass: the LN backward, plus the gradient arriving at `out` from the residual path, times the
-    keep-mask (the gradient of x), and the partial sums of dw, db and the bias gradient, where
-    Inductor ran a fused kernel and then column reductions re-reading its inputs. keep None: no
-    dropout (all kept, scale 1). out_grad False: `out` is used only through y (the last layer's
-    residual stream before the final LayerNorm), so it is marked non-differentiable and the
-    backward gets no zero d_out to fill and read ([tokens, hidden] each); torch.compile honours
-    that, where it would materialise the zeros of an unused output."""
+    plain ops (Inductor fuses them into one kernel); the backward is ONE triton_layernorm pass: the
+    LN backward, plus the gradient arriving at `out` from the residual path, times the keep-mask
+    (the gradient of x), and the partial sums of dw, db and the bias gradient, where Inductor ran a
+    fused kernel and then column reductions re-reading its inputs. keep None: no dropout (all kept,
+    scale 1); bool [..., H], or packed uint8 [..., H / 8] (saved packed: 1/8 the bytes). out_grad
+    False: `out` is used only through y (the last layer's residual stream before the final
+    LayerNorm), so it is marked non-differentiable and the backward gets no zero d_out to fill and
+    read ([tokens, hidden] each); torch.compile honours that, where it would materialise the zeros
+    of an unused output."""
 
     @staticmethod
-    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True, fwd_kernel=False,
-                seed=None, p=0.0):
-        if seed is not None:  # 'triton_forward' drawing its packed keep-mask itself from (seed, p)
-            out, y, keep = torch.ops.hpcmeg.bda_layer_norm_drawn(x, bias, residual, seed, p, weight, ln_bias, eps)
-        elif fwd_kernel:  # layernorm_impl 'triton_forward': one Triton row pass (triton_bda_layernorm)
-            out, y = torch.ops.hpcmeg.bda_layer_norm(x, bias, residual, keep, scale, weight, ln_bias, eps)
-        else:
-            branch = x + bias.to(x.dtype)
-            if keep is not None:  # bool [..., H], or packed uint8 [..., H / 8] (saved packed: 1/8 the bytes)
-                mask = triton_dropout.unpack_bits(keep, list(x.shape)) if keep.dtype == torch.uint8 else keep
-                branch = branch * mask * scale
-            out = residual + branch
-            y = F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
+    def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True):
+        branch = x + bias.to(x.dtype)
+        if keep is not None:
+            mask = triton_dropout.unpack_bits(keep, list(x.shape)) if keep.dtype == torch.uint8 else keep
+            branch = branch * mask * scale
+        out = residual + branch
+        y = F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
         ctx.save_for_backward(out, weight, keep)
         ctx.scale, ctx.eps, ctx.out_grad = scale, eps, out_grad
         ctx.set_materialize_grads(False)
@@ -315,38 +254,28 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
         if keep is None:  # no dropout: the branch's gradient is the residual's
             d_x = d_res
         return (d_x.to(out.dtype), dbias.to(weight.dtype), d_res.to(out.dtype), None, None,
-                dw.to(weight.dtype), db.to(weight.dtype), None, None, None, None, None)
+                dw.to(weight.dtype), db.to(weight.dtype), None, None)
 
 
-def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, dropout_impl: str = "triton",
-                                layernorm_impl: str = "triton", out_grad: bool = True):
-    """(residual + dropout(x + bias), LayerNorm of it); layernorm_impl 'triton': _BiasDropoutAddLayerNorm;
-    'triton_forward': the same with its forward as one Triton row pass (triton_bda_layernorm; not
-    under autocast, where F.layer_norm's fp32 output would differ from the kernel's x dtype), which
-    with dropout_impl 'triton_bits' on CUDA draws the packed keep-mask itself.
+def _keep(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
+    """(keep-mask, scale) of a residual branch: on CUDA the Triton kernel's bits packed eight to a
+    byte when the hidden size allows (what the backward keeps: 1/8 of a bool mask), else its bool
+    mask; elsewhere a bool mask from torch.rand (torch's generator, as F.dropout)."""
+    if not _mask_kernel_for(x):
+        return torch.rand_like(x, dtype=torch.float32) >= p, 1.0 / (1.0 - p)
+    seed, shape = triton_dropout.draw_seed(x.device), list(x.shape)
+    packed = shape[-1] % triton_dropout.PER_CALL == 0
+    keep = (torch.ops.hpcmeg.dropout_keep_bits if packed else torch.ops.hpcmeg.dropout_keep_mask)(seed, shape, p)
+    return keep, triton_dropout.keep_scale(p)
+
+
+def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, out_grad: bool = True):
+    """(residual + dropout(x + bias), LayerNorm of it): with grad, _BiasDropoutAddLayerNorm.
     out_grad False: the caller uses the new residual only through its LayerNorm (it gets no gradient)."""
-    if layernorm_impl in ("triton", "triton_forward") and torch.is_grad_enabled() and bias is not None:
-        keep, scale = None, 1.0
-        fwd_kernel = (layernorm_impl == "triton_forward" and ln_bias is not None
-                      and not torch.is_autocast_enabled(x.device.type))
-        if (fwd_kernel and training and p > 0 and _mask_kernel_for(x, dropout_impl) and dropout_impl == "triton_bits"
-                and x.shape[-1] % triton_dropout.PER_CALL == 0):
-            # the kernel draws the packed mask itself (triton_dropout's bits, bit for bit): no
-            # separate keep-bits kernel, no write and re-read of the bits before the forward
-            return _BiasDropoutAddLayerNorm.apply(x, bias, residual, None, triton_dropout.keep_scale(p), ln_weight,
-                                                  ln_bias, eps, out_grad, True, triton_dropout.draw_seed(x.device), p)
-        if training and p > 0:
-            if _mask_kernel_for(x, dropout_impl):
-                seed, shape = triton_dropout.draw_seed(x.device), list(x.shape)
-                keep = (torch.ops.hpcmeg.dropout_keep_bits(seed, shape, p)
-                        if dropout_impl == "triton_bits" and shape[-1] % triton_dropout.PER_CALL == 0
-                        else torch.ops.hpcmeg.dropout_keep_mask(seed, shape, p))
-                scale = triton_dropout.keep_scale(p)
-            else:
-                keep, scale = torch.rand_like(x, dtype=torch.float32) >= p, 1.0 / (1.0 - p)
-        return _BiasDropoutAddLayerNorm.apply(x, bias, residual, keep, scale,
-                                              ln_weight, ln_bias, eps, out_grad, fwd_kernel)
-    out = bias_dropout_add(x, bias, residual, p, training, dropout_impl)
+    if torch.is_grad_enabled() and bias is not None:
+        keep, scale = _keep(x, p) if training and p > 0 else (None, 1.0)
+        return _BiasDropoutAddLayerNorm.apply(x, bias, residual, keep, scale, ln_weight, ln_bias, eps, out_grad)
+    out = bias_dropout_add(x, bias, residual, p, training)
     return out, F.layer_norm(out, (out.shape[-1],), ln_weight, ln_bias, eps)
 
 

@@ -2,40 +2,28 @@
 logits for the whole batch (fused.py's linear_cross_entropy, the fast twin of ops.py's).
 
 Implementations (GPTConfig.fused_ce):
-  * 'fused': bf16 logits, then _CrossEntropyFromLogits, whose forward is one fp32 logsumexp pass
-    (+ a gather of N target logits; on CUDA with Triton the one-read kernel of triton_ce.py, else
-    Inductor's lowering, 'fused_inductor' forces the latter) and whose backward writes
-    softmax - onehot in ONE pass over the logits. Autograd's own backward of gather materialised a
-    dense fp32 [N, V] zeros+scatter tensor (2.5 GB at 124M, micro batch 12) and read it back:
-    0.53 + ~0.5 ms per step on the H200.
-  * 'grad_in_forward' (the default): the forward kernel overwrites the logits with softmax - onehot,
-    and the backward folds the per-token scale into the LM-head GEMMs (no backward pass over the
-    logits; _LinearCEGradInForward).
-  * 'compiled': the previous formulation (logsumexp - gather under plain autograd), kept for
-    comparison. Eager CUDA calls of it and of 'fused' get their own torch.compile.
-  * 'chunked': a custom autograd function over token chunks that keeps no logits at all
-    (recomputes them in backward: ~1/3 more LM-head FLOPs, for the least memory).
-  * 'backward_in_forward': 'grad_in_forward' whose forward also runs the LM head's backward GEMMs,
-    chunk by chunk of tokens, with the per-token loss weights the caller will backpropagate
-    (TrainStep passes its factor x loss mask as `loss_weights`); keeps G @ W [N, h] instead of
-    G [N, V] (at 124M 38 MB instead of 2.47 GB per micro batch of 24; with a main-grad sink also the
-    LM head's fp32 d W [V, h], 154 MB, added into the main grad in the backward), same FLOPs. The
-    backward forms d hidden from the incoming gradient, so the model's backward stays in
-    torch.compile's backward graph. Without loss_weights, or without grad, it is 'grad_in_forward'.
-With a main-grad sink (wgrad.py; 'grad_in_forward' only) the weight's gradient is added into the
-fp32 main grad by the backward's GEMM and autograd gets none (the tied word embedding sunk).
+  * 'grad_in_forward' (the default): bf16 logits, which the forward's kernel (triton_ce.py's
+    cross_entropy_grad_, one read and one write) overwrites with softmax - onehot; the backward folds
+    the per-token scale into the LM-head GEMMs, so there is no backward pass over [tokens, vocab]
+    and no fp32 [tokens, vocab] tensor (_LinearCEGradInForward).
+  * 'backward_in_forward' (a memory trade-off): 'grad_in_forward' whose forward also runs the LM
+    head's backward GEMMs, chunk by chunk of tokens, with the per-token loss weights the caller
+    will backpropagate (TrainStep passes its factor x loss mask as `loss_weights`); keeps G @ W
+    [N, h] instead of G [N, V] (at 124M 38 MB instead of 2.47 GB per micro batch of 24; with a
+    main-grad sink also the LM head's fp32 d W [V, h], 154 MB, added into the main grad in the
+    backward), same FLOPs. The backward forms d hidden from the incoming gradient, so the model's
+    backward stays in torch.compile's backward graph. Without loss_weights, or without grad, it is
+    'grad_in_forward'.
+With a main-grad sink (wgrad.py) the weight's gradient is added into the fp32 main grad by the
+backward's GEMM and autograd gets none (the tied word embedding sunk).
 Everything here also runs on CPU in fp32 (tests/test_fused_ops.py compares it with ops.py).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 
 from hpcmeg.model import ops
 from hpcmeg.model import wgrad  # noqa: F401  (registers hpcmeg::wgrad_accumulate_ and main_grad_add_)
-from hpcmeg.model.ops import cross_entropy_with_lse
 
 # Import-time fact, never mutated: whether Triton imports (then hpcmeg/model/triton_ce.py registers
 # torch.ops.hpcmeg.cross_entropy_lse / cross_entropy_grad_, the one-pass CE kernels used on CUDA;
@@ -45,52 +33,6 @@ try:
     HAVE_TRITON_CE = True
 except ImportError:  # no triton (CPU-only installs): the Inductor/eager formulation below
     HAVE_TRITON_CE = False
-
-
-def _ce_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # logsumexp - target logit, both in fp32; under Inductor the .float() fuses into the reduction
-    return cross_entropy_with_lse(logits, labels)[0]
-
-
-class _CrossEntropyFromLogits(torch.autograd.Function):
-    """Per-token CE from logits [..., V] (any float dtype) and labels [...] -> fp32 [...].
-
-    Saves the logits (already alive for the LM-head matmul's backward), labels and the fp32
-    logsumexp [...]; backward is d loss / d logits = (softmax - onehot(label)) * g, one
-    elementwise pass that Inductor fuses into a single kernel (read logits, write the grad)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
-        if use_triton:  # one read of the logits (hpcmeg/model/triton_ce.py)
-            loss, lse = torch.ops.hpcmeg.cross_entropy_lse(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-            loss, lse = loss.view(labels.shape), lse.view(labels.shape)
-        else:
-            loss, lse = cross_entropy_with_lse(logits, labels)
-        ctx.save_for_backward(logits, labels, lse)
-        return loss
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        logits, labels, lse = ctx.saved_tensors
-        # softmax - onehot in fp32 registers: Inductor fuses it with the scale and the cast
-        return (ops.softmax_minus_onehot(logits, labels, lse) * g.unsqueeze(-1)).to(logits.dtype), None, None
-
-
-def _ce_fused(logits: torch.Tensor, labels: torch.Tensor, triton: bool = True) -> torch.Tensor:
-    use = triton and HAVE_TRITON_CE and logits.is_cuda
-    return _CrossEntropyFromLogits.apply(logits, labels, use)
-
-
-def _ce_fused_no_triton(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return _ce_fused(logits, labels, triton=False)
-
-
-@functools.cache
-def _compiled(fn):
-    """The compiled copy for eager CUDA callers, built on first use: calling torch.compile at
-    import time pulls in Dynamo/Inductor (7-12 s on CPU) even for runs that never take this path.
-    Inside an already-compiled model Dynamo inlines the plain function instead."""
-    return torch.compile(fn)
 
 
 def autocast_cast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -136,10 +78,7 @@ class _LinearCEGradInForward(torch.autograd.Function):
     forward and g [N] (the upstream per-token scale: loss mask x 1/tokens) known only in backward.
     The forward's kernel writes G over the logits (one read, one write); the backward folds g into
     the LM-head GEMMs' small operands instead of scaling [N, V]: d hidden = g * (G @ W) and
-    d W = G^T @ (g * hidden). So no backward pass over [N, V]: one HBM read of the logits less than
-    'fused' (whose compiled backward already reuses the logits' buffer for their gradient, so the
-    peak memory is the same). Measured on the H200 at 124M's shape (bench/results/
-    gpu_agreement_h200_s7_ce.json): LM head + loss fwd+bwd 4.76 ms vs 4.91 ms."""
+    d W = G^T @ (g * hidden). So no backward pass over [N, V]."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, flat=None, offset=0):  # hidden [N, h], weight [V, h], labels [N]
@@ -154,39 +93,6 @@ class _LinearCEGradInForward(torch.autograd.Function):
         G, hidden, weight = ctx.saved_tensors
         d_hidden, d_weight = _lm_head_grads(G, hidden, weight, g.reshape(-1, 1).float(), ctx.flat, ctx.offset)
         return d_hidden, d_weight, None, None, None
-
-
-class _ChunkedLinearCE(torch.autograd.Function):
-    """Per-token CE of hidden @ weight^T keeping only [N] fp32 logsumexps between passes."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int):  # hidden [N,h], weight [V,h], labels [N]
-        n = hidden.shape[0]
-        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(loss)
-        for i in range(0, n, chunk):
-            lf = (hidden[i:i + chunk] @ weight.t()).float()
-            lse[i:i + chunk] = torch.logsumexp(lf, -1)
-            loss[i:i + chunk] = lse[i:i + chunk] - lf.gather(1, labels[i:i + chunk, None]).squeeze(1)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk = chunk
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        chunk = ctx.chunk
-        grad_h = torch.empty_like(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for i in range(0, hidden.shape[0], chunk):
-            h = hidden[i:i + chunk]
-            p = ((h @ weight.t()).float() - lse[i:i + chunk, None]).exp_()  # softmax rows
-            p.scatter_add_(1, labels[i:i + chunk, None],
-                           torch.full_like(lse[i:i + chunk, None], -1.0))  # minus one-hot
-            p = (p * grad_loss[i:i + chunk, None]).to(hidden.dtype)
-            grad_h[i:i + chunk] = p @ weight
-            grad_w += (p.t() @ h).float()
-        return grad_h, grad_w.to(weight.dtype), None, None
 
 
 class _LinearCEBackwardInForward(torch.autograd.Function):
@@ -243,35 +149,18 @@ class _LinearCEBackwardInForward(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         impl: str = "fused", chunk_tokens: int = 4096, sink=None,
+                         impl: str = "grad_in_forward", chunk_tokens: int = 4096, sink=None,
                          loss_weights: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [b, s, h], weight [V, h], labels [b, s] -> per-token loss float32 [b, s]. sink (flat,
-    offset), impl 'grad_in_forward' or 'backward_in_forward' only: the weight's gradient is added
-    into the main grad there (wgrad.py) and autograd gets none. loss_weights [b, s] (impl
-    'backward_in_forward'): d total / d loss, which the caller must backpropagate exactly."""
-    if sink is not None and impl not in ("grad_in_forward", "backward_in_forward"):
-        raise ValueError(f"linear_cross_entropy: a main-grad sink needs impl 'grad_in_forward' or "
-                         f"'backward_in_forward', not {impl!r}")
-    if impl == "backward_in_forward":
-        if loss_weights is not None and torch.is_grad_enabled():
-            h, w = autocast_cast(hidden, weight)
-            return _LinearCEBackwardInForward.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1),
-                                                    loss_weights.reshape(-1), chunk_tokens,
-                                                    *(sink or ())).view(labels.shape)
-        impl = "grad_in_forward"  # eval, or a caller without the weights
-    if sink is not None:
-        h, w = autocast_cast(hidden, weight)
-        return _LinearCEGradInForward.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1),
-                                            *sink).view(labels.shape)
-    if impl == "chunked":
-        h, w = autocast_cast(hidden, weight)
-        loss = _ChunkedLinearCE.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1), chunk_tokens)
-        return loss.view(labels.shape)
-    if impl == "grad_in_forward":
-        h, w = autocast_cast(hidden, weight)
-        return _LinearCEGradInForward.apply(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1)).view(labels.shape)
-    logits = F.linear(hidden, weight)
-    fn = {"fused": _ce_fused, "fused_inductor": _ce_fused_no_triton, "compiled": _ce_from_logits}[impl]
-    if logits.is_cuda and not torch.compiler.is_compiling():
-        return _compiled(fn)(logits, labels)
-    return fn(logits, labels)
+    offset): the weight's gradient is added into the main grad there (wgrad.py) and autograd gets
+    none. loss_weights [b, s] (impl 'backward_in_forward'): d total / d loss, which the caller must
+    backpropagate exactly."""
+    if impl not in ("grad_in_forward", "backward_in_forward"):
+        raise ValueError(f"linear_cross_entropy: impl {impl!r}: use 'grad_in_forward' or 'backward_in_forward'")
+    h, w = autocast_cast(hidden, weight)
+    h, flat_labels = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    if impl == "backward_in_forward" and loss_weights is not None and torch.is_grad_enabled():
+        return _LinearCEBackwardInForward.apply(h, w, flat_labels, loss_weights.reshape(-1), chunk_tokens,
+                                                *(sink or ())).view(labels.shape)
+    # 'grad_in_forward', and 'backward_in_forward' in eval or for a caller without the weights
+    return _LinearCEGradInForward.apply(h, w, flat_labels, *(sink or ())).view(labels.shape)

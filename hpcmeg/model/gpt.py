@@ -46,27 +46,19 @@ from hpcmeg.model.init import init_value
 INIT_THREADS = 4
 
 
-def _ops_for(cfg: GPTConfig, *impls: str):
-    """(the op module, the keywords that pick the fused implementations named in `impls`, e.g.
-    'dropout_impl') the config asks for: the plain twins have one implementation and take none."""
-    if cfg.fused:
-        return fused_ops, {name: getattr(cfg, name) for name in impls}
-    return plain_ops, {}
-
-
 class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.p = cfg.hidden_dropout
-        self.ops, self.drop_kw = _ops_for(cfg, "dropout_impl")
+        self.ops = fused_ops if cfg.fused else plain_ops
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         we = self.word_embeddings  # nn.Embedding, or tensor parallelism's vocabulary-parallel one
         sink = wgrad.layer_sink(we)
         x = (wgrad.embedding(tokens, we.weight, sink) if sink else we(tokens)) + self.position_embeddings(position_ids)
-        return self.ops.dropout(x, self.p, self.training, **self.drop_kw)
+        return self.ops.dropout(x, self.p, self.training)
 
 
 class SelfAttention(nn.Module):
@@ -109,9 +101,9 @@ class MLP(nn.Module):
         super().__init__()
         self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
         self.dense_4h_to_h = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
-        self.ops, self.gelu_kw = _ops_for(cfg, "gelu_impl")
-        if cfg.fused and recompute_gelu:  # (the plain twin saves what autograd saves)
-            self.gelu_kw = {**self.gelu_kw, "recompute_gelu": True}
+        self.ops = fused_ops if cfg.fused else plain_ops
+        # (the plain twin saves what autograd saves)
+        self.gelu_kw = {"recompute_gelu": True} if cfg.fused and recompute_gelu else {}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, h] -> (the output without its bias [b, s, h], the output bias [h])."""
@@ -129,8 +121,7 @@ class TransformerLayer(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = MLP(cfg, recompute_gelu)
         self.p, self.eps = cfg.hidden_dropout, cfg.layernorm_epsilon
-        self.ops, self.drop_kw = _ops_for(cfg, "dropout_impl")
-        _, self.ln_kw = _ops_for(cfg, "layernorm_impl")
+        self.ops = fused_ops if cfg.fused else plain_ops
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None = None,
                 next_norm: tuple[torch.Tensor, torch.Tensor] | None = None, stream_used: bool = True
@@ -145,17 +136,17 @@ class TransformerLayer(nn.Module):
         included) instead of separate dropout-backward and bias-sum kernels. stream_used False: the
         caller uses the returned stream only through next_norm (the last layer before the final
         LayerNorm), so it needs no gradient of its own."""
-        ln1, ln2w = self.input_layernorm, self.post_attention_layernorm
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if h is None:
-            h = self.ops.layer_norm(x, ln1.weight, ln1.bias, self.eps, **self.ln_kw)
+            h = self.ops.layer_norm(x, ln1.weight, ln1.bias, self.eps)
         attn, attn_bias = self.self_attention(h)
         x, h = self.ops.bias_dropout_add_layer_norm(attn, attn_bias, x, self.p, self.training,
-                                                    ln2w.weight, ln2w.bias, self.eps, **self.drop_kw, **self.ln_kw)
+                                                    ln2.weight, ln2.bias, self.eps)
         out, out_bias = self.mlp(h)
         if next_norm is None:
-            return self.ops.bias_dropout_add(out, out_bias, x, self.p, self.training, **self.drop_kw), None
+            return self.ops.bias_dropout_add(out, out_bias, x, self.p, self.training), None
         return self.ops.bias_dropout_add_layer_norm(out, out_bias, x, self.p, self.training, *next_norm, self.eps,
-                                                    **self.drop_kw, **self.ln_kw, out_grad=stream_used)
+                                                    out_grad=stream_used)
 
 
 class Encoder(nn.Module):
@@ -164,7 +155,7 @@ class Encoder(nn.Module):
         # the first cfg.recompute_gelu_layers of this stage recompute their GELU output in the backward
         self.layers = nn.ModuleList(TransformerLayer(cfg, i < cfg.recompute_gelu_layers) for i in range(n_layers))
         self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if final_layernorm else None
-        self.ops, self.ln_kw = _ops_for(cfg, "layernorm_impl")
+        self.ops = fused_ops if cfg.fused else plain_ops
         self.eps = cfg.layernorm_epsilon
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +169,7 @@ class Encoder(nn.Module):
         ln = self.final_layernorm
         if ln is None:
             return x
-        return h if h is not None else self.ops.layer_norm(x, ln.weight, ln.bias, self.eps, **self.ln_kw)
+        return h if h is not None else self.ops.layer_norm(x, ln.weight, ln.bias, self.eps)
 
 
 class LMHead(nn.Module):

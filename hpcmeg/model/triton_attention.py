@@ -42,9 +42,7 @@ Contract
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -65,11 +63,11 @@ _M32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
-class Blocks:
+class Launch:
     """Tile sizes and launch shapes (rows x cols of the score tile each program works on).
-    The fastest of bench/dev/attention_probe.py's sweep on the H200 at head dims 64 and 128 without
-    dropout (bench/results/attention_probe_h200_s8a.json: 124M fwd 0.073 ms with fwd_m 64 vs 0.082
-    with 128; bwd 0.221 ms with dkv_n = dq_m = 64 vs 0.277 with 128)."""
+    The fastest of a sweep on the H200 at head dims 64 and 128 without dropout
+    (bench/results/attention_probe_h200_s8a.json: 124M fwd 0.073 ms with fwd_m 64 vs 0.082 with
+    128; bwd 0.221 ms with dkv_n = dq_m = 64 vs 0.277 with 128)."""
     fwd_m: int = 64   # query rows per forward program
     fwd_n: int = 64   # key columns per forward iteration
     fwd_warps: int = 4
@@ -80,27 +78,10 @@ class Blocks:
     dq_n: int = 32    # key columns per dQ iteration
     bwd_warps: int = 4
     bwd_stages: int = 3
-    # 1: grids (heads, blocks) with the longest causal rows launched first, so the short blocks fill
-    # the tail. Opt-in: on the H200 at p = 0.1 it gave forward -9 % / -5 % / +5 % and backward
-    # -9 % / -5 % / -4 % at 124M / 355M / 1.3B, but measured on top of a keep-bit load since removed
-    # (one integer per tile row, slower in the backward than _keep_words's blocks), not on this one
-    heavy_first: int = 0
-    # the keep-bits kernel (_attn_bits_kernel): tiles of bits_rows x 16 * bits_groups columns,
-    # bits_warps warps; bits_loop 1: one program per row block looping over its tiles (no programs
-    # right of the diagonal that only return). Knobs for bench/dev/attention_probe.py --bits: the kernel
-    # took 0.044-0.050 ms per 124M layer call where its static SASS (106 instructions per Philox
-    # call) predicts ~0.015 at full issue rate.
+    # the keep-bits kernel (_attn_bits_kernel): tiles of bits_rows x 16 * bits_groups columns, bits_warps warps
     bits_rows: int = 64
     bits_groups: int = 8
     bits_warps: int = 4
-    bits_loop: int = 0
-    # 1: each forward program first draws and stores the keep words of the tiles it will visit (one
-    # Philox call per 16 scores), then runs as without it: no separate bits kernel (6.2 ms of the
-    # 1.3B step on the H100, profile_h100_s19_1.3B_gbs64.md), its Philox work overlapping other
-    # programs' matmuls on the same SM. Opt-in, not yet timed on a GPU (bench/dev/attention_probe.py
-    # times it: --fwd fwd_draw=1). With fwd_m > the backward's tiles the backward reads some words right of the diagonal
-    # that nothing wrote; they only select between values the causal mask has already zeroed.
-    fwd_draw: int = 0
 
     def __post_init__(self):
         # a loop's step must divide the block it walks (the first loop stops at the diagonal block,
@@ -108,28 +89,14 @@ class Blocks:
         for outer, inner in (("fwd_m", "fwd_n"), ("dkv_n", "dkv_m"), ("dq_m", "dq_n")):
             o, i = getattr(self, outer), getattr(self, inner)
             if o % i or SEQ_MULTIPLE % o or i < 16:
-                raise ValueError(f"attention Blocks: {inner}={i} must divide {outer}={o}, which must divide "
+                raise ValueError(f"attention Launch: {inner}={i} must divide {outer}={o}, which must divide "
                                  f"{SEQ_MULTIPLE}, and both be >= 16")
         if SEQ_MULTIPLE % self.bits_rows or SEQ_MULTIPLE % (16 * self.bits_groups):
-            raise ValueError(f"attention Blocks: bits_rows={self.bits_rows} and 16 x bits_groups="
+            raise ValueError(f"attention Launch: bits_rows={self.bits_rows} and 16 x bits_groups="
                              f"{16 * self.bits_groups} must divide {SEQ_MULTIPLE}")
 
 
-DEFAULT_BLOCKS = Blocks()
-BLOCKS_ENV = "HPCMEG_ATTENTION_BLOCKS"  # e.g. "fwd_m=64,bwd_warps=8" (or '+'-joined): the benchmarks' tuning knob
-
-
-def blocks_from_env() -> Blocks:
-    """DEFAULT_BLOCKS with the fields named in $HPCMEG_ATTENTION_BLOCKS (read per launch, no state)."""
-    spec = os.environ.get(BLOCKS_ENV, "")
-    if not spec:
-        return DEFAULT_BLOCKS
-    try:
-        pairs = (kv.split("=") for kv in spec.replace("+", ",").split(",") if kv and kv != "default")
-        return dataclasses.replace(DEFAULT_BLOCKS, **{k: int(v) for k, v in pairs})
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"${BLOCKS_ENV}={spec!r}: want NAME=INT,... with names from "
-                         f"{[f.name for f in dataclasses.fields(Blocks)]} ({e})") from None
+DEFAULT_LAUNCH = Launch()
 
 
 def dropout_threshold(p: float) -> tuple[int, float]:
@@ -168,45 +135,36 @@ def _shape(qkv: torch.Tensor) -> tuple[int, int, int, int]:
     return b, s, h, d3 // 3
 
 
-def _grid(n_blocks: int, n_heads: int, blocks: Blocks) -> tuple[int, int]:
-    return (n_heads, n_blocks) if blocks.heavy_first else (n_blocks, n_heads)
-
-
-def keep_bits(seed: torch.Tensor, bh: int, s: int, p: float, blocks: Blocks = DEFAULT_BLOCKS) -> torch.Tensor:
+def keep_bits(seed: torch.Tensor, bh: int, s: int, p: float, launch: Launch = DEFAULT_LAUNCH) -> torch.Tensor:
     """The Triton keep-mask as bits, [bh, s, s / 16] int16 (bit j % 16 of word (i, j // 16));
     words wholly right of the diagonal are left unwritten (no kernel reads them)."""
     t, _ = dropout_threshold(p)
     bits = torch.empty(bh, s, s // 16, dtype=torch.int16, device=seed.device)
-    r, g = blocks.bits_rows, blocks.bits_groups
-    grid = (s // r, bh) if blocks.bits_loop else (s // r, s // (16 * g), bh)
+    r, g = launch.bits_rows, launch.bits_groups
     with _on(seed.device):
-        _attn_bits_kernel[grid](seed, bits, s, t, R=r, G=g, LOOP=blocks.bits_loop, num_warps=blocks.bits_warps)
+        _attn_bits_kernel[(s // r, s // (16 * g), bh)](seed, bits, s, t, R=r, G=g, num_warps=launch.bits_warps)
     return bits
 
 
-def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, blocks: Blocks = DEFAULT_BLOCKS):
+def forward(qkv: torch.Tensor, seed: torch.Tensor, p: float, launch: Launch = DEFAULT_LAUNCH):
     """The Triton forward: (out [b, s, h, d], lse2 [b * h, s] fp32, keep bits [b * h, s, s / 16]
     int16, or an empty tensor without dropout)."""
     b, s, h, d = _shape(qkv)
     t, keep_scale = dropout_threshold(p)
     out = qkv.new_empty(b, s, h, d)
     lse = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)
-    draw = bool(t and blocks.fwd_draw)
-    if draw:  # the forward writes the words of the tiles it visits (every one the backward needs)
-        bits = torch.empty(b * h, s, s // 16, dtype=torch.int16, device=qkv.device)
-    else:
-        bits = keep_bits(seed, b * h, s, p, blocks) if t else torch.empty(0, dtype=torch.int16, device=qkv.device)
+    bits = keep_bits(seed, b * h, s, p, launch) if t else torch.empty(0, dtype=torch.int16, device=qkv.device)
     sm_scale = 1.0 / math.sqrt(d)
     with _on(qkv.device):
-        _attn_fwd_kernel[_grid(s // blocks.fwd_m, b * h, blocks)](
-            qkv, out, lse, bits, seed, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale, sm_scale * LOG2E,
-            D=d, BM=blocks.fwd_m, BN=blocks.fwd_n, DROPOUT=t > 0, HEAVY=blocks.heavy_first, DRAW=draw,
-            num_warps=blocks.fwd_warps, num_stages=blocks.fwd_stages)
+        _attn_fwd_kernel[(s // launch.fwd_m, b * h)](
+            qkv, out, lse, bits, *qkv.stride()[:3], *out.stride()[:3], h, s, t, keep_scale, sm_scale * LOG2E,
+            D=d, BM=launch.fwd_m, BN=launch.fwd_n, DROPOUT=t > 0, num_warps=launch.fwd_warps,
+            num_stages=launch.fwd_stages)
     return out, lse, bits
 
 
 def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, bits: torch.Tensor,
-             p: float, blocks: Blocks = DEFAULT_BLOCKS, bias_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             p: float, launch: Launch = DEFAULT_LAUNCH, bias_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton backward: (dqkv [b, s, h, 3d] contiguous in qkv's dtype, dbias): with bias_grad,
     dbias [h * 3d] = the fp32 sum of dqkv over b and s (the gradient of a QKV bias added inside qkv),
     rounded once to qkv's dtype; else an empty tensor."""
@@ -218,20 +176,19 @@ def backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torc
         qkv = qkv.contiguous()  # the dK/dV and dQ kernels address qkv and dqkv with one set of strides
     delta = torch.empty(b * h, s, dtype=torch.float32, device=qkv.device)  # written by the dQ kernel
     f32 = dict(dtype=torch.float32, device=qkv.device)
-    nq, nk = b * (s // blocks.dq_m), b * (s // blocks.dkv_n)
+    nq, nk = b * (s // launch.dq_m), b * (s // launch.dkv_n)
     pq = torch.empty(nq, h, d, **f32) if bias_grad else delta.new_empty(0)  # row-block sums of dQ
     pkv = torch.empty(nk, h, 2, d, **f32) if bias_grad else delta.new_empty(0)  # ... of dK, dV
     sm_scale = 1.0 / math.sqrt(d)
     ostr, qstr = out.stride()[:3], qkv.stride()[:3]
     with _on(qkv.device):
         tail = (*qstr, *ostr, h, s, t, keep_scale, sm_scale * LOG2E, sm_scale)
-        flags = dict(DROPOUT=t > 0, HEAVY=blocks.heavy_first, BIAS_GRAD=bias_grad, num_warps=blocks.bwd_warps,
-                     num_stages=blocks.bwd_stages)
+        flags = dict(DROPOUT=t > 0, BIAS_GRAD=bias_grad, num_warps=launch.bwd_warps, num_stages=launch.bwd_stages)
         # dQ first: it leaves delta for the dK/dV kernel
-        _attn_dq_kernel[_grid(s // blocks.dq_m, b * h, blocks)](qkv, out, dout, lse, delta, dqkv, bits, pq, *tail,
-                                                                D=d, BM=blocks.dq_m, BN=blocks.dq_n, **flags)
-        _attn_dkv_kernel[_grid(s // blocks.dkv_n, b * h, blocks)](qkv, dout, lse, delta, dqkv, bits, pkv, *tail,
-                                                                  D=d, BN=blocks.dkv_n, BM=blocks.dkv_m, **flags)
+        _attn_dq_kernel[(s // launch.dq_m, b * h)](qkv, out, dout, lse, delta, dqkv, bits, pq, *tail,
+                                                   D=d, BM=launch.dq_m, BN=launch.dq_n, **flags)
+        _attn_dkv_kernel[(s // launch.dkv_n, b * h)](qkv, dout, lse, delta, dqkv, bits, pkv, *tail,
+                                                     D=d, BN=launch.dkv_n, BM=launch.dkv_m, **flags)
         if not bias_grad:
             return dqkv, dqkv.new_empty(0)
         dbias = torch.empty(h * 3 * d, dtype=qkv.dtype, device=qkv.device)
@@ -330,7 +287,7 @@ def flash_attention(qkv: torch.Tensor, seed: torch.Tensor, p: float, bias: Optio
     graph (x W^T + b.detach()); unused here, given so that this op's backward returns its gradient,
     the sum of dqkv over tokens, from the backward kernels' own row sums."""
     if _use_kernel(qkv):
-        return forward(qkv, seed, p, blocks_from_env())
+        return forward(qkv, seed, p)
     return (reference(qkv, seed, p).contiguous(), _reference_lse2(qkv),
             torch.empty(0, dtype=torch.int16, device=qkv.device))
 
@@ -352,7 +309,7 @@ def flash_attention_backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.T
     """(dqkv, dbias) of flash_attention (dbias [h * 3d] in qkv's dtype with bias_grad, else empty);
     Triton on CUDA, the twins elsewhere."""
     if _use_kernel(qkv):
-        return backward(dout, qkv, out, lse, bits, p, blocks_from_env(), bias_grad)
+        return backward(dout, qkv, out, lse, bits, p, bias_grad=bias_grad)
     g = _reference_dqkv32(dout, qkv, seed, p)
     return g.to(qkv.dtype), (reference_bias_grad(g, qkv.dtype) if bias_grad else qkv.new_empty(0))
 

@@ -1,7 +1,7 @@
 """The Triton kernels of hpcmeg/model/triton_attention.py (causal flash attention with dropout): the
 keep-bit draw, the forward, the backward's dQ and dK/dV kernels and the QKV bias gradient's final
 sum, with their @triton.jit helpers. triton_attention.py owns the launchers, the tile shapes
-(Blocks), the keep-mask layout these kernels implement, the plain twin and the custom ops; the
+(Launch), the keep-mask layout these kernels implement, the plain twin and the custom ops; the
 tests reach the kernels through it.
 
 The algorithm is FlashAttention-2's (online softmax forward saving the log-sum-exp; backward per
@@ -35,7 +35,7 @@ Cost notes (static sm90 SASS, Triton 3.6's ptxas, head dim 64, p = 0.1; instruct
 of the main loops): forward 432 (277 without dropout), dK/dV 356 / 310, dQ 185 / 248. The bits
 kernel: 106 instructions per Philox call (16 keep bits) with _pack16's byte-parallel packing (142
 packing bit by bit); at full issue rate its 4.7 M calls per 124M layer take ~15 us, while it
-measured 0.044-0.050 ms, so its launch shape is a knob (Blocks.bits_*, bench/dev/attention_probe.py --bits).
+measured 0.044-0.050 ms, so its launch shape is part of Launch (bits_rows, bits_groups, bits_warps).
 Why the forward reads the same bits as the backward (measured, bench/results/user_path_h200_s13.md):
 a second copy of the bits for the forward, ordered as the wgmma accumulator's columns and applied to
 bf16 pairs by one byte permute and one AND in inline PTX, took the forward loop from 495 to 344
@@ -89,22 +89,15 @@ if triton is not None:
         tl.store(BITS + bh.to(tl.int64) * (S16 * 16) * S16 + c, bits.to(tl.int16))
 
     @triton.jit
-    def _attn_bits_kernel(seed_ptr, BITS, S, thresh, R: tl.constexpr, G: tl.constexpr, LOOP: tl.constexpr):
+    def _attn_bits_kernel(seed_ptr, BITS, S, thresh, R: tl.constexpr, G: tl.constexpr):
         """The keep-mask as bits: BITS [b * h, s, s / 16] int16, bit j % 16 of word (i, j // 16) =
-        keep(i, j); tiles of R rows x 16 * G columns, those right of the diagonal skipped. LOOP 0:
-        one program per tile (grid s / R, s / (16 G), b * h; the skipped ones return at once);
-        LOOP 1: one program per R rows (grid s / R, b * h), looping over its tiles up to the
-        diagonal, the longest rows first (no empty programs; s / (16 G) times fewer of them)."""
+        keep(i, j); one program per tile of R rows x 16 * G columns (grid s / R, s / (16 G), b * h),
+        those right of the diagonal return at once."""
         S16 = S // 16
         seed = tl.load(seed_ptr)
-        if LOOP:
-            pm, bh = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
-            for pn in range(0, (pm * R + R - 1) // (16 * G) + 1):
-                _bits_tile(seed, BITS, S16, bh, pm, pn, thresh, R, G)
-        else:
-            pm, pn, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-            if pn * 16 * G <= pm * R + R - 1:
-                _bits_tile(seed, BITS, S16, bh, pm, pn, thresh, R, G)
+        pm, pn, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if pn * 16 * G <= pm * R + R - 1:
+            _bits_tile(seed, BITS, S16, bh, pm, pn, thresh, R, G)
 
     @triton.jit
     def _keep_words(bits, rows, col0, S16, C: tl.constexpr):
@@ -114,15 +107,6 @@ if triton is not None:
         took 0.218 + 0.385 ms forward + backward against 0.144 + 0.270 at 124M, p = 0.1
         (attention_probe_h200_s9a.json)."""
         return tl.load(bits + rows[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16))[None, :]).to(tl.int32)
-
-    @triton.jit
-    def _drawn_words(seed, bh, bits, rows, col0, S16, thresh, C: tl.constexpr):
-        """The [R, C / 16] keep words of query rows `rows` x key columns col0 .. col0 + C of head bh
-        drawn here, _bits_tile's Philox calls and packing bit for bit, and stored to the head's
-        `bits`: the forward's prologue with Blocks.fwd_draw (no separate bits kernel)."""
-        c = rows.to(tl.int64)[:, None] * S16 + (col0 // 16 + tl.arange(0, C // 16)).to(tl.int64)[None, :]
-        r0, r1, r2, r3 = tl.randint4x(seed, (bh.to(tl.int64) << 32) | c)  # counter (c, bh, 0, 0)
-        tl.store(bits + c, _pack16(r0, r1, r2, r3, thresh).to(tl.int16))
 
     @triton.jit
     def _kept(bits, rows, col0, S16, R: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
@@ -178,21 +162,10 @@ if triton is not None:
         return acc, l_i, m_i
 
     @triton.jit
-    def _attn_fwd_kernel(QKV, O, LSE, BITS, SEED, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
-                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr,
-                         HEAVY: tl.constexpr, DRAW: tl.constexpr = False):
-        """DRAW (Blocks.fwd_draw): the keep words of every tile it visits are drawn here and written to
-        BITS (the bits kernel's words for those tiles, bit for bit), in a prologue, then read back by
-        the loops as without it. Drawing inside the loop, on the tile's words in registers, made
-        Triton compute each Philox call ~5 times (sm90 PTX: 381 mul.hi against 40 needed: the
-        words' layout is a slice of the expanded mask's, spread over threads), and a barrier inside
-        the loop stopped the cp.async pipelining of K and V; the prologue has neither cost."""
-        if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
-            start_m = tl.num_programs(1) - 1 - tl.program_id(1)
-            bh = tl.program_id(0)
-        else:
-            start_m = tl.program_id(0)
-            bh = tl.program_id(1)
+    def _attn_fwd_kernel(QKV, O, LSE, BITS, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh, keep_scale, qk_scale,
+                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DROPOUT: tl.constexpr):
+        start_m = tl.program_id(0)  # grid (query blocks, b * h)
+        bh = tl.program_id(1)
         b, h = bh // H, bh % H
         base = QKV + b.to(tl.int64) * s_b + h * s_h
         rows = start_m * BM + tl.arange(0, BM)
@@ -200,12 +173,6 @@ if triton is not None:
         q = tl.load(base + rows[:, None] * s_s + offs_d[None, :])
         S16 = S // 16
         bits = BITS + bh.to(tl.int64) * S * S16  # this head's keep bits
-        if DRAW:  # this row block's keep words, up to its diagonal block, drawn and stored first; the
-            # barrier makes every thread's stores visible to the whole program before the loops read them
-            seed = tl.load(SEED)
-            for start_n in range(0, start_m * BM + BM, BN):
-                _drawn_words(seed, bh, bits, rows, start_n, S16, thresh, BN)
-            tl.debug_barrier()
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
@@ -256,13 +223,9 @@ if triton is not None:
     @triton.jit
     def _attn_dkv_kernel(QKV, DO, LSE, DELTA, DQKV, BITS, PKV, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
                          keep_scale, qk_scale, sm_scale, D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-                         DROPOUT: tl.constexpr, HEAVY: tl.constexpr, BIAS_GRAD: tl.constexpr):
-        if HEAVY:  # grid (heads, key blocks): key block 0 meets every query, so it goes first
-            start_n = tl.program_id(1) * BN
-            bh = tl.program_id(0)
-        else:
-            start_n = tl.program_id(0) * BN
-            bh = tl.program_id(1)
+                         DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr):
+        start_n = tl.program_id(0) * BN  # grid (key blocks, b * h)
+        bh = tl.program_id(1)
         b, h = bh // H, bh % H
         base = b.to(tl.int64) * s_b + h * s_h  # same strides for qkv and dqkv
         cols = start_n + tl.arange(0, BN)
@@ -316,13 +279,9 @@ if triton is not None:
     @triton.jit
     def _attn_dq_kernel(QKV, O, DO, LSE, DELTA, DQKV, BITS, PQ, s_b, s_s, s_h, o_b, o_s, o_h, H, S, thresh,
                         keep_scale, qk_scale, sm_scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        DROPOUT: tl.constexpr, HEAVY: tl.constexpr, BIAS_GRAD: tl.constexpr):
-        if HEAVY:  # grid (heads, query blocks), the last (longest) query blocks first
-            start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BM
-            bh = tl.program_id(0)
-        else:
-            start_m = tl.program_id(0) * BM
-            bh = tl.program_id(1)
+                        DROPOUT: tl.constexpr, BIAS_GRAD: tl.constexpr):
+        start_m = tl.program_id(0) * BM  # grid (query blocks, b * h)
+        bh = tl.program_id(1)
         b, h = bh // H, bh % H
         base = b.to(tl.int64) * s_b + h * s_h
         rows = start_m + tl.arange(0, BM)

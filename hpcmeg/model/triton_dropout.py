@@ -28,8 +28,8 @@ Contract
   dropout_keep_bits(seed, shape, p) -> the same mask packed eight elements to a byte, uint8
     [..., H / 8] (H = shape[-1], a multiple of 8): element 8j + g of a row is bit g of byte j, so
     byte c holds exactly the eight elements of Philox counter c. 1/8 of the bool mask's memory and
-    traffic: the bias-dropout-add + LayerNorm saves it for the backward (GPTConfig.dropout_impl
-    'triton_bits', 1.75 B less per hidden element per layer than two bool masks), its forward
+    traffic: the bias-dropout-add + LayerNorm saves it for the backward (1.75 B less per hidden
+    element per layer than two bool masks), its forward
     unpacks it with `unpack_bits` (tensor ops Inductor fuses) and triton_layernorm's backward
     reads the bits. Custom op hpcmeg::dropout_keep_bits; twin reference_keep_bits = pack_bits of
     the bool twin; pack_bits / unpack_bits convert between the two layouts.

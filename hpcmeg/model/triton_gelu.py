@@ -60,7 +60,7 @@ INTERPRETER_SMS = 4  # "SMs" assumed for CPU tensors (Triton's interpreter): sev
 
 
 @dataclass(frozen=True)
-class Blocks:
+class Launch:
     """Tile sizes and launch shapes. Chosen by the reasoning in the comments (not yet timed on the
     GPU; bench/dev/gelu_probe.py times a few alternatives). All sizes are powers of two (tl.arange)."""
     # Forward: flat over all N * F elements (contiguous, so no row structure is needed and every
@@ -92,7 +92,7 @@ class Blocks:
     sum_rows: int = 32
 
 
-DEFAULT_BLOCKS = Blocks()
+DEFAULT_LAUNCH = Launch()
 
 # Shapes that matter, bf16 on the H200 (bytes / 4.3 TB/s achievable; grid of the backward):
 #   [12288, 3072] (124M): forward 151 MB -> 35 us, backward 226 MB -> 53 us; 12 column blocks x 44
@@ -188,10 +188,10 @@ def _sm_count(device: torch.device) -> int:
     return INTERPRETER_SMS
 
 
-def _register_cap(blocks: Blocks) -> dict:
+def _register_cap(tiles: Launch) -> dict:
     """{'maxnreg': n} so that bwd_per_sm programs of bwd_warps warps share one SM's registers;
     {} when no cap is needed (over 255, the hardware's per-thread maximum)."""
-    cap = REGISTERS_PER_SM // (blocks.bwd_per_sm * blocks.bwd_warps * 32) // 8 * 8
+    cap = REGISTERS_PER_SM // (tiles.bwd_per_sm * tiles.bwd_warps * 32) // 8 * 8
     return {"maxnreg": cap} if cap < 255 else {}
 
 
@@ -200,15 +200,15 @@ def _check_kernel_dtype(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: dtype {t.dtype} not in {KERNEL_DTYPES}")
 
 
-def gelu_forward(h: torch.Tensor, blocks: Blocks = DEFAULT_BLOCKS) -> torch.Tensor:
+def gelu_forward(h: torch.Tensor, tiles: Launch = DEFAULT_LAUNCH) -> torch.Tensor:
     """The Triton forward: g = tanh-GELU(h), h's shape and dtype, contiguous."""
     _check_kernel_dtype(h, "gelu_forward")
     h = h.contiguous()
     g = torch.empty_like(h)
     n = h.numel()
     if n:
-        launch(_gelu_fwd_kernel, (triton.cdiv(n, blocks.fwd_block),), h.device, h, g, n,
-               BLOCK=blocks.fwd_block, num_warps=blocks.fwd_warps)
+        launch(_gelu_fwd_kernel, (triton.cdiv(n, tiles.fwd_block),), h.device, h, g, n,
+               BLOCK=tiles.fwd_block, num_warps=tiles.fwd_warps)
     return g
 
 
@@ -219,14 +219,14 @@ def _check_pair(dg: torch.Tensor, h: torch.Tensor, name: str) -> int:
     return h.shape[-1]
 
 
-def row_programs(n: int, f: int, device: torch.device, blocks: Blocks = DEFAULT_BLOCKS) -> int:
+def row_programs(n: int, f: int, device: torch.device, tiles: Launch = DEFAULT_LAUNCH) -> int:
     """R, the backward's row programs (= rows of the dbias partials): bwd_per_sm programs per SM
     in all, at least 1, at most one per row tile."""
-    col_blocks = triton.cdiv(f, blocks.bwd_f)
-    return max(1, min(triton.cdiv(n, blocks.bwd_rows), blocks.bwd_per_sm * _sm_count(device) // col_blocks))
+    col_blocks = triton.cdiv(f, tiles.bwd_f)
+    return max(1, min(triton.cdiv(n, tiles.bwd_rows), tiles.bwd_per_sm * _sm_count(device) // col_blocks))
 
 
-def gelu_backward(dg: torch.Tensor, h: torch.Tensor, blocks: Blocks = DEFAULT_BLOCKS,
+def gelu_backward(dg: torch.Tensor, h: torch.Tensor, tiles: Launch = DEFAULT_LAUNCH,
                   n_row_programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton backward: (dh in h's dtype and shape, dbias [F] in h's dtype); see the module docstring.
     n_row_programs overrides R (the tests use it to sum several partial rows on a small input)."""
@@ -239,15 +239,15 @@ def gelu_backward(dg: torch.Tensor, h: torch.Tensor, blocks: Blocks = DEFAULT_BL
     if n == 0 or f == 0:
         return dh.view(h.shape), torch.zeros(f, dtype=h.dtype, device=h.device)
     dbias = torch.empty(f, dtype=h.dtype, device=h.device)  # every column written below: no memset
-    r = n_row_programs or row_programs(n, f, h.device, blocks)
+    r = n_row_programs or row_programs(n, f, h.device, tiles)
     # the main kernel stores fp32 partial sums: straight into dbias only if it is one fp32 row
     direct = r == 1 and dbias.dtype == torch.float32
     part = dbias.view(1, f) if direct else torch.empty(r, f, dtype=torch.float32, device=h.device)
-    launch(_gelu_bwd_kernel, (triton.cdiv(f, blocks.bwd_f), r), h.device, dg2, h2, dh, part, n,
-           F=f, BLOCK_F=blocks.bwd_f, ROWS=blocks.bwd_rows, num_warps=blocks.bwd_warps, **_register_cap(blocks))
+    launch(_gelu_bwd_kernel, (triton.cdiv(f, tiles.bwd_f), r), h.device, dg2, h2, dh, part, n,
+           F=f, BLOCK_F=tiles.bwd_f, ROWS=tiles.bwd_rows, num_warps=tiles.bwd_warps, **_register_cap(tiles))
     if not direct:
-        launch(_sum_rows_kernel, (triton.cdiv(f, blocks.sum_f),), h.device, part, dbias, r,
-               F=f, BLOCK_F=blocks.sum_f, ROWS=blocks.sum_rows, num_warps=4)
+        launch(_sum_rows_kernel, (triton.cdiv(f, tiles.sum_f),), h.device, part, dbias, r,
+               F=f, BLOCK_F=tiles.sum_f, ROWS=tiles.sum_rows, num_warps=4)
     return dh.view(h.shape), dbias
 
 

@@ -20,7 +20,7 @@ Contract
   softmax_local = exp(logits - lse_global), onehot_local only on the rank owning the label.
   No collective in backward: every rank holds the same loss and the same upstream grad, and
   its shard's gradient needs only the global lse saved from forward.
-- Size-1 group: the single-device computation (bitwise fused_ce.py's CE), no communication.
+- Size-1 group: the single-device formula bit for bit (hpcmeg/model/ops.py), no communication.
 - "No fp32 logits" holds where it matters: on CUDA (the kernel forward, the backward compiled
   into one kernel for eager callers) and inside torch.compile (Inductor fuses the .float()); the
   eager CPU path (tests) materialises fp32 temporaries, as fused_ce.py's does.

@@ -62,32 +62,18 @@ def attention_backend_for(backend: str, device: torch.device, precision: str,
     return "triton" if major == 9 else backend
 
 
-# the implementations that run a Triton or cuBLASLt kernel on CUDA and their PyTorch twin elsewhere
-_GPU_KERNEL = {"attention": ("triton",), "GELU": ("triton", "cublaslt", "cublaslt_dgelu"),
-               "LayerNorm": ("triton", "triton_forward"), "CE": ("fused", "grad_in_forward", "backward_in_forward")}
-
-
 def kernels_of(cfg, device: torch.device | None = None) -> str:
-    """What the model computes with on this device, in one phrase for the start line and record.
-    CUDA (or no device given: the configuration's names), e.g. 'attention triton, GELU cublaslt_dgelu,
-    LayerNorm triton, dropout triton_bits, CE grad_in_forward' (what 'auto' resolved to; a cuBLASLt
-    fallback at run time warns on its own). Elsewhere (CPU) the Triton/cuBLASLt kernels are never
-    launched: their ops run their PyTorch twins, attention other than 'triton' is plain SDPA and
-    dropout is torch's. model.fused off: the plain ops of hpcmeg/model/ops.py, none of these."""
+    """What the model computes with on this device, in one phrase for the start line and record,
+    e.g. 'attention triton, Triton LayerNorm/GELU/dropout/CE kernels, CE grad_in_forward' (what
+    'auto' resolved to). Off CUDA the kernels' custom ops run their PyTorch twins and dropout is
+    torch's. model.fused off: the plain ops of hpcmeg/model/ops.py."""
     if not cfg.fused:
         return "plain PyTorch ops (model.fused off)"
     recompute = f", GELU recomputed in {cfg.recompute_gelu_layers} layer(s)" if cfg.recompute_gelu_layers else ""
-    if device is None or device.type == "cuda":
-        return (f"attention {cfg.attention_backend}, GELU {cfg.gelu_impl}, LayerNorm {cfg.layernorm_impl}, "
-                f"dropout {cfg.dropout_impl}, CE {cfg.fused_ce}{recompute}")
-    where = device.type
-
-    def named(part: str, impl: str) -> str:
-        return f"{part} {impl} (PyTorch twin on {where})" if impl in _GPU_KERNEL[part] else f"{part} {impl}"
-
-    attention = named("attention", cfg.attention_backend) if cfg.attention_backend == "triton" else "attention SDPA"
-    return (f"{attention}, {named('GELU', cfg.gelu_impl)}, {named('LayerNorm', cfg.layernorm_impl)}, "
-            f"dropout native, {named('CE', cfg.fused_ce)}{recompute}")
+    attention = cfg.attention_backend if cfg.attention_backend == "triton" else f"SDPA {cfg.attention_backend}"
+    kernels = ("Triton LayerNorm/GELU/dropout/CE kernels" if device is None or device.type == "cuda"
+               else f"the Triton kernels' PyTorch twins on {device.type}")
+    return f"attention {attention}, {kernels}, CE {cfg.fused_ce}{recompute}"
 
 
 def share_cpu_threads(env: DistEnv, device: torch.device) -> None:
@@ -115,11 +101,9 @@ def gpt_config(recipe: Recipe, derived: Derived, device: torch.device):
                      padded_vocab_size=derived.padded_vocab_size, hidden_dropout=model_cfg.hidden_dropout,
                      attention_dropout=model_cfg.attention_dropout, layernorm_epsilon=model_cfg.layernorm_epsilon,
                      init_method_std=model_cfg.init_method_std, fused=_auto(model_cfg.fused, device),
-                     vocab_size=derived.orig_vocab_size, dropout_impl=model_cfg.dropout_impl,
-                     fused_ce=model_cfg.cross_entropy,
+                     vocab_size=derived.orig_vocab_size, fused_ce=model_cfg.cross_entropy,
                      attention_backend=attention_backend_for(model_cfg.attention_backend, device,
                                                              recipe.train.precision),
-                     layernorm_impl=model_cfg.layernorm_impl, gelu_impl=model_cfg.gelu_impl,
                      recompute_gelu_layers=model_cfg.recompute_gelu_layers)
 
 
