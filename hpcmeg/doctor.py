@@ -106,8 +106,8 @@ def probe() -> list[tuple[str, str]]:
     # the fast paths `hpcmeg train` would pick with the recipe defaults (model.fused=auto,
     # attention_backend=auto, train.compile=auto, bf16), from the trainer's own rules
     add("fast path: attention", _attention_path(cuda))
-    add("fast path: fused ops", "on (Triton LayerNorm / bias-dropout-add / cross-entropy kernels, GELU in cuBLASLt "
-                                "epilogues)" if cuda else "off (plain twins)")
+    add("fast path: fused ops", "on (Triton LayerNorm backward, GELU, dropout-mask and cross-entropy kernels)"
+        if cuda else "off (plain twins)")
     add("fast path: torch.compile", "on, with CUDA graphs" if cuda else "off")
     add("fast path: optimizer", "hpcmeg FlatAdamW, fp32 masters, update compiled by Inductor" if cuda
         else "hpcmeg FlatAdamW, fp32 masters, plain update")

@@ -23,7 +23,7 @@ What "fused" means here, op by op:
   * linear layers (here and in gpt.py) go through hpcmeg/model/wgrad.py's `linear`: F.linear, or
     with a main-grad sink attached from outside (gradient-accumulation fusion) a linear whose
     weight-gradient GEMM accumulates into the fp32 main grad itself.
-  * linear_bias_gelu: the bias goes INTO the matmul (cuBLASLt's bias epilogue), then tanh-GELU.
+  * linear_bias_gelu: the bias goes INTO the matmul (the GEMM's bias epilogue), then tanh-GELU.
     Measured on the H200 (bench/results/profile_h200_s3a.md): with the bias add left to
     Inductor, the backward recomputed GELU' in two kernels (141 us/layer at 124M) where
     addmm + GELU needs 83 us. The GELU forward and the backward with the bias gradient are
