@@ -61,8 +61,8 @@ class LegacyIndexedDataset:
     def __len__(self) -> int:
         return self._n
 
-    def _shape(self, i: int) -> tuple:
-        return tuple(int(x) for x in self.sizes[self.dim_offsets[i]:self.dim_offsets[i + 1]])
+    def _shape(self, idx: int) -> tuple:
+        return tuple(int(x) for x in self.sizes[self.dim_offsets[idx]:self.dim_offsets[idx + 1]])
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Flat elements [offset, offset+length) of item `idx`."""
