@@ -199,18 +199,6 @@ class TrainConfig:
     """Validation batches per evaluation."""
     compile: str = "auto"
     """torch.compile: auto (on for CUDA), on, off."""
-    grad_accumulation: str = "bucketed"
-    """How each micro batch's gradients enter the fp32 main grads: bucketed (multi-tensor, a bucket
-    at a time) or per_param (one copy/add per parameter: the plain twin, bit-identical, slower)."""
-    gradient_accumulation_fusion: str = "auto"
-    """Weight-gradient GEMMs accumulate straight into the fp32 main grads (Megatron's
-    --gradient-accumulation-fusion; hpcmeg/model/wgrad.py): auto (on for a fused model on CUDA with
-    bf16/fp16 parameters), on (any fused model: the CPU twin), off (gradients go through the buffer's
-    grad_accumulation path)."""
-    optimizer_kernel: str = "auto"
-    """What runs AdamW's update of the fp32 masters (hpcmeg/train/optim.py): auto (compiled on CUDA,
-    plain elsewhere), compiled (torch.compile of the plain update), triton (a hand-written kernel,
-    hpcmeg/train/triton_adamw.py: the plain update's rounding, op for op; CUDA only) or plain."""
     device: str = "auto"
     """auto (CUDA when available), cuda or cpu."""
     exit_duration_minutes: Optional[float] = ranged(None, gt=0, null="no limit")
@@ -385,6 +373,10 @@ RETIRED = {
     "model.layernorm_impl": "the fused path has one LayerNorm (its backward one Triton pass); model.fused: off "
                             "gives the plain one",
     "model.gelu_impl": "the fused path has one GELU (Triton kernels); model.fused: off gives the plain one",
+    "train.optimizer_kernel": "AdamW's update runs compiled by Inductor on CUDA, plain elsewhere",
+    "train.grad_accumulation": "gradients enter the fp32 main grads a bucket at a time",
+    "train.gradient_accumulation_fusion": "a fused model on CUDA with bf16/fp16 parameters always accumulates "
+                                          "weight gradients in its GEMMs; model.fused: off does not",
 }
 
 # Every choice key's allowed values, written once: the loader checks them, GPTConfig imports its own.
@@ -396,9 +388,6 @@ CHOICES = {
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "precision"): ("bf16", "fp16", "fp32"),
     ("train", "compile"): ("auto", "on", "off"),
-    ("train", "grad_accumulation"): ("bucketed", "per_param"),
-    ("train", "gradient_accumulation_fusion"): ("auto", "on", "off"),
-    ("train", "optimizer_kernel"): ("auto", "compiled", "triton", "plain"),
     ("train", "device"): ("auto", "cuda", "cpu"),
     ("cluster", "executor"): ("slurm", "local"),
     ("container", "runtime"): ("apptainer", "pyxis", "none"),

@@ -262,7 +262,7 @@ def build(cls, data: dict, prefix: str, problems: list[str], where, failed: set[
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields and path in RETIRED:
-            problems.append(f"{where(path)}: '{path}' is no longer a recipe key ({RETIRED[path]}); delete it")
+            problems.append(f"{where(path)}: no longer a recipe key ({RETIRED[path]}); delete it")
             continue
         if key not in fields:
             guess = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
