@@ -1,14 +1,31 @@
-"""GPU side of the fused-vs-plain agreement (tests/test_fused_ops.py is the CPU/fp32 side).
+"""The fused path on the GPU against its plain twins (tests/test_fused_ops.py is the CPU/fp32 side).
 
-For each op of hpcmeg/model/fused.py: fresh random inputs on CUDA, the fused op in bf16 against
-the plain twin of hpcmeg/model/ops.py in fp64 on the upcast inputs; metric ||out - ref|| / ||ref||
-for outputs and input gradients; pass below 2e-2 (bf16 operands land 1e-3..1e-2), NaN never.
-Then whole-model checks: GPT(fused) compiled under bf16 autocast vs the plain fp32 model
-(loss and gradients), and TrainStep eager vs compile vs compile+CUDA graphs over 3 steps of 2
-micro batches (the loss curves must agree within bf16 noise; this also checks that CUDA graphs
-do not corrupt accumulated gradients); the Triton dropout mask; gradient-accumulation fusion on vs
-off through the compiled, CUDA-graphed step; the cuBLASLt GELU epilogues (lt). Writes
-<out>/gpu_agreement.json and prints a table.
+Each op of hpcmeg/model/fused.py has one fast implementation and a plain PyTorch twin in
+hpcmeg/model/ops.py; this checks them against each other where only a GPU runs the fast one.
+Parts (--parts, run in the order given; each part's rows are on disk as soon as it ends):
+  ops       each fused op in bf16 on CUDA against its twin in fp64 on the upcast inputs
+            (||out - ref|| / ||ref|| of outputs and input gradients, below 2e-2, NaN never): LayerNorm,
+            bias-GELU, linear-bias-GELU, the MLP with its GELU recomputed, bias-dropout-add +
+            LayerNorm, causal attention per SDPA backend, the Triton attention on the QKV GEMM's
+            layout, the Triton cross-entropy forward (the vocabulary-parallel loss's logsumexp);
+  model     the fused GPT compiled under bf16 autocast against the plain fp32 GPT (loss and
+            gradients), and TrainStep eager / compiled / compiled + CUDA graphs over 4 steps of 2
+            micro batches (the curves agree within bf16 noise: CUDA graphs do not corrupt the
+            accumulated gradients);
+  dropout   the Philox keep-mask and its packed bits against their twins bit for bit, the keep
+            fraction, their cost in the compiled bias-dropout-add + LayerNorm, the compiled step with
+            dropout reproducible for a seed and close to the plain model's (torch's dropout), and
+            bucketed gradient accumulation against its per-parameter twin;
+  wgrad     gradient-accumulation fusion (weight-gradient GEMMs into the fp32 main grad) on against
+            off through the compiled, CUDA-graphed step, and the cross-entropy
+            'backward_in_forward' against 'grad_in_forward' there, with no CUDA-graph skip;
+  ce        the grad-in-forward cross-entropy kernel against its twin, both LM-head losses
+            ('grad_in_forward', 'backward_in_forward' with its loss weights) against the fp64 path,
+            and their time and peak memory at 124M's LM-head shape;
+  attention the Triton attention against cuDNN's SDPA through the compiled, CUDA-graphed step
+            (attention dropout 0: the same hidden-dropout masks on both sides; then 0.1).
+Writes <out>/gpu_agreement.json (after each part) and prints one line per check; needs CUDA.
+Usage: python bench/gpu_agreement.py [--parts ops,model,dropout,wgrad,ce,attention] [--out DIR]
 """
 from __future__ import annotations
 
@@ -65,6 +82,8 @@ def op_checks(rows):
     compare("bias_gelu", fused.bias_gelu, ops.bias_gelu, [x, bias], rows)
     w4, b4 = torch.randn(4 * h, h, device="cuda") * 0.03, torch.randn(4 * h, device="cuda")
     compare("linear_bias_gelu", fused.linear_bias_gelu, ops.linear_bias_gelu, [x, w4, b4], rows)
+    w2 = torch.randn(h, 4 * h, device="cuda") * 0.015
+    compare("mlp[recompute_gelu]", lambda *t: fused.mlp(*t, recompute_gelu=True), ops.mlp, [x, w4, b4, w2], rows)
     compare("bias_dropout_add_layer_norm",
             lambda a, c, d, e, f: fused.bias_dropout_add_layer_norm(a, c, d, 0.1, False, e, f, 1e-5),
             lambda a, c, d, e, f: ops.bias_dropout_add_layer_norm(a, c, d, 0.1, False, e, f, 1e-5),
@@ -79,8 +98,13 @@ def op_checks(rows):
         except RuntimeError as ex:
             rows.append(dict(check=f"causal_attention[{be}]", error=str(ex)[:200], ok=None))
             print(f"causal_attention[{be}] unavailable: {str(ex)[:120]}", flush=True)
-    hid, W = torch.randn(b, s, h, device="cuda"), torch.randn(50304, h, device="cuda") * 0.02
-    labels = torch.randint(0, 50304, (b, s), device="cuda")
+    # the Triton attention on the QKV GEMM's layout [b, s, heads, 3 * head_dim], as the model calls it
+    qkv = torch.randn(b, s, nh, 3 * 64, device="cuda")
+
+    def split_attention(t):
+        return ops.causal_attention(*t.split(64, dim=-1), 0.0, True)
+    compare("causal_attention_qkv[triton]", lambda t: fused.causal_attention_qkv(t, 0.0, True, "triton"),
+            split_attention, [qkv], rows)
     if fused.HAVE_TRITON_CE:  # the Triton CE forward alone, at GPT-2's vocabulary, against its twin
         from hpcmeg.model import triton_ce
         lg = (torch.randn(4096, 50304, device="cuda") * 3).to(torch.bfloat16)
@@ -89,10 +113,6 @@ def op_checks(rows):
         rows.append(dict(check="triton_ce.ce_forward vs reference (bf16 logits, V=50304)",
                          max_rel_err=max(errs), ok=max(errs) < 1e-5))
         print(f"triton_ce.ce_forward                     max rel err {max(errs):.2e}", flush=True)
-    for impl in ("fused", "fused_inductor", "compiled", "chunked"):
-        compare(f"linear_cross_entropy[{impl}]",
-                lambda a, c: fused.linear_cross_entropy(a, c, labels, impl=impl),
-                lambda a, c: ops.linear_cross_entropy(a, c, labels), [hid, W], rows)
 
 
 def model_checks(rows):
@@ -133,9 +153,11 @@ def model_checks(rows):
 
 
 def dropout_and_accumulation_checks(rows):
-    """The Triton keep-mask against its bit-exact PyTorch twin; the compiled model with it under CUDA
-    graphs (reproducible for a seed, close to torch's dropout); bucketed gradient accumulation
-    against the per-parameter twin through the whole compiled step."""
+    """The Triton keep-mask and its packed bits (what the residual branches save) against their
+    bit-exact PyTorch twins; their cost in the compiled bias-dropout-add + LayerNorm; the compiled
+    model under CUDA graphs with dropout reproducible for a seed and close to the plain model (torch's
+    dropout); bucketed gradient accumulation against the per-parameter twin through the whole
+    compiled step."""
     if fused.HAVE_TRITON_DROPOUT:
         from hpcmeg.model import triton_dropout
         for shape, p in (((12, 1024, 768), 0.1), ((3, 1001, 37), 0.5)):
@@ -150,27 +172,26 @@ def dropout_and_accumulation_checks(rows):
                              keep_fraction=frac, ok=ok))
             print(f"keep-mask {shape} p={p}: equal={torch.equal(k, r)} keep {frac:.5f} {'ok' if ok else 'FAIL'}",
                   flush=True)
-            if shape[-1] % 8 == 0:  # the packed mask ('triton_bits'): the same bits, eight to a byte
+            if shape[-1] % triton_dropout.PER_CALL == 0:  # the packed mask: the same bits, eight to a byte
                 kb = triton_dropout.keep_bits(seed, list(shape), p)
                 ok = torch.equal(kb, triton_dropout.pack_bits(r)) and torch.equal(
                     triton_dropout.unpack_bits(kb, list(shape)), k)
                 rows.append(dict(check=f"triton keep-bits {shape} p={p} vs the packed twin (bitwise)", ok=ok))
                 print(f"keep-bits {shape} p={p}: {'ok' if ok else 'FAIL'}", flush=True)
         # the cost where it matters: compiled bias-dropout-add + LayerNorm, forward + backward, at
-        # 124M's activation shape, Triton mask vs torch's dropout (Inductor's in-kernel draw) vs none
+        # 124M's activation shape, with dropout (packed keep bits) and without
         from triton.testing import do_bench
         x = torch.randn(12, 1024, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         res, bias = torch.randn_like(x), torch.randn(768, device="cuda", dtype=torch.bfloat16)
         w, lb = torch.ones(768, device="cuda", dtype=torch.bfloat16), torch.zeros(768, device="cuda", dtype=torch.bfloat16)
         times = {}
-        for impl, p in (("triton", 0.1), ("triton_bits", 0.1), ("native", 0.1), ("native", 0.0)):
-            f = torch.compile(lambda a, impl=impl, p=p: fused.bias_dropout_add_layer_norm(
-                a, bias, res, p, True, w, lb, 1e-5, dropout_impl=impl))
+        for p in (0.1, 0.0):
+            f = torch.compile(lambda a, p=p: fused.bias_dropout_add_layer_norm(a, bias, res, p, True, w, lb, 1e-5))
 
             def step(f=f):
                 o, h = f(x)
                 (o.float().sum() + h.float().sum()).backward()
-            times[f"{impl} p={p}"] = do_bench(step, warmup=10, rep=100)
+            times[f"p={p}"] = do_bench(step, warmup=10, rep=100)
         seed = triton_dropout.draw_seed(torch.device("cuda"))
         times["keep_mask alone"] = do_bench(lambda: triton_dropout.keep_mask(seed, [12, 1024, 768], 0.1))
         times["keep_bits alone"] = do_bench(lambda: triton_dropout.keep_bits(seed, [12, 1024, 768], 0.1))
@@ -182,9 +203,9 @@ def dropout_and_accumulation_checks(rows):
     d = torch.randint(0, 1024, (4, 257), device="cuda", generator=g)
     mbs = [(d[:2, :-1], d[:2, 1:]), (d[2:, :-1], d[2:, 1:])]
 
-    def curve(dropout_impl="triton", accumulate="bucketed", drop=True):
+    def curve(fused_model=True, accumulate="bucketed", drop=True):
         torch.manual_seed(0)
-        c = dataclasses.replace(cfg, dropout_impl=dropout_impl)
+        c = dataclasses.replace(cfg, fused=fused_model)
         if not drop:
             c = dataclasses.replace(c, hidden_dropout=0.0, attention_dropout=0.0)
         m = GPT(c).cuda()
@@ -195,18 +216,12 @@ def dropout_and_accumulation_checks(rows):
         return out, buf.param_data.clone()
     a, _ = curve()
     b, _ = curve()
-    nat, _ = curve("native")
-    dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, nat))
+    plain, _ = curve(fused_model=False)  # ops.py's dropout: torch's, other masks
+    dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, plain))
     ok = a == b and dl < 2e-2
-    rows.append(dict(check="compiled+CUDA graphs, dropout 0.1: triton mask reproducible; vs native dropout",
-                     max_rel_err=dl, ok=ok, curves={"triton": a, "triton_again": b, "native": nat}))
-    print(f"dropout triton reproducible={a == b}, loss rel vs native {dl:.2e} {'ok' if ok else 'FAIL'}", flush=True)
-    bits, _ = curve("triton_bits")  # the same masks, saved packed: the same curve up to kernel rounding
-    db = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(bits, a))
-    ok = db < 1e-5
-    rows.append(dict(check="compiled+CUDA graphs, dropout 0.1: triton_bits (packed masks) vs triton",
-                     max_rel_err=db, ok=ok, curves={"triton_bits": bits}))
-    print(f"dropout triton_bits vs triton: loss rel {db:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+    rows.append(dict(check="compiled+CUDA graphs, dropout 0.1: fused model reproducible; vs the plain model",
+                     max_rel_err=dl, ok=ok, curves={"fused": a, "fused_again": b, "plain": plain}))
+    print(f"dropout reproducible={a == b}, loss rel vs the plain model {dl:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     f, pf = curve(drop=False)
     q, pq = curve(accumulate="per_param", drop=False)
     diff = rel(pf.float(), pq.float())
@@ -218,11 +233,14 @@ def dropout_and_accumulation_checks(rows):
 
 
 def ce_checks(rows):
-    """The grad-in-forward cross-entropy (triton_ce.ce_forward_grad_ + fused_ce._LinearCEGradInForward):
-    the kernel against its twin at GPT-2's vocabulary, the LM-head loss and gradients against the
-    plain fp64 path, and fwd+bwd time of the LM head + loss at 124M's shape (12 x 1024 tokens, h 768,
-    bf16, compiled as in the model) for 'fused' vs 'grad_in_forward'."""
+    """The LM head's loss (hpcmeg/model/fused_ce.py): the grad-in-forward kernel
+    (triton_ce.ce_forward_grad_) against its twin at GPT-2's vocabulary; 'grad_in_forward' and
+    'backward_in_forward' (its backward GEMMs run in the forward on the loss weights the caller will
+    backpropagate) against the plain fp64 loss and gradients; and forward + backward time and peak
+    memory of LM head + loss at 124M's shape (12 x 1024 tokens, h 768, bf16, compiled as in the
+    model) for both."""
     from triton.testing import do_bench
+
     from hpcmeg.model import triton_ce
     lg = (torch.randn(4096, 50304, device="cuda") * 3).to(torch.bfloat16)
     lb = torch.randint(0, 50304, (4096,), device="cuda")
@@ -238,12 +256,29 @@ def ce_checks(rows):
     compare("linear_cross_entropy[grad_in_forward]",
             lambda x, w: fused.linear_cross_entropy(x, w, labels, impl="grad_in_forward"),
             lambda x, w: ops.linear_cross_entropy(x, w, labels), [hid, W], rows)
+    # 'backward_in_forward': the caller promises to backpropagate exactly loss_weights
+    lw = torch.rand(labels.shape, device="cuda")
+    res = {}
+    for tag, dt in (("fast", torch.bfloat16), ("ref", torch.float64)):
+        x, w = (t.to(dt).requires_grad_(True) for t in (hid, W))
+        loss = (fused.linear_cross_entropy(x, w, labels, impl="backward_in_forward", loss_weights=lw)
+                if tag == "fast" else ops.linear_cross_entropy(x, w, labels))
+        (loss.double() * lw.double()).sum().backward()
+        res[tag] = (loss.detach(), x.grad, w.grad)
+    errs = [rel(f, r) for f, r in zip(res["fast"], res["ref"])]
+    ok = all(e < TOL for e in errs)
+    rows.append(dict(check="linear_cross_entropy[backward_in_forward] with loss weights vs fp64 (loss, grads)",
+                     max_rel_err=max(errs), ok=ok))
+    print(f"{'linear_cross_entropy[backward_in_forward]':40s} max rel err {max(errs):.2e} {'ok' if ok else 'FAIL'}",
+          flush=True)
     h = torch.randn(12, 1024, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(50304, 768, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_(True)
     y = torch.randint(0, 50304, (12, 1024), device="cuda")
+    ones = torch.ones(y.shape, device="cuda")  # d sum / d loss: the weights a .sum() backpropagates
     times = {}
-    for impl in ("fused", "grad_in_forward"):
-        f = torch.compile(lambda a, c, impl=impl: fused.linear_cross_entropy(a, c, y, impl=impl).sum())
+    for impl in ("grad_in_forward", "backward_in_forward"):
+        f = torch.compile(lambda a, c, impl=impl: fused.linear_cross_entropy(a, c, y, impl=impl,
+                                                                           loss_weights=ones).sum())
 
         def step(f=f):
             f(h, w).backward()
@@ -323,193 +358,53 @@ def _graphed_curve(mbs, **cfg_kw):
     return out, params, skips
 
 
-def kernel_impl_checks(rows):
-    """hpcmeg's own Triton kernels (LayerNorm backward, GELU, attention) against the Inductor / cuDNN
-    paths through the compiled, CUDA-graphed step of the user's path (bf16 parameters, fp32 main grads
-    with gradient-accumulation fusion, hidden dropout 0.1), 4 steps x 2 micro batches at a 124M-like
-    width. Attention dropout 0 for the bitwise-comparable masks (the hidden-dropout seeds are drawn in
-    the same order on both sides); then attention dropout 0.1 (the Triton and cuDNN masks differ:
-    looser tolerance). Also: no CUDA-graph skips."""
+def attention_checks(rows):
+    """The Triton attention (attention_backend 'triton', the one the trainer picks on Hopper) against
+    cuDNN's SDPA through the compiled, CUDA-graphed step of the user's path (bf16 parameters, fp32
+    main grads with gradient-accumulation fusion, hidden dropout 0.1), 4 steps x 2 micro batches at a
+    124M-like width. Attention dropout 0 first (the hidden-dropout seeds are drawn in the same order on
+    both sides, so the masks match); then attention dropout 0.1 (the two attentions draw different
+    masks: only the loss is comparable, with a looser tolerance). No CUDA-graph skips either way."""
     g = torch.Generator(device="cuda").manual_seed(5)
     d = torch.randint(0, 1024, (8, 1025), device="cuda", generator=g)
     mbs = [(d[:4, :-1], d[:4, 1:]), (d[4:, :-1], d[4:, 1:])]
-
-    def curve(**kw):
-        return _graphed_curve(mbs, hidden_dropout=0.1, **kw)
-
-    old = dict(layernorm_impl="inductor", gelu_impl="inductor", attention_backend="cudnn")
-    new = dict(layernorm_impl="triton", gelu_impl="triton", attention_backend="triton")
     for ad, tol in ((0.0, 1e-2), (0.1, 3e-2)):
-        a, pa, skips = curve(attention_dropout=ad, **new)
-        b, pb, _ = curve(attention_dropout=ad, **old)
+        a, pa, skips = _graphed_curve(mbs, hidden_dropout=0.1, attention_dropout=ad, attention_backend="triton")
+        b, pb, _ = _graphed_curve(mbs, hidden_dropout=0.1, attention_dropout=ad, attention_backend="cudnn")
         dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, b))
         dgn = max(abs(x[1] - y[1]) / abs(y[1]) for x, y in zip(a, b))
         dp = rel(pa, pb)
-        # with attention dropout the two attentions draw different masks: only the loss is comparable
         ok = dl < tol and skips == 0 and (ad > 0 or (dgn < 5 * tol and dp < tol))
-        rows.append(dict(check=f"Triton LN/GELU/attention vs Inductor/cuDNN, compiled+CUDA graphs, attention dropout {ad}",
+        rows.append(dict(check=f"Triton attention vs cuDNN SDPA, compiled+CUDA graphs, attention dropout {ad}",
                          loss_rel=dl, grad_norm_rel=dgn, params_rel=dp, cudagraph_skips=skips,
-                         curves={"triton": a, "inductor": b}, ok=ok))
-        print(f"kernels vs inductor (attention dropout {ad}): loss rel {dl:.2e} grad-norm rel {dgn:.2e} "
+                         curves={"triton": a, "cudnn": b}, ok=ok))
+        print(f"attention triton vs cudnn (attention dropout {ad}): loss rel {dl:.2e} grad-norm rel {dgn:.2e} "
               f"params rel {dp:.2e} cudagraph skips {skips} {'ok' if ok else 'FAIL'}", flush=True)
 
 
-def _graph_ms(fn, reps: int = 10, iters: int = 20) -> float:
-    """ms per fn() call: a CUDA graph of `reps` calls, replayed `iters` times between events."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()  # warm-up outside the capture (heuristics, Triton compiles)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(iters):
-        graph.replay()
-    t1.record()
-    t1.synchronize()
-    return t0.elapsed_time(t1) / (iters * reps)
+PARTS = {"ops": op_checks, "model": model_checks, "dropout": dropout_and_accumulation_checks,
+         "wgrad": wgrad_fusion_checks, "ce": ce_checks, "attention": attention_checks}
 
 
-def lt_checks(rows, out_dir: str):
-    """gelu_impl 'cublaslt' (hpcmeg/model/cublaslt.py): whether the library loads and cuBLASLt offers
-    its GELU epilogues on this GPU, both GEMMs against the fp64 twins at the MLP shapes of the three
-    sizes, each timed against the GEMM + Triton GELU pass it replaces (CUDA-graph replays). Writes
-    <out>/lt_ok when all of it agreed (bench/lease.sh then times gelu_impl cublaslt in the user path).
-    ~20 s; the training step with it is lt_step_checks."""
-    import warnings
-
-    from hpcmeg.model import cublaslt
-    lib = cublaslt.lt()
-    rows.append(dict(check="cuBLASLt library", path=cublaslt.library_path(), ok=lib is not None))
-    print("cuBLASLt library:", cublaslt.library_path(), flush=True)
-    if lib is None:
-        return
-    g = torch.Generator(device="cuda").manual_seed(7)
-    all_ok = True
-    for size, (m_tok, k, n) in {"124M": (12288, 768, 3072), "355M": (12288, 1024, 4096),
-                                "1.3B": (8192, 2048, 8192)}.items():
-        x = torch.randn(m_tok, k, device="cuda", generator=g).bfloat16()
-        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
-        b = (0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
-        dy = torch.randn(m_tok, k, device="cuda", generator=g).bfloat16()
-        w2 = (torch.randn(k, n, device="cuda", generator=g) / n ** 0.5).bfloat16()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            gl, hl = torch.ops.hpcmeg.linear_gelu_aux(x, w, b)
-            dh, db = torch.ops.hpcmeg.linear_dgelu_bgrad(dy, w2, hl)
-        used = not any("no algorithm" in str(c.message) for c in caught)
-        gr, hr = cublaslt.reference_gelu_aux(x.double(), w.double(), b.double())
-        dhr, dbr = cublaslt.reference_dgelu_bgrad(dy.double(), w2.double(), hl.double())
-        errs = dict(g=rel(gl, gr), h=rel(hl, hr), dh=rel(dh, dhr), db=rel(db, dbr))
-        times = dict(
-            fwd_lt=_graph_ms(lambda: torch.ops.hpcmeg.linear_gelu_aux(x, w, b)),
-            fwd_triton=_graph_ms(lambda: torch.ops.hpcmeg.gelu_tanh(torch.nn.functional.linear(x, w, b))),
-            bwd_lt=_graph_ms(lambda: torch.ops.hpcmeg.linear_dgelu_bgrad(dy, w2, hl)),
-            bwd_triton=_graph_ms(lambda: torch.ops.hpcmeg.gelu_tanh_backward(dy @ w2, hl)))
-        ok = used and all(e < TOL for e in errs.values())
-        all_ok &= ok
-        rows.append(dict(check=f"cuBLASLt GELU epilogues {size} [{m_tok}, {k}] x [{k}, {n}]", epilogues_used=used,
-                         rel_err=errs, ms=times, ok=ok))
-        print(f"cuBLASLt {size}: used {used} errs {errs} ms {times} {'ok' if ok else 'FAIL'}", flush=True)
-    if all_ok:
-        with open(os.path.join(out_dir, "lt_ok"), "w") as f:
-            f.write("cuBLASLt GELU epilogues agree with the twins\n")
-
-
-def lt_step_checks(rows):
-    """The compiled, CUDA-graphed step with gelu_impl 'cublaslt' and 'cublaslt_dgelu' against 'triton' (bf16 parameters,
-    main-grad sinks, 4 steps x 2 micro batches at a 124M-like width): the loss curves and parameters
-    agree within bf16 noise, and Inductor skips no CUDA graph for the ctypes calls."""
-    g = torch.Generator(device="cuda").manual_seed(7)
-    d = torch.randint(0, 1024, (8, 1025), device="cuda", generator=g)
-    mbs = [(d[:4, :-1], d[:4, 1:]), (d[4:, :-1], d[4:, 1:])]
-    b_, pb, _ = _graphed_curve(mbs, hidden_dropout=0.0, attention_dropout=0.0, gelu_impl="triton")
-    # 'cublaslt' (the default) and 'cublaslt_dgelu' (its backward's GELU and fc1's bias gradient in
-    # the GEMMs' epilogues too) against the Triton GELU
-    for impl in ("cublaslt", "cublaslt_dgelu"):
-        a, pa, skips = _graphed_curve(mbs, hidden_dropout=0.0, attention_dropout=0.0, gelu_impl=impl)
-        dl = max(abs(x[0] - y[0]) / abs(y[0]) for x, y in zip(a, b_))
-        dp = rel(pa, pb)
-        ok = dl < 1e-2 and dp < 1e-2 and skips == 0
-        rows.append(dict(check=f"gelu_impl {impl} vs triton, compiled+CUDA graphs, 4 steps x 2 micro", loss_rel=dl,
-                         params_rel=dp, cudagraph_skips=skips, curves={impl: a, "triton": b_}, ok=ok))
-        print(f"{impl} vs triton step: loss rel {dl:.2e} params rel {dp:.2e} skips {skips} {'ok' if ok else 'FAIL'}",
-              flush=True)
-
-
-def bda_ln_checks(rows):
-    """layernorm_impl 'triton_forward' (hpcmeg/model/triton_bda_layernorm.py): the bias-dropout-add +
-    LayerNorm forward kernel against its twin in fp64 at the three sizes' shapes (bf16, packed keep
-    bits, p = 0.1), reading the bits and drawing them itself (then its bits against the keep-bits
-    kernel's, bit for bit), each timed against Inductor's compiled plain ops, what it replaces, and
-    the keep-bits kernel that the drawing one makes unnecessary (CUDA-graph replays). ~30 s."""
-    from hpcmeg.model import triton_bda_layernorm as bda
-    from hpcmeg.model import triton_dropout
-
-    def plain(x, bias, res, keep, scale, w, b):
-        branch = (x + bias.to(x.dtype)) * triton_dropout.unpack_bits(keep, list(x.shape)) * scale
-        out = res + branch
-        return out, torch.nn.functional.layer_norm(out, (out.shape[-1],), w, b, 1e-5)
-
-    compiled = torch.compile(plain)
-    g = torch.Generator(device="cuda").manual_seed(7)
-    for size, (n, h) in {"124M": (12288, 768), "355M": (12288, 1024), "1.3B": (8192, 2048)}.items():
-        x, res = (torch.randn(n, h, device="cuda", generator=g).bfloat16() for _ in range(2))
-        bias, w, b = (torch.randn(h, device="cuda", generator=g).bfloat16() for _ in range(3))
-        keep = torch.ops.hpcmeg.dropout_keep_bits(triton_dropout.draw_seed(x.device), [n, h], 0.1)
-        scale = triton_dropout.keep_scale(0.1)
-        out, y = torch.ops.hpcmeg.bda_layer_norm(x, bias, res, keep, scale, w, b, 1e-5)
-        ro, ry = bda.reference_forward(x.double(), bias.double(), res.double(), keep, scale, w.double(),
-                                       b.double(), 1e-5)
-        errs = dict(out=rel(out, ro), y=rel(y, ry))
-        # the kernel drawing the mask itself (what the model runs with triton_bits): the same bits
-        # as the keep-bits kernel's from the same seed, and its outputs against fp64 with them
-        seed = triton_dropout.draw_seed(x.device)
-        d_out, d_y, d_bits = torch.ops.hpcmeg.bda_layer_norm_drawn(x, bias, res, seed, 0.1, w, b, 1e-5)
-        same_bits = bool(torch.equal(d_bits, torch.ops.hpcmeg.dropout_keep_bits(seed, [n, h], 0.1)))
-        ro, ry = bda.reference_forward(x.double(), bias.double(), res.double(), d_bits, scale, w.double(),
-                                       b.double(), 1e-5)
-        errs.update(drawn_out=rel(d_out, ro), drawn_y=rel(d_y, ry))
-        times = dict(kernel=_graph_ms(lambda: torch.ops.hpcmeg.bda_layer_norm(x, bias, res, keep, scale, w, b, 1e-5)),
-                     inductor=_graph_ms(lambda: compiled(x, bias, res, keep, scale, w, b)),
-                     keep_bits=_graph_ms(lambda: torch.ops.hpcmeg.dropout_keep_bits(seed, [n, h], 0.1)),
-                     drawn=_graph_ms(lambda: torch.ops.hpcmeg.bda_layer_norm_drawn(x, bias, res, seed, 0.1, w, b, 1e-5)))
-        # per call, as the model runs it: before (bits kernel + Inductor) and with triton_forward (drawn)
-        times["shipped_path"] = round(times["keep_bits"] + times["inductor"], 4)
-        ok = all(e < TOL for e in errs.values()) and same_bits
-        rows.append(dict(check=f"bias-dropout-add + LayerNorm forward kernel {size} [{n}, {h}]", rel_err=errs,
-                         drawn_bits_equal=same_bits, ms=times, ok=ok))
-        print(f"bda_layer_norm {size}: errs {errs} ms {times} {'ok' if ok else 'FAIL'}", flush=True)
-
-
-def main():
-    ap = argparse.ArgumentParser(description="fused-vs-plain agreement on the GPU")
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="the fused path on the GPU against its plain twins")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    ap.add_argument("--parts", default="ops,model,dropout,wgrad,ce,kernels,lt,ltstep",
-                    help="comma list of ops, model, dropout, wgrad, ce, kernels, lt, ltstep, bdaln, "
-                         "run in that order")
-    a = ap.parse_args()
-    table = {"ops": op_checks, "model": model_checks, "dropout": dropout_and_accumulation_checks,
-             "wgrad": wgrad_fusion_checks, "ce": ce_checks, "kernels": kernel_impl_checks,
-             "lt": lambda rows: lt_checks(rows, a.out), "ltstep": lt_step_checks, "bdaln": bda_ln_checks}
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma list of {', '.join(PARTS)}, run in the order given")
+    a = ap.parse_args(argv)
     parts = a.parts.split(",")  # run in the order given: a lease's timeout cuts the last ones
-    unknown = [p for p in parts if p not in table]
+    unknown = [p for p in parts if p not in PARTS]
     if unknown:
-        raise SystemExit(f"gpu_agreement: unknown --parts {unknown}: want a comma list of {list(table)}")
+        raise SystemExit(f"gpu_agreement: unknown --parts {unknown}: want a comma list of {list(PARTS)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_agreement: no CUDA GPU here; run it on the GPU machine (bash bench/lease.sh checks)")
     rows = []
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), flash_attn=fused.HAVE_FLASH_ATTN)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "gpu_agreement.json")
     for part in parts:
-        fn = table[part]
         try:  # a crash in one part still leaves the others' rows
-            fn(rows)
+            PARTS[part](rows)
         except Exception as ex:
             rows.append(dict(check=part, error=repr(ex)[:400], ok=False))
             print(f"{part} failed:", repr(ex)[:400], flush=True)
@@ -518,6 +413,8 @@ def main():
         os.replace(path + ".tmp", path)
     bad = [r["check"] for r in rows if r.get("ok") is False]
     print("ALL OK" if not bad else f"FAILED: {bad}", flush=True)
+    return 1 if bad else 0
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
