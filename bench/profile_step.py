@@ -1,6 +1,6 @@
 """Where one training step's GPU time goes: torch.profiler over the trainer's real loop, summarized.
 
-Owns the kernel breakdown behind bench/results/train_throughput_notes.md. For each target it runs
+Owns bench/results/profile_<tag>.{json,md}, the kernel breakdown of a step. For each target it runs
 a few warm-up iterations, records `--active` iterations with torch.profiler (CUDA activity only),
 exports the Chrome trace to a temporary file and reduces it to
   * wall ms per step (first to last recorded kernel / steps) and GPU-busy ms per step (the union
@@ -40,7 +40,7 @@ import train_throughput as tt  # noqa: E402
 CATEGORIES = [
     ("attention", r"flash|fmha|cudnn|sdpa|attention|attn"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|wgmma"),
-    ("hpcmeg_triton", r"^_(gelu|ln|ce|sum_partials|sum_rows|keep_mask)"),  # our kernels (hpcmeg/model/triton_*.py)
+    ("hpcmeg_triton", r"^_(gelu|ln|ce|sum_partials|sum_rows|keep_mask|keep_bits)"),  # hpcmeg/model/triton_*.py
     ("triton_persistent_red", r"^triton_per"),
     ("triton_reduction", r"^triton_red"),
     ("triton_pointwise", r"^triton_poi"),

@@ -1,6 +1,6 @@
 """GPT-2 training throughput on one GPU: hpcmeg's step against the anchors, in one process.
 
-Owns the benchmark table of issue 4 point 5, and the helpers the other train benches share
+Owns the bench path's throughput table, and the helpers the other train benches share
 (gpt2_files, stdlib_dataset, bench_recipe, run_trainer, write_results). For each size (124M = 12/768/12,
 355M = 24/1024/16; seq 1024, micro batch 12, bf16, vocab 50257 padded to 50304 for hpcmeg) it runs
   * hpcmeg through the trainer's real code path (variant `trainer`):
@@ -49,7 +49,8 @@ SIZES = {"124M": (12, 768, 12), "355M": (24, 1024, 16), "1.3B": (24, 2048, 16)}
 SEQ, VOCAB = 1024, 50257
 CG = {"triton.cudagraphs": True}
 CD = {"coordinate_descent_tuning": True}
-# name -> TrainStep/GPTConfig knobs (defaults: compile on, no CUDA graphs, bf16 residual, cuDNN attn)
+# name -> TrainStep/GPTConfig knobs (defaults: compile on, no CUDA graphs, bf16 residual, attention
+# backend 'auto', the LM-head loss 'grad_in_forward')
 VARIANTS = {
     "eager": dict(compile=False),
     "compile": dict(),
@@ -59,16 +60,11 @@ VARIANTS = {
     "compile_cg_fp32res": dict(options=CG, fp32_res=True),
     "compile_fp32res": dict(fp32_res=True),
     "compile_flash": dict(attn="flash"),
-    "compile_cg_chunkce": dict(options=CG, ce="chunked"),
     "compile_cg_master": dict(options=CG, master=True),  # bf16 params + fp32 masters (the trainer's default)
     "compile_cg_master_fp32grad": dict(options=CG, master=True, fp32_grad=True),  # main grads fp32 at accum 1
     "compile_cg_master_flash": dict(options=CG, master=True, attn="flash"),
     "compile_cg_master_cudnn": dict(options=CG, master=True, attn="cudnn"),
     "compile_cg_master_combo": dict(options={**CG, "combo_kernels": True}, master=True),
-    # ablations of two session-3 changes: the previous CE formulation / the bias outside the h->4h matmul
-    "compile_cg_master_oldce": dict(options=CG, master=True, ce="compiled"),
-    "compile_cg_master_inductorce": dict(options=CG, master=True, ce="fused_inductor"),  # no Triton CE forward
-    "compile_cg_master_oldmlp": dict(options=CG, master=True, mlp="bias_outside"),
 }
 
 
@@ -197,19 +193,6 @@ def _trainer_variant(size: str, variant: str, mb: int, steps: int, warmup: int, 
     return out
 
 
-def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
-    v = VARIANTS[variant]
-    if v.get("mlp") != "bias_outside":
-        return _step_variant_run(size, variant, mb, steps, warmup)
-    from hpcmeg.model import fused
-    keep = fused.linear_bias_gelu  # the pre-session-3 MLP: matmul, then Inductor's bias+GELU
-    fused.linear_bias_gelu = lambda x, w, b: fused.bias_gelu(torch.nn.functional.linear(x, w), b)
-    try:
-        return _step_variant_run(size, variant, mb, steps, warmup)
-    finally:
-        fused.linear_bias_gelu = keep
-
-
 def _build_step(model, v: dict):
     """(TrainStep, optimizer name) over the ParamAndGradBuffer."""
     master = v.get("master", False)
@@ -221,12 +204,12 @@ def _build_step(model, v: dict):
     return step, f"{opt.name} grads {str(gdt).split('.')[-1]}"
 
 
-def _step_variant_run(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
+def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int) -> dict:
     L, D, H = SIZES[size]
     v = VARIANTS[variant]
     cfg = GPTConfig(L, D, H, 4 * D, SEQ, pad_vocab_size(VOCAB), hidden_dropout=0.0,
                     attention_dropout=0.0, fused=True, attention_backend=v.get("attn", "auto"),
-                    fused_ce=v.get("ce", "fused"), fp32_residual_connection=v.get("fp32_res", False))
+                    fused_ce=v.get("ce", "grad_in_forward"), fp32_residual_connection=v.get("fp32_res", False))
     torch.manual_seed(0)
     model = GPT(cfg).cuda()
     step, impl = _build_step(model, v)
@@ -313,6 +296,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.retable:
         return retable(a.retable, a.warmup)
+    unknown = [v for v in a.variants.split(",") if v.startswith("step:") and v[5:] not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"train_throughput: unknown --variants {unknown}; step: takes one of {sorted(VARIANTS)}")
     t_start = time.time()
     data = None
     if any(v.startswith("trainer") for v in a.variants.split(",")):
