@@ -1,13 +1,18 @@
 """Throughput on the user's own path: `hpcmeg train` of the shipped recipe vs nanoGPT, same dropout, same batch.
 
-Owns issue 19's benchmark. bench/train_throughput.py measures the bench path (one micro batch per
-step, dropout 0, the trainer built in-process); a user runs `hpcmeg train recipes/codeparrot_small.yaml`
-(dropout 0.1, global batch 192 = micro 12 x accumulation 16 on one GPU). Here, per size:
+Owns the user-path throughput table (user_path_<tag>.{json,md}). bench/train_throughput.py measures
+the bench path (one micro batch per step, dropout 0, the trainer built in-process); a user runs
+`hpcmeg train recipes/codeparrot_small.yaml` (dropout 0.1, global batch 192 = micro 12 x
+accumulation 16 on one GPU). Here, per size:
   * `hpcmeg[:k=v,...]`: a subprocess `hpcmeg train recipes/codeparrot_small.yaml --set ...` (the
     CLI, recipe loading, data loader over a real tokenized .bin/.idx, the trainer, its logger) with
     only the model size, dropout, batch and run length overridden; tokens/s from its own
     metrics.jsonl (the numbers its console lines print), over every log window after the first
     (compilation and CUDA-graph capture stay in the first); peak memory from the same records.
+    `tree=DIR` runs that command from another checkout instead (cwd and PYTHONPATH = DIR, DIR's own
+    recipes/codeparrot_small.yaml; DIR/COMMIT, if present, names its commit in the row): an earlier
+    tree made with `git archive REF | tar -x -C DIR`, timed in the same call as this one. The
+    table then gives this tree's row over that one's.
   * `nano[:k=v,...]`: bench/nano_anchor.py, the compiled nanoGPT-style model and train loop with
     nanoGPT's dropout and gradient accumulation, on batches from the same .bin; same micro batch,
     same global batch and same dropout as the hpcmeg row before it unless told otherwise;
@@ -26,9 +31,10 @@ graphs; replays bypass the allocator, so a reset after warm-up would miss them o
   * `attn`: SDPA forward + backward at this size's attention shape per backend, dropout 0 and 0.1.
 Keys: d (hidden and attention dropout), hd, ad, mb, gbs, iters, only (the sizes the item runs at,
 joined by '|'; default every size in --sizes, so one call can run each size's own rows); hpcmeg
-also `set=SECTION.KEY=V` (repeatable, joined by '|') and `env=NAME:VALUE` (its environment;
-repeatable, joined by '|'). Sizes (seq 1024, bf16): 124M 12/768/12 and 355M 24/1024/16 at micro 12,
-global 192; 1.3B 24/2048/16 at micro 8, global 64.
+also `set=SECTION.KEY=V` (repeatable, joined by '|'), `env=NAME:VALUE` (its environment;
+repeatable, joined by '|') and `tree=DIR` (relative to the repository root, or absolute).
+Sizes (seq 1024, bf16): 124M 12/768/12 and 355M 24/1024/16 at micro 12, global 192; 1.3B
+24/2048/16 at micro 8, global 64.
 FLOPs per token 6N + 12*L*d*T (N: all parameters, the tied embedding once; hpcmeg's N has the
 vocabulary padded to 50304 as Megatron pads it), MFU against the bf16 matmul peak measured here.
 Usage: python bench/user_path.py --sizes 124M --items "hpcmeg nano hpcmeg:d=0 nano:d=0 ref attn" --tok DIR
@@ -54,7 +60,7 @@ import train_throughput as tt  # noqa: E402
 
 from hpcmeg.model.flops import flops_per_token, measure_bf16_peak  # noqa: E402
 
-RECIPE = os.path.join(ROOT, "recipes", "codeparrot_small.yaml")
+RECIPE = os.path.join("recipes", "codeparrot_small.yaml")  # in this tree, or in a tree= checkout
 SIZES = {"124M": dict(ldh=(12, 768, 12), mb=12, gbs=192, iters=20),
          "355M": dict(ldh=(24, 1024, 16), mb=12, gbs=192, iters=12),
          "1.3B": dict(ldh=(24, 2048, 16), mb=8, gbs=64, iters=12),
@@ -66,7 +72,7 @@ def parse_item(item: str, size: str) -> tuple[str, dict]:
     kind, _, rest = item.partition(":")
     s = SIZES[size]
     o = dict(hd=RECIPE_DROPOUT, ad=RECIPE_DROPOUT, mb=s["mb"], gbs=s["gbs"], iters=s["iters"], set=[], env={},
-             only=[])
+             only=[], tree="")
     for kv in filter(None, rest.split(",")):
         k, _, v = kv.partition("=")
         if k == "d":
@@ -79,6 +85,8 @@ def parse_item(item: str, size: str) -> tuple[str, dict]:
             o["set"] = v.split("|")
         elif k == "env":  # env=NAME:VALUE|NAME:VALUE for the hpcmeg subprocess
             o["env"] = dict(e.split(":", 1) for e in v.split("|"))
+        elif k == "tree" and kind == "hpcmeg":  # another checkout's `hpcmeg train` (tree_root checks it)
+            o["tree"] = v
         elif k == "only":
             o["only"] = v.split("|")
             unknown = [x for x in o["only"] if x not in SIZES]
@@ -93,12 +101,36 @@ def label(kind: str, o: dict) -> str:
     d = f"d{o['hd']:g}" if o["hd"] == o["ad"] else f"hd{o['hd']:g}/ad{o['ad']:g}"
     extra = (" " + " ".join(o["set"])) if o["set"] else ""
     extra += "".join(f" {k}={v}" for k, v in o.get("env", {}).items())
+    extra += f" tree={o['tree']}" if o.get("tree") else ""  # last: table() strips it to find this tree's row
     return f"{kind} {d} mb{o['mb']} gbs{o['gbs']}{extra}"
+
+
+def tree_root(tree: str) -> str:
+    """The checkout an hpcmeg row runs from: this repository, or `tree` (relative to it) when it holds
+    an hpcmeg package and the shipped recipe; anything else exits with one line."""
+    if not tree:
+        return ROOT
+    root = os.path.realpath(os.path.join(ROOT, tree))
+    for need in (os.path.join("hpcmeg", "cli.py"), RECIPE):
+        if not os.path.isfile(os.path.join(root, need)):
+            raise SystemExit(f"user_path: tree={tree}: {root} has no {need}; make the tree with "
+                             f"`mkdir -p {tree} && git archive REF | tar -x -C {tree}`")
+    return root
+
+
+def tree_commit(root: str) -> str | None:
+    """The commit an archived tree came from, when its maker wrote it to DIR/COMMIT."""
+    path = os.path.join(root, "COMMIT")
+    if root == ROOT or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
 
 
 def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 4) -> dict:
     """`hpcmeg train` of the shipped recipe in a subprocess; tokens/s from its metrics.jsonl."""
     L, D, H = SIZES[size]["ldh"]
+    root = tree_root(o.get("tree", ""))
     name = f"up_{size}_{int(time.time() * 1000)}"
     sets = [f"run.output_root={data['out']}", f"run.name={name}", f"data.data_path=[{data['prefix']}]",
             "data.inputs=[]", f"data.vocab_file={data['vocab']}", f"data.merge_file={data['merge']}",
@@ -108,15 +140,22 @@ def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 
             f"train.train_iters={o['iters']}", f"train.lr_decay_iters={o['iters']}", "train.lr_warmup_iters=2",
             f"train.log_interval={log_interval}", "train.eval_interval=0", "checkpoint.save_interval=0",
             "cluster.nodes=1", "cluster.gpus_per_node=1", *o["set"]]
-    cmd = [sys.executable, "-c", "import sys; from hpcmeg.cli import main; sys.exit(main())", "train", RECIPE]
+    # the hpcmeg package must be root's: an installed copy (e.g. an editable install of this tree)
+    # could otherwise shadow an older tree's
+    want = os.path.realpath(root)
+    code = ("import os, sys, hpcmeg\n"
+            "got = os.path.dirname(os.path.dirname(os.path.realpath(hpcmeg.__file__)))\n"
+            f"if got != {want!r}: sys.exit('user_path: hpcmeg imported from ' + got + ', not from {want}')\n"
+            "from hpcmeg.cli import main; sys.exit(main())")
+    cmd = [sys.executable, "-c", code, "train", os.path.join(root, RECIPE)]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HPCMEG_PEAK_TFLOPS": f"{peak / 1e12:.1f}", "PYTHONUNBUFFERED": "1", **o.get("env", {})}
     t0 = t0_epoch = time.time()
     log = os.path.join(data["out"], name + ".log")
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900).returncode
+        rc = subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900).returncode
     wall = time.time() - t0
     if rc != 0:
         with open(log) as f:
@@ -142,7 +181,7 @@ def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 
                 window_tokens_per_s=[round(r["tokens_per_s_per_gpu"]) for r in timed],
                 loss_last=round(recs[-1]["loss"], 3), wall_s=round(wall, 1),
                 first_window_s=round(recs[0]["step_time_s"] * recs[0]["iteration"], 1), setup_s=setup_s,
-                warmup_s=warmup_s)
+                warmup_s=warmup_s, **({"tree_commit": tree_commit(root)} if root != ROOT else {}))
 
 
 def hpcmeg_peak_gb(records: list[dict]) -> float:
@@ -202,7 +241,8 @@ def run_attn(size: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| row | tokens/s | MFU % | step ms | peak mem GB | x the nano row after it (else before) |",
+    lines = ["| row | tokens/s | MFU % | step ms | peak mem GB | x the nano row after it (else before); tree= rows: "
+             "this tree's same row over it |",
              "|---|---|---|---|---|---|"]
     for i, r in enumerate(rows):
         if "attn_ms" in r:
@@ -217,6 +257,11 @@ def table(rows: list[dict]) -> str:
             nxt = next((x for x in nanos if rows.index(x) > i), nanos[-1] if nanos else None)
             if nxt:
                 ratio = f"**{r['tokens_per_s'] / nxt['tokens_per_s']:.3f}** vs {nxt['row']}"
+            if " tree=" in r["row"]:  # an earlier tree's row: this tree's row with the same settings over it
+                same = r["row"].rsplit(" tree=", 1)[0]
+                mine = next((x for x in rows if x["row"] == same and "tokens_per_s" in x), None)
+                if mine:
+                    ratio += f"; this tree / that tree {mine['tokens_per_s'] / r['tokens_per_s']:.4f}"
         lines.append(f"| {r['row']} | {r['tokens_per_s']:,} | {r.get('mfu_pct', '')} | {r.get('step_ms', '')} | "
                      f"{r.get('peak_mem_GB', '')} | {ratio} |")
     return "\n".join(lines)
@@ -232,6 +277,14 @@ def main() -> None:
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip items that start after this many seconds")
     a = ap.parse_args()
+    for size in a.sizes.split(","):  # every item and tree checked before any GPU work
+        if size not in SIZES:
+            raise SystemExit(f"user_path: --sizes {size!r}: want some of {list(SIZES)}")
+        for item in a.items.split():
+            kind, o = parse_item(item, size)
+            if kind not in ("hpcmeg", "nano", "ref", "attn"):
+                raise SystemExit(f"user_path: unknown item {item!r}: want hpcmeg, nano, ref or attn")
+            tree_root(o["tree"])
     t_start = time.time()
     vocab, merge = tt.gpt2_files(a.tok)
     prefix = tt.stdlib_dataset(a.data, vocab, merge)
