@@ -35,3 +35,21 @@ def test_process_environment_reader_is_bottom_layer():
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
     names += ["(relative)" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
     assert [m for m in names if m == "hpcmeg" or m.startswith("hpcmeg.") or m == "(relative)"] == []
+
+
+def _hpcmeg_imports(path: str) -> list[str]:
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+    return [m for m in names if m == "hpcmeg" or m.startswith("hpcmeg.")]
+
+
+def test_recipe_files_are_bottom_layer():
+    """The recipe's schema, YAML reader, checks and derived plan sit in the bottom layer with megatron/
+    (the checker's table does not list these files by name): they import only each other and
+    megatron/."""
+    for name in ("recipe_schema", "recipe_yaml", "recipe_checks", "recipe_plan"):
+        path = os.path.join(REPO, "hpcmeg", f"{name}.py")
+        bad = [m for m in _hpcmeg_imports(path)
+               if not (m.startswith("hpcmeg.megatron.") or m.startswith("hpcmeg.recipe_"))]
+        assert bad == [], (name, bad)
