@@ -91,40 +91,40 @@ def duration(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def format_train_line(r: dict, train_iters: int, per: str = "gpu") -> str:
+def format_train_line(record: dict, train_iters: int, per: str = "gpu") -> str:
     """One Megatron-like metrics line (rank 0's stdout); ``per`` names the unit of the per-process
     numbers: 'gpu', or 'rank' for CPU processes. Elapsed/ETA appear when the record has them."""
     w = len(str(train_iters))
     parts = [
-        f"iteration {r['iteration']:>{w}}/{train_iters}",
-        f"consumed samples {r['consumed_samples']}",
-        f"loss {_fmt(r['loss'], '.4f')}" + (f" ({r['loss_note']})" if r.get("loss_note") else ""),
-        f"lr {_fmt(r['lr'], '.3e')}",
-        f"grad norm {_fmt(r['grad_norm'], '.3f')}",
+        f"iteration {record['iteration']:>{w}}/{train_iters}",
+        f"consumed samples {record['consumed_samples']}",
+        f"loss {_fmt(record['loss'], '.4f')}" + (f" ({record['loss_note']})" if record.get("loss_note") else ""),
+        f"lr {_fmt(record['lr'], '.3e')}",
+        f"grad norm {_fmt(record['grad_norm'], '.3f')}",
     ]
-    if r.get("loss_scale") is not None:
-        parts.append(f"loss scale {r['loss_scale']:.0f}")
-    if r.get("skipped"):
-        parts.append(f"skipped {r['skipped']}")
+    if record.get("loss_scale") is not None:
+        parts.append(f"loss scale {record['loss_scale']:.0f}")
+    if record.get("skipped"):
+        parts.append(f"skipped {record['skipped']}")
     parts += [
-        f"step {_fmt(None if r['step_time_s'] is None else 1e3 * r['step_time_s'], '.1f')} ms",
-        f"tokens/s/{per} {_fmt(r['tokens_per_s_per_gpu'], ',.0f')}",
-        f"TFLOP/s/{per} {_fmt(r['tflops_per_gpu'], '.2f')}",
-        f"MFU {_fmt(r['mfu'], 'pct')}",
-        f"peak mem {_fmt(r['peak_mem_gib'], '.2f')} GiB",
+        f"step {_fmt(None if record['step_time_s'] is None else 1e3 * record['step_time_s'], '.1f')} ms",
+        f"tokens/s/{per} {_fmt(record['tokens_per_s_per_gpu'], ',.0f')}",
+        f"TFLOP/s/{per} {_fmt(record['tflops_per_gpu'], '.2f')}",
+        f"MFU {_fmt(record['mfu'], 'pct')}",
+        f"peak mem {_fmt(record['peak_mem_gib'], '.2f')} GiB",
     ]
-    if r.get("pipeline_bubble") is not None:  # measured idle / step beside (pp - 1) / (vpp * M + pp - 1)
-        parts.append(f"bubble {_fmt(r['pipeline_bubble'], 'pct')} (ideal {_fmt(r['pipeline_bubble_ideal'], 'pct')})")
-    if "elapsed_s" in r:
-        parts.append(f"elapsed {duration(r['elapsed_s'])}")
-    if "eta_s" in r:
-        parts.append(f"ETA {duration(r['eta_s'])}")
+    if record.get("pipeline_bubble") is not None:  # measured idle / step beside (pp - 1) / (vpp * M + pp - 1)
+        parts.append(f"bubble {_fmt(record['pipeline_bubble'], 'pct')} (ideal {_fmt(record['pipeline_bubble_ideal'], 'pct')})")
+    if "elapsed_s" in record:
+        parts.append(f"elapsed {duration(record['elapsed_s'])}")
+    if "eta_s" in record:
+        parts.append(f"ETA {duration(record['eta_s'])}")
     return " | ".join(parts)
 
 
-def format_eval_line(r: dict) -> str:
-    return (f"validation at iteration {r['iteration']} | val loss {r['val_loss']:.4f} | "
-            f"val ppl {_fmt(r['val_ppl'], '.2f')} | {r['eval_time_s']:.1f} s")
+def format_eval_line(record: dict) -> str:
+    return (f"validation at iteration {record['iteration']} | val loss {record['val_loss']:.4f} | "
+            f"val ppl {_fmt(record['val_ppl'], '.2f')} | {record['eval_time_s']:.1f} s")
 
 
 class MetricsLogger:
@@ -177,28 +177,28 @@ class MetricsLogger:
             eta = None if step_time_s is None else left * step_time_s
         return {"elapsed_s": round(now - self.t_start, 3), "eta_s": None if eta is None else round(eta, 3)}
 
-    def train(self, r: dict) -> None:
+    def train(self, record: dict) -> None:
         if not self.enabled:
             return
-        r = {**r, **self.timing(r["iteration"], r.get("step_time_s"))}
-        self.write({"kind": "train", **r})
-        self.print(format_train_line(r, self.train_iters, self.per))
+        record = {**record, **self.timing(record["iteration"], record.get("step_time_s"))}
+        self.write({"kind": "train", **record})
+        self.print(format_train_line(record, self.train_iters, self.per))
         if self._tb is not None:
-            it = r["iteration"]
+            it = record["iteration"]
             for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
                              ("loss_scale", "train/loss_scale"), ("tokens_per_s_per_gpu", "perf/tokens_per_s_per_gpu"),
                              ("tflops_per_gpu", "perf/tflops_per_gpu"), ("mfu", "perf/mfu"),
                              ("peak_mem_gib", "perf/peak_mem_gib")):
-                if r.get(key) is not None:
-                    self._tb.add_scalar(tag, r[key], it)
+                if record.get(key) is not None:
+                    self._tb.add_scalar(tag, record[key], it)
 
-    def eval(self, r: dict) -> None:
+    def eval(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.write({"kind": "eval", **r})
-        self.print(format_eval_line(r))
+        self.write({"kind": "eval", **record})
+        self.print(format_eval_line(record))
         if self._tb is not None:
-            self._tb.add_scalar("eval/loss", r["val_loss"], r["iteration"])
+            self._tb.add_scalar("eval/loss", record["val_loss"], record["iteration"])
 
     def close(self) -> None:
         if self._tb is not None:
@@ -218,14 +218,14 @@ def read_metrics(path: str) -> dict[str, list[dict]]:
     with open(path, errors="replace") as f:  # a damaged byte spoils its line only
         for line in f:
             try:
-                r = json.loads(line)
+                record = json.loads(line)
             except ValueError:
                 continue
-            kind = r.get("kind") if isinstance(r, dict) else None  # foreign lines are skipped
-            if kind in ("train", "eval") and isinstance(r.get("iteration"), int):
-                by_kind[kind][r["iteration"]] = r
+            kind = record.get("kind") if isinstance(record, dict) else None  # foreign lines are skipped
+            if kind in ("train", "eval") and isinstance(record.get("iteration"), int):
+                by_kind[kind][record["iteration"]] = record
             elif kind in ("start", "event"):
-                by_kind[kind].append(r)
+                by_kind[kind].append(record)
     return {"train": [by_kind["train"][k] for k in sorted(by_kind["train"])],
             "eval": [by_kind["eval"][k] for k in sorted(by_kind["eval"])],
             "start": by_kind["start"], "event": by_kind["event"]}
