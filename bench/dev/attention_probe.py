@@ -10,19 +10,17 @@ gradient of qkv. SDPA: the model's call (fused.causal_attention: q, k, v strided
 copy; cuDNN allocates out in q's token-major layout, so dO, the dense layer's gradient viewed back,
 has out's strides as it does here) and torch.autograd.grad of qkv, which includes the
 concatenation of dq, dk, dv (the compiled backward's cat kernel); its backward alone is fwd+bwd -
-fwd. Triton: the kernels themselves.
-SDPA was timed before by CUDA events around an eager loop calling `.backward(do)` on a leaf qkv:
-cuDNN fwd+bwd read 0.651 / 0.623 / 0.660 ms at 124M / 355M / 1.3B, p = 0.1
-(attention_probe_h200_s12.json), flat where the work grows 1.8x, and at 124M against 0.445 ms of
-cuDNN kernels per layer call (+ 0.026 for the dq, dk, dv cat) in the training step's profile
-(profile_h200_s12_124M_gbs192.md). The loop was launch-bound (Python, dispatch and the autograd
-engine took longer per iteration than the GPU did), and each `.backward` added AccumulateGrad's
-read-modify-write of the leaf's gradient (bf16 [b, s, heads, 3 * head_dim], ~170 MB at 124M), which
-the model, whose qkv is the QKV GEMM's output, never runs.
-Configurations: --fwd and --bwd list tile overrides (Blocks field=value, '+'-joined; 'default').
+fwd. Triton: the kernels themselves. (Why CUDA graphs: an eager loop calling `.backward(do)` on
+a leaf qkv was launch-bound and added AccumulateGrad's read-modify-write of the leaf's gradient,
+which the model, whose qkv is the QKV GEMM's output, never runs: bench/results/history/
+attention_probe_h200_s12.json read cuDNN flat at ~0.65 ms from 124M to 1.3B that way.)
+Configurations: --fwd, --bwd and --bits list overrides of triton_attention.Launch (field=value,
+'+'-joined; 'default' is DEFAULT_LAUNCH). The fastest pair at each size is reported as "best spec":
+a Launch to try as DEFAULT_LAUNCH (the model runs that one launch; a change there is a source
+edit, checked by tests/test_triton_attention.py and this probe's agreement rows).
 Usage: python bench/dev/attention_probe.py --sizes 124M,1.3B [--fwd "default fwd_warps=8 ..."] [--bwd "..."]
-       [--p 0.1] [--no-sdpa] [--no-agreement]
-Writes <out>/attention_probe.json.
+       [--bits "bits_warps=8 ..."] [--p 0.1] [--no-sdpa] [--no-agreement] [--agree "default ..."]
+Writes <out>/attention_probe[_<tag>].json.
 """
 from __future__ import annotations
 
@@ -73,45 +71,38 @@ def graphed(fn, res: dict | None = None, key: str = "", iters: int = 20) -> floa
         return timed(fn, iters)
 
 
-def blocks(spec: str) -> ta.Blocks:
+def launch(spec: str) -> ta.Launch:
+    """A '+'-joined list of Launch field=value overrides ('default': DEFAULT_LAUNCH)."""
     if spec == "default":
-        return ta.DEFAULT_BLOCKS
-    return dataclasses.replace(ta.DEFAULT_BLOCKS, **{k: int(v) for k, v in (kv.split("=") for kv in spec.split("+"))})
-
-
-SHARED = ("heavy_first",)  # Blocks fields both directions' launches read
+        return ta.DEFAULT_LAUNCH
+    return dataclasses.replace(ta.DEFAULT_LAUNCH, **{k: int(v) for k, v in (kv.split("=") for kv in spec.split("+"))})
 
 
 def best_spec(res: dict, p: float) -> str:
-    """The fastest forward + backward pair of timed specs that agree on SHARED, as one '+'-joined
-    Blocks spec (what $HPCMEG_ATTENTION_BLOCKS takes)."""
-    def timed_specs(kind):
-        out = []
-        for k, v in res.items():
-            if k.startswith(f"triton p={p} {kind} [") and isinstance(v, float):
-                spec = k.split("[", 1)[1][:-1]
-                out.append((v, spec, dataclasses.asdict(blocks(spec))))
-        return out
-    pairs = [(tf + tb, sf, sb, bf, bb) for tf, sf, bf in timed_specs("fwd") for tb, sb, bb in timed_specs("bwd")
-             if all(bf[k] == bb[k] for k in SHARED)]
-    if not pairs:
+    """The fastest timed forward spec's fwd_* fields with the fastest backward spec's other fields,
+    as one '+'-joined Launch spec (the forward reads only fwd_*, the backward the rest)."""
+    def fastest(kind):
+        timed = [(v, k.split("[", 1)[1][:-1]) for k, v in res.items()
+                 if k.startswith(f"triton p={p} {kind} [") and isinstance(v, float)]
+        return dataclasses.asdict(launch(min(timed)[1])) if timed else None
+    fwd, bwd = fastest("fwd"), fastest("bwd")
+    if fwd is None or bwd is None:
         return "default"
-    _, sf, sb, bf, bb = min(pairs)
-    base = dataclasses.asdict(ta.DEFAULT_BLOCKS)
-    merged = {k: (bf[k] if k.startswith("fwd_") else bb[k]) for k in base}
+    base = dataclasses.asdict(ta.DEFAULT_LAUNCH)
+    merged = {k: (fwd[k] if k.startswith("fwd_") else bwd[k]) for k in base}
     return "+".join(f"{k}={v}" for k, v in merged.items() if v != base[k]) or "default"
 
 
 def with_best_bits(res: dict, p: float, spec: str) -> str:
-    """spec with the keep-bits launch (Blocks.bits_*) of the fastest --bits variant appended, when it
+    """spec with the keep-bits launch (Launch.bits_*) of the fastest --bits variant appended, when it
     beat the default launch's time by >= 5 % (the forward times above ran the default bits launch)."""
     default = res.get(f"triton p={p} keep bits")
     timed = [(v, k.split("[", 1)[1][:-1]) for k, v in res.items()
              if k.startswith(f"triton p={p} keep bits [") and isinstance(v, float)]
     if not timed or not isinstance(default, float) or min(timed)[0] >= 0.95 * default:
         return spec
-    bits = {k: v for k, v in dataclasses.asdict(blocks(min(timed)[1])).items() if k.startswith("bits_")}
-    base = dataclasses.asdict(ta.DEFAULT_BLOCKS)
+    bits = {k: v for k, v in dataclasses.asdict(launch(min(timed)[1])).items() if k.startswith("bits_")}
+    base = dataclasses.asdict(ta.DEFAULT_LAUNCH)
     extra = "+".join(f"{k}={v}" for k, v in bits.items() if v != base[k])
     return extra if spec == "default" else f"{spec}+{extra}"
 
@@ -137,7 +128,7 @@ def agreement(b, s, h, d, rows, spec="default"):
     do = torch.randn(b, s, h, d, device="cuda", generator=g).bfloat16()
     seed = torch.tensor([1234567], dtype=torch.int64, device="cuda")
     for p in (0.0, 0.1):
-        bl = blocks(spec)
+        bl = launch(spec)
         out, lse, bits = ta.forward(qkv, seed, p, bl)
         dqkv, dbias = ta.backward(do, qkv, out, lse, bits, p, bl, bias_grad=True)  # as the model calls it
         ref_out = ta.reference(qkv.float(), seed, p)
@@ -177,7 +168,7 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), s
             except RuntimeError as e:
                 res[f"{name} p={p}"] = f"refused: {str(e)[:80]}"
         for spec in fwd_specs:
-            bl = blocks(spec)
+            bl = launch(spec)
             try:
                 res[f"triton p={p} fwd [{spec}]"] = graphed(lambda: ta.forward(qkv, seed, p, bl))
             except Exception as e:  # a tile that does not fit (shared memory, registers)
@@ -185,11 +176,11 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), s
         out, lse, bits = ta.forward(qkv, seed, p)
         if p:
             res[f"triton p={p} keep bits"] = graphed(lambda: ta.keep_bits(seed, b * h, s, p))
-            # launch variants of the bits kernel (Blocks.bits_*): the same words below the diagonal
+            # launch variants of the bits kernel (Launch.bits_*): the same words below the diagonal
             need = torch.arange(s // 16, device="cuda").view(1, -1) <= (torch.arange(s, device="cuda") // 16).view(-1, 1)
             ref = ta.keep_bits(seed, b * h, s, p)[:, need]
             for spec in bits_specs:
-                bl = blocks(spec)
+                bl = launch(spec)
                 try:
                     same = torch.equal(ta.keep_bits(seed, b * h, s, p, bl)[:, need], ref)
                     res[f"triton p={p} keep bits [{spec}]"] = (graphed(lambda: ta.keep_bits(seed, b * h, s, p, bl))
@@ -197,7 +188,7 @@ def timing(size, b, s, h, d, fwd_specs, bwd_specs, iters, rows, ps=(0.0, 0.1), s
                 except Exception as e:
                     res[f"triton p={p} keep bits [{spec}]"] = f"failed: {type(e).__name__} {str(e)[:80]}"
         for spec in bwd_specs:
-            bl = blocks(spec)
+            bl = launch(spec)
             try:
                 res[f"triton p={p} bwd [{spec}]"] = graphed(lambda: ta.backward(do, qkv, out, lse, bits, p, bl, True))
             except Exception as e:
@@ -220,8 +211,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="124M")
     ap.add_argument("--fwd", default="default")
     ap.add_argument("--bwd", default="default")
-    ap.add_argument("--bits", default="", help="Blocks specs of the keep-bits kernel's launch to time alone "
-                                               "(bits_rows, bits_groups, bits_warps, bits_loop)")
+    ap.add_argument("--bits", default="", help="Launch specs of the keep-bits kernel to time alone "
+                                               "(bits_rows, bits_groups, bits_warps)")
     ap.add_argument("--iters", type=int, default=20, help="event-timed iterations where CUDA-graph capture fails")
     ap.add_argument("--p", default="0.0,0.1", help="dropout rates to time")
     ap.add_argument("--no-sdpa", action="store_true", help="time only the Triton kernels")
@@ -247,11 +238,6 @@ def main() -> None:
 
 
 def write(a, env: dict, rows: list) -> None:
-    last_p = a.p.split(",")[-1]
-    for r in rows:  # one file per size: the best spec, for $HPCMEG_ATTENTION_BLOCKS of the runs that follow
-        if "size" in r and f"triton p={last_p} best spec" in r:
-            with open(os.path.join(a.out, f"attention_best_{r['size']}.txt"), "w") as f:
-                f.write(r[f"triton p={last_p} best spec"])
     with open(os.path.join(a.out, f"attention_probe{'_' + a.tag if a.tag else ''}.json"), "w") as f:
         json.dump(dict(env=env, fwd=a.fwd, bwd=a.bwd, rows=rows), f, indent=1)
 

@@ -12,7 +12,7 @@ Shapes [tokens, ffn] bf16: [12288, 3072] (124M, micro batch 12), [12288, 4096] (
     backward (dh + dbias); the compiled `aten.gelu_backward(dg, h, approximate="tanh")` with its
     `.float().sum(0)` bias gradient in one compiled function. The time of a memory-bound pass at
     the H200's ~4.3 TB/s achievable: forward 4 B / element (35 us at 124M), backward 6 B / element
-    (53 us); the targets are <= 38 us and <= 55 us there. A few alternative Blocks
+    (53 us); the targets are <= 38 us and <= 55 us there. A few alternative Launch settings
     (FWD_VARIANTS, BWD_VARIANTS) are timed too, while --budget seconds last (each is one more
     Triton compile).
 Usage: python bench/dev/gelu_probe.py [--out DIR] [--budget 40]  (well under a minute on the H200)
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from hpcmeg.model import triton_gelu as tg  # noqa: E402
 
 SHAPES = {"124M": (12288, 3072), "355M": (12288, 4096), "1.3B": (8192, 8192)}
-# Blocks overrides to time besides the default (see triton_gelu.Blocks for what each field does)
+# Launch overrides to time besides the default (see triton_gelu.Launch for what each field does)
 FWD_VARIANTS = {
     "default": {},
     "block1024": dict(fwd_block=1024),
@@ -108,8 +108,8 @@ def timing(n: int, f: int, fwd_c, bwd_c, sweep: bool, deadline: float) -> dict:
             if name != "default" and time.monotonic() > deadline:
                 t[f"triton {kind} [{name}]"] = "skipped: --budget spent"
                 continue
-            blocks = dataclasses.replace(tg.DEFAULT_BLOCKS, **over)
-            fn = (lambda: tg.gelu_forward(h, blocks)) if kind == "fwd" else (lambda: tg.gelu_backward(dg, h, blocks))
+            tiles = dataclasses.replace(tg.DEFAULT_LAUNCH, **over)
+            fn = (lambda: tg.gelu_forward(h, tiles)) if kind == "fwd" else (lambda: tg.gelu_backward(dg, h, tiles))
             try:
                 t[f"triton {kind} [{name}]"] = bench_us(fn)
             except Exception as e:  # a tile that does not compile or fit
@@ -145,7 +145,7 @@ def main() -> None:
     deadline = t0 + a.budget
     env = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
                sms=torch.cuda.get_device_properties(0).multi_processor_count,
-               blocks=dataclasses.asdict(tg.DEFAULT_BLOCKS))
+               launch=dataclasses.asdict(tg.DEFAULT_LAUNCH))
     print(json.dumps(env), flush=True)
     fwd_c, bwd_c = compiled_baselines()
     rows, table = [], []

@@ -1,4 +1,4 @@
-"""Is fusing the weight-gradient accumulation into the GEMM worth it here (issue 19)?
+"""Is fusing the weight-gradient accumulation into the GEMM worth it here?
 
 Megatron's gradient_accumulation_fusion writes each weight gradient straight into the fp32 main grad
 (cuBLAS with beta=1, C fp32, A/B bf16) instead of a bf16 gradient then a separate read-convert-add
