@@ -137,9 +137,9 @@ def probe_interpreter(python: str) -> tuple[Optional[dict], str]:
         return None, f"it printed no version ({r.stdout[-200:]!r})"
 
 
-def check_python(r, host_python: str, nodes_local: Optional[bool]) -> list[str]:
+def check_python(recipe, host_python: str, nodes_local: Optional[bool]) -> list[str]:
     """Problems with cluster.python (the compute-node interpreter), see the module docstring."""
-    c = r.cluster
+    c = recipe.cluster
     key = "cluster.python"
     where = f"{key} '{host_python}'" + ("" if c.python else " (default: the interpreter running hpcmeg submit)")
     if "/" not in host_python:
@@ -175,7 +175,7 @@ def check_python(r, host_python: str, nodes_local: Optional[bool]) -> list[str]:
     return []
 
 
-def check_output_root(r, run_dir: str, nodes_local: Optional[bool]) -> list[str]:
+def check_output_root(recipe, run_dir: str, nodes_local: Optional[bool]) -> list[str]:
     if nodes_local is True:
         return []
     why = node_local_reason(run_dir)
@@ -186,10 +186,10 @@ def check_output_root(r, run_dir: str, nodes_local: Optional[bool]) -> list[str]
     return []
 
 
-def check_fit(r, dry_run: bool, submitting: bool = True) -> tuple[list[str], list[str]]:
+def check_fit(recipe, dry_run: bool, submitting: bool = True) -> tuple[list[str], list[str]]:
     """The profile's executor and container runtime can work together, with the tools at hand
     (``submitting``: also that sbatch is here)."""
-    c, ct = r.cluster, r.container
+    c, ct = recipe.cluster, recipe.container
     problems, machine = [], []
     prof = f"profile '{c.profile}'"
     if c.executor == "local" and ct.runtime == "pyxis":
@@ -226,8 +226,8 @@ def check_fit(r, dry_run: bool, submitting: bool = True) -> tuple[list[str], lis
     return problems + machine, []
 
 
-def check_shapes(r, stages: tuple[str, ...]) -> list[str]:
-    c, d = r.cluster, r.data
+def check_shapes(recipe, stages: tuple[str, ...]) -> list[str]:
+    c, d = recipe.cluster, recipe.data
     out = []
     if c.preprocess_cpus is not None and c.preprocess_cpus < 1:
         out.append(f"cluster.preprocess_cpus: must be at least 1 (or null = data.workers), got {c.preprocess_cpus}")
@@ -243,7 +243,7 @@ def _any_key(*keys: str) -> bool:
     return True
 
 
-def preflight(r, d, host_python: str, stages: tuple[str, ...], dry_run: bool = False,
+def preflight(recipe, derived, host_python: str, stages: tuple[str, ...], dry_run: bool = False,
               submitting: bool = True, ok=_any_key) -> tuple[list[str], list[str]]:
     """Every check above, each independent of the others; (problems that refuse the submission,
     warnings to print). ``ok(*keys)``: False when one of the keys was already refused while loading
@@ -251,19 +251,19 @@ def preflight(r, d, host_python: str, stages: tuple[str, ...], dry_run: bool = F
     problems: list[str] = []
     warnings: list[str] = []
     if ok("cluster.executor", "container.runtime", "container.image", "container.binds", "cluster.env"):
-        problems, warnings = check_fit(r, dry_run, submitting)
+        problems, warnings = check_fit(recipe, dry_run, submitting)
     if ok("cluster.executor", "cluster.preprocess_cpus", "data.workers", "data.data_path"):
-        problems += check_shapes(r, stages)
-    if r.cluster.executor != "slurm" or not ok("cluster.executor"):
+        problems += check_shapes(recipe, stages)
+    if recipe.cluster.executor != "slurm" or not ok("cluster.executor"):
         return problems, warnings
     if submitting and not shutil.which("sbatch"):
         return problems, warnings  # refused above: this is no login node, so its paths say nothing of the nodes
     nodes_local = nodes_are_this_host()
     machine = []
     if ok("cluster.python", "cluster.python_check", "cluster.version_check"):
-        machine += check_python(r, host_python, nodes_local)
+        machine += check_python(recipe, host_python, nodes_local)
     if ok("run.output_root", "run.name"):
-        machine += check_output_root(r, d.run_dir, nodes_local)
+        machine += check_output_root(recipe, derived.run_dir, nodes_local)
     if dry_run:
         warnings += [f"warning (dry run): {m}" for m in machine]
     else:

@@ -56,15 +56,15 @@ def _reshard_target(src: str, tp: int, pp: int, vpp: int) -> tuple[str, bool]:
     return f"{base}-new", False
 
 
-def layout_problems(r: Recipe, d) -> list[str]:
+def layout_problems(recipe: Recipe, derived) -> list[str]:
     """See the file header. ``r`` with absolute paths (submit.absolutize), ``d`` = derive(r)."""
-    dims = recipe_dims(r)
+    dims = recipe_dims(recipe)
     tp, pp, vpp = dims.tp, dims.pp, dims.vpp
-    key, src = "checkpoint.dir", d.checkpoint_dir
+    key, src = "checkpoint.dir", derived.checkpoint_dir
     try:
         saved = saved_layout(src)
-        if saved is None and r.checkpoint.load:
-            key, src = "checkpoint.load", r.checkpoint.load
+        if saved is None and recipe.checkpoint.load:
+            key, src = "checkpoint.load", recipe.checkpoint.load
             saved = saved_layout(src)
     except ValueError as e:  # a tracker that is neither a number nor 'release'
         return [f"{key}: {e}"]
@@ -85,9 +85,9 @@ def layout_problems(r: Recipe, d) -> list[str]:
             f"training cannot resume at another tensor/pipeline layout (the data-parallel size may change)")
     if key == "checkpoint.load":
         return [f"{head}: {reshard}, or use the layout it was saved with"]
-    if r.checkpoint.dir:  # set by the recipe: another run.name would resume the same directory
+    if recipe.checkpoint.dir:  # set by the recipe: another run.name would resume the same directory
         fresh = "start a fresh run with another checkpoint.dir"
     else:
         fresh = (f"start a fresh run with another run.name "
-                 f"(--set {shlex.quote(f'run.name={r.run.name}-tp{tp}-pp{pp}')})")
+                 f"(--set {shlex.quote(f'run.name={recipe.run.name}-tp{tp}-pp{pp}')})")
     return [f"{head}. Either {fresh}, or {reshard}"]
