@@ -127,12 +127,11 @@ def tree_commit(root: str) -> str | None:
         return f.read().strip() or None
 
 
-def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 4) -> dict:
-    """`hpcmeg train` of the shipped recipe in a subprocess; tokens/s from its metrics.jsonl."""
+def train_sets(size: str, o: dict, data: dict, name: str, log_interval: int = 4) -> list[str]:
+    """The --set overrides of an hpcmeg row: the size, dropout, batch and run length, the bench data
+    (data: out, prefix, vocab, merge), one GPU, then the item's own set= settings."""
     L, D, H = SIZES[size]["ldh"]
-    root = tree_root(o.get("tree", ""))
-    name = f"up_{size}_{int(time.time() * 1000)}"
-    sets = [f"run.output_root={data['out']}", f"run.name={name}", f"data.data_path=[{data['prefix']}]",
+    return [f"run.output_root={data['out']}", f"run.name={name}", f"data.data_path=[{data['prefix']}]",
             "data.inputs=[]", f"data.vocab_file={data['vocab']}", f"data.merge_file={data['merge']}",
             "data.split=97,3,0", f"model.num_layers={L}", f"model.hidden_size={D}", f"model.num_attention_heads={H}",
             f"model.hidden_dropout={o['hd']}", f"model.attention_dropout={o['ad']}",
@@ -140,6 +139,14 @@ def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 
             f"train.train_iters={o['iters']}", f"train.lr_decay_iters={o['iters']}", "train.lr_warmup_iters=2",
             f"train.log_interval={log_interval}", "train.eval_interval=0", "checkpoint.save_interval=0",
             "cluster.nodes=1", "cluster.gpus_per_node=1", *o["set"]]
+
+
+def run_hpcmeg(size: str, o: dict, data: dict, peak: float, log_interval: int = 4) -> dict:
+    """`hpcmeg train` of the shipped recipe in a subprocess; tokens/s from its metrics.jsonl."""
+    L, D, H = SIZES[size]["ldh"]
+    root = tree_root(o.get("tree", ""))
+    name = f"up_{size}_{int(time.time() * 1000)}"
+    sets = train_sets(size, o, data, name, log_interval)
     # the hpcmeg package must be root's: an installed copy (e.g. an editable install of this tree)
     # could otherwise shadow an older tree's
     want = os.path.realpath(root)
@@ -285,6 +292,8 @@ def main() -> None:
             if kind not in ("hpcmeg", "nano", "ref", "attn"):
                 raise SystemExit(f"user_path: unknown item {item!r}: want hpcmeg, nano, ref or attn")
             tree_root(o["tree"])
+    if not torch.cuda.is_available():  # the rows time CUDA training; on a CPU they would only fail one by one
+        raise SystemExit("user_path: no CUDA GPU here; run it on the GPU machine (bash bench/lease.sh uall ...)")
     t_start = time.time()
     vocab, merge = tt.gpt2_files(a.tok)
     prefix = tt.stdlib_dataset(a.data, vocab, merge)
