@@ -90,10 +90,10 @@ def secret_looking(c) -> list[str]:
     return [k for k in c.env if k not in secret and _CREDENTIAL.search(k)]
 
 
-def redact_recipe_dict(d: dict) -> dict:
-    """``d`` (a ``recipe.to_dict`` result) with the ``cluster.secret_env`` entries dropped from cluster.env."""
-    cl = d.get("cluster")
+def redact_recipe_dict(data: dict) -> dict:
+    """``data`` (a ``recipe.to_dict`` result) with the ``cluster.secret_env`` entries dropped from cluster.env."""
+    cl = data.get("cluster")
     if not isinstance(cl, dict) or not cl.get("secret_env") or not isinstance(cl.get("env"), dict):
-        return d
+        return data
     secret = set(cl["secret_env"])
-    return {**d, "cluster": {**cl, "env": {k: v for k, v in cl["env"].items() if k not in secret}}}
+    return {**data, "cluster": {**cl, "env": {k: v for k, v in cl["env"].items() if k not in secret}}}

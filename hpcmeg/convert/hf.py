@@ -180,8 +180,8 @@ def _true_vocab_size(ck, tok_vocab: int, source: TokenizerSource) -> int:
 
 # --------------------------------------------------------------------------------- conversion
 
-def _is_our_output(d: str) -> bool:
-    return os.path.isfile(os.path.join(d, SOURCE_FILE))
+def _is_our_output(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, SOURCE_FILE))
 
 
 def _write_json(path: str, obj: Any) -> None:
