@@ -2,7 +2,7 @@
 
 Owns the anchor of bench/user_path.py. bench/anchors_gpt2.py (a verbatim copy of the project's
 baseline script) has no dropout and one micro batch per step; a user who picks nanoGPT instead of
-hpcmeg trains with `dropout` and `gradient_accumulation_steps`, so the comparison of issue 19 runs
+hpcmeg trains with `dropout` and `gradient_accumulation_steps`, so the user-path comparison runs
 this twin of its `Nano`, extended the way nanoGPT's model.py and train.py do it:
   * dropout after the embedding sum, on the attention probabilities (SDPA's dropout_p while
     training), after the attention projection and after the MLP's output projection;

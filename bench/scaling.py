@@ -1,6 +1,6 @@
 """Data-parallel scaling on one host: hpcmeg's trainer vs a DDP + compiled nanoGPT-style baseline.
 
-Owns bench/results/scaling_<tag>.{json,md} (issue 9). For each size (--sizes: 124M, 355M or
+Owns bench/results/scaling_<tag>.{json,md}. For each size (--sizes: 124M, 355M or
 L,D,H) and each process count n in --gpus, it starts `torchrun --standalone --nproc_per_node n
 bench/scaling.py --worker ...` once per kind:
   * hpcmeg: build_trainer + Trainer.run (bench/train_throughput.run_trainer) with rank detection
