@@ -11,7 +11,7 @@
 #   uall    at each of LEASE_SIZES (default "124M 355M 1.3B"): the anchor, hpcmeg as shipped, and the
 #           size's memory trade-off row (124M: micro batch 16 with model.recompute_gelu_layers 1; 355M:
 #           micro batch 16 with model.cross_entropy backward_in_forward). UALL_EXTRA (e.g.
-#           "|model.attention_backend=cudnn") adds settings to every hpcmeg row. ~660 s on a warm H100
+#           "|model.attention_backend=cudnn") adds settings to every hpcmeg row. ~690 s on a warm H100
 #           (see need()): the 1.3B rows are skipped when the call runs short; LEASE_SIZES=1.3B in a
 #           second call on the same machine runs them.
 #   u124 | u355 | u1.3B
@@ -29,9 +29,9 @@
 #           The rows keep user_path's iterations (124M: 4 timed windows of 4 steps; 355M, 1.3B: 2):
 #           a row's cost is its start and compilation (124M ~60 s, of which ~6 s are timed steps), so
 #           fewer steps would save ~10 s of the stage and halve the steps behind a 1 % comparison.
-#           On a warm H100 the nine rows need ~810 s (see need()), more than one call holds: a size
+#           On a warm H100 the nine rows need ~840 s (see need()), more than one call holds: a size
 #           that cannot finish in what is left is skipped, not started. Run LEASE_SIZES="124M 355M"
-#           (~440 s), then LEASE_SIZES=1.3B (~370 s) as a second call on the same machine; each
+#           (~440 s), then LEASE_SIZES=1.3B (~400 s) as a second call on the same machine; each
 #           size's three rows always share one call, which is what its ratios need.
 #   loss    loss parity with Hugging Face GPT-2 over 400 steps at 124M (bench/loss_parity.py, dropout 0):
 #           the shipped defaults and backward_in_forward.
@@ -84,14 +84,14 @@ step() {
 }
 
 # need SIZE ITEMS: the seconds a user_path process with these rows takes on a warm H100 (start-up and
-# the bf16 peak 15 s; per row, start and compilation included: anchor 25 / 25 / 55 s, hpcmeg 60 /
-# 120 / 150 s at 124M / 355M / 1.3B; a cold machine takes up to twice the anchor's and ~1.2x hpcmeg's)
+# the bf16 peak 15 s; per row, start and compilation included: anchor 25 / 25 / 80 s, hpcmeg 60 /
+# 120 / 150 s at 124M / 355M / 1.3B; a cold machine takes up to 3x the anchor's and ~1.1x hpcmeg's)
 need() {
     local size=$1 items=$2 nano hp n=0 item
     case $size in
         124M) nano=25 hp=60 ;;
         355M) nano=25 hp=120 ;;
-        *) nano=55 hp=150 ;;
+        *) nano=80 hp=150 ;;
     esac
     for item in $items; do
         [[ $item == nano* ]] && n=$((n + nano)) || n=$((n + hp))
