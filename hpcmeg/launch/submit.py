@@ -20,8 +20,8 @@ print them and stop; where the run dir cannot be created, print them and say not
 refuse if this run still has jobs in the queue -> submit each stage through submitit with
 ``afterok`` (and ``--kill-on-invalid-dep=yes``) on the previous one, recording jobs.json after every
 submission (a failure mid-chain still leaves ids for ``hpcmeg cancel``); secret values sit in the
-submitting process's environment only while sbatch runs -> ``--wait``: follow the chain
-(hpcmeg.launch.watch).
+submitting process's environment only while sbatch runs (hpcmeg.launch.slurm_chain) -> ``--wait``:
+follow the chain (hpcmeg.launch.watch).
 """
 from __future__ import annotations
 
