@@ -25,7 +25,9 @@ from typing import Optional
 
 from hpcmeg.launch import scripts as S
 from hpcmeg.launch.causes import failure_cause
-from hpcmeg.launch.container import ContainerError, ContainerSpec, local_wrap
+from hpcmeg.launch.container import ContainerError, local_wrap
+from hpcmeg.launch.stage_args import (container_spec, dataset_outputs, hpcmeg_argv, preprocess_flags, shard_groups,
+                                      shard_prefixes, tokenizer_settings)
 from hpcmeg.launch.rundir import RunDir, input_manifest, write_jobs, write_manifest, write_marker
 from hpcmeg.launch.supervisor import convert_iteration, effective_train_rc, train_outcome
 from hpcmeg.megatron.names import REQUEUE_EXIT_CODES, latest_iteration
@@ -52,50 +54,44 @@ class _Forwarder:
         return {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
 
 
-def _spec(r) -> ContainerSpec:
-    c = r.container
-    return ContainerSpec(runtime=c.runtime, image=c.image, binds=tuple(c.binds), python=c.python)
-
-
 def _cmd(prep, stage: str, *args: str) -> list[str]:
-    r = prep.recipe
-    argv = S.hpcmeg_argv([sys.executable] if r.container.runtime == "none" else [r.container.python], stage, *args)
-    return local_wrap(_spec(r), argv, gpus=r.cluster.gpus_per_node > 0, always_bind=[str(prep.run.root)])
+    recipe = prep.recipe
+    python = [sys.executable] if recipe.container.runtime == "none" else [recipe.container.python]
+    return local_wrap(container_spec(recipe), hpcmeg_argv(python, stage, *args),
+                      gpus=recipe.cluster.gpus_per_node > 0, always_bind=[str(prep.run.root)])
 
 
 def _plan(prep) -> list[tuple[str, Optional[int], list[str], dict]]:
     """[(stage, task, argv, extra)] of everything but train and convert (whose args depend on run time)."""
-    r, d = prep.recipe, prep.derived
+    recipe, data_prefix = prep.recipe, prep.derived.data_prefix
     out = []
-    if "preprocess" in prep.stages and not r.data.data_path and not prep.skip_preprocess:
-        groups = S.shard_groups(prep.files, r.data.shards)
-        if len(groups) == 1:
-            prefixes = [d.data_prefix]
-        else:
-            shard_dir = Path(d.data_prefix).parent / "shards"
-            prefixes = [str(shard_dir / f"{Path(d.data_prefix).name}.shard{i:05d}") for i in range(len(groups))]
-        for i, (pre, g) in enumerate(zip(prefixes, groups)):
-            out.append(("preprocess", i if len(groups) > 1 else None, _cmd(prep, "preprocess", *S.preprocess_flags(r), "--output-prefix", pre,
-                                              "--input", *g), {}))
+    if "preprocess" in prep.stages and not recipe.data.data_path and not prep.skip_preprocess:
+        groups = shard_groups(prep.files, recipe.data.shards)
+        prefixes = shard_prefixes(data_prefix, len(groups))
+        for i, (pre, group) in enumerate(zip(prefixes, groups)):
+            argv = _cmd(prep, "preprocess", *preprocess_flags(recipe), "--output-prefix", pre, "--input", *group)
+            out.append(("preprocess", i if len(groups) > 1 else None, argv, {}))
         if len(groups) > 1:
-            for outp in S.dataset_outputs(d.data_prefix, r):
-                suffix = outp[len(d.data_prefix):]
-                ins = [p + suffix for p in prefixes]
-                out.append(("merge", None, _cmd(prep, "merge-datasets", "--output-prefix", outp, "--input", *ins), {}))
+            for output in dataset_outputs(data_prefix, recipe):
+                suffix = output[len(data_prefix):]
+                ins = [pre + suffix for pre in prefixes]
+                argv = _cmd(prep, "merge-datasets", "--output-prefix", output, "--input", *ins)
+                out.append(("merge", None, argv, {}))
     return out
 
 
 def describe(prep) -> list[str]:
-    r, d = prep.recipe, prep.derived
+    recipe, derived = prep.recipe, prep.derived
     lines = [f"[{st}{'' if t is None else ' ' + str(t)}] " + S.q(argv) for st, t, argv, _ in _plan(prep)]
     if prep.skip_preprocess:
-        lines.append(f"[preprocess] skipped: {d.data_prefix} matches its inputs")
+        lines.append(f"[preprocess] skipped: {derived.data_prefix} matches its inputs")
     if "train" in prep.stages:
-        lines.append(f"[train] {r.cluster.world_size()} process(es) with RANK=0..{r.cluster.world_size() - 1}: "
+        world = recipe.cluster.world_size()
+        lines.append(f"[train] {world} process(es) with RANK=0..{world - 1}: "
                      + S.q(_cmd(prep, "train", str(prep.run.recipe))))
-    if "convert" in prep.stages and r.convert.enabled:
-        lines.append("[convert] " + S.q(_cmd(prep, "convert", d.checkpoint_dir, "<out_dir>/iter_N", "--iteration", "N",
-                                             "--dtype", r.convert.dtype)))
+    if "convert" in prep.stages and recipe.convert.enabled:
+        lines.append("[convert] " + S.q(_cmd(prep, "convert", derived.checkpoint_dir, "<out_dir>/iter_N", "--iteration",
+                                             "N", "--dtype", recipe.convert.dtype)))
     return lines
 
 
@@ -222,29 +218,19 @@ def _train(fw, prep, env: dict, tick: Ticker) -> None:
 
 
 def run_chain(prep, heartbeat_s: float = 10.0) -> int:
-    r, d, run = prep.recipe, prep.derived, prep.run.create()
+    recipe, derived, run = prep.recipe, prep.derived, prep.run.create()
     try:
         plan = _plan(prep)
-        env = {"PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in r.cluster.env.items()}}
-        S.env_exports(r.cluster.env)  # same name check as on Slurm
+        env = {"PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in recipe.cluster.env.items()}}
+        S.env_exports(recipe.cluster.env)  # same name check as on Slurm
     except (ContainerError, S.ScriptError) as e:
         raise RecipeError([str(e)]) from None
-    write_resolved(r, run.recipe)
-    stages = {}
-    for st, t, _, _ in plan:
-        stages.setdefault(st, {"job_id": "local", "array": None})
-        if t is not None:
-            stages[st]["array"] = t + 1
-    if "train" in prep.stages:
-        stages["train"] = {"job_id": "local", "array": None, "checkpoint_dir": d.checkpoint_dir,
-                           "train_iters": d.train_iters}
-    n_convert = S.convert_task_count(r, d.train_iters) if "convert" in prep.stages and r.convert.enabled else 0
-    if n_convert:
-        stages["convert"] = {"job_id": "local", "array": n_convert if n_convert > 1 else None}
-    write_jobs(run, {"executor": "local", "submitted": time.time(), "pid": os.getpid(), "recipe": str(run.recipe),
-                     "stages": stages})
+    write_resolved(recipe, run.recipe)
+    n_convert = (S.convert_task_count(recipe, derived.train_iters)
+                 if "convert" in prep.stages and recipe.convert.enabled else 0)
+    _write_jobs(prep, plan, n_convert)
     tick = Ticker(sys.stdout, heartbeat_s)
-    if r.cluster.setup:
+    if recipe.cluster.setup:
         tick.say("note: cluster.setup lines are for Slurm batch scripts; not run locally")
     fw = _Forwarder()
     old = fw.install()
@@ -252,33 +238,19 @@ def run_chain(prep, heartbeat_s: float = 10.0) -> int:
     try:
         manifest = None
         if plan:
-            manifest = (d.data_prefix, input_manifest(prep.files, S.tokenizer_settings(r)))
+            manifest = (derived.data_prefix, input_manifest(prep.files, tokenizer_settings(recipe)))
         elif prep.skip_preprocess:
-            tick.say(f"preprocess: skipped, {d.data_prefix} matches its inputs and tokenizer")
+            tick.say(f"preprocess: skipped, {derived.data_prefix} matches its inputs and tokenizer")
         for st, t, argv, _ in plan:
             _simple(fw, run, st, t, argv, env, tick)
         if manifest:
             write_manifest(*manifest)
         if "train" in prep.stages:
             _train(fw, prep, env, tick)
-        out_dir = r.convert.output_dir or str(run.root / "hf")
-        for i in range(n_convert):
-            task = {"task": i, "checkpoint_dir": d.checkpoint_dir, "iterations": str(r.convert.iterations)}
-            try:
-                it = convert_iteration(task)
-            except RuntimeError as e:
-                write_marker(run, "convert", "failed", task=i if n_convert > 1 else None, reason=str(e))
-                raise
-            t = i if n_convert > 1 else None  # marker names as on Slurm: one-task stages are not arrays
-            if it is None:
-                write_marker(run, "convert", "started", task=t)
-                write_marker(run, "convert", "done", task=t, iteration=None)
-                continue
-            argv = _cmd(prep, "convert", d.checkpoint_dir, str(Path(out_dir) / f"iter_{it:07d}"), "--iteration",
-                        str(it), "--dtype", r.convert.dtype)
-            _simple(fw, run, "convert", t, argv, env, tick)
+        _convert(fw, prep, n_convert, env, tick)
     except _Stopped:
-        print(f"hpcmeg: the local chain was stopped ({signal.Signals(fw.signal).name}); resubmit to resume", file=sys.stderr)
+        print(f"hpcmeg: the local chain was stopped ({signal.Signals(fw.signal).name}); resubmit to resume",
+              file=sys.stderr)
         return 128 + int(fw.signal)
     except RuntimeError as e:
         sys.stdout.flush()
@@ -289,3 +261,41 @@ def run_chain(prep, heartbeat_s: float = 10.0) -> int:
             signal.signal(s, h)
     print(f"done: {run.root}", flush=True)
     return 0
+
+
+def _write_jobs(prep, plan: list, n_convert: int) -> None:
+    """jobs.json as on Slurm (job id "local", this process's pid for ``hpcmeg cancel``)."""
+    derived, run = prep.derived, prep.run
+    stages = {}
+    for st, t, _, _ in plan:
+        stages.setdefault(st, {"job_id": "local", "array": None})
+        if t is not None:
+            stages[st]["array"] = t + 1
+    if "train" in prep.stages:
+        stages["train"] = {"job_id": "local", "array": None, "checkpoint_dir": derived.checkpoint_dir,
+                           "train_iters": derived.train_iters}
+    if n_convert:
+        stages["convert"] = {"job_id": "local", "array": n_convert if n_convert > 1 else None}
+    write_jobs(run, {"executor": "local", "submitted": time.time(), "pid": os.getpid(), "recipe": str(run.recipe),
+                     "stages": stages})
+
+
+def _convert(fw: _Forwarder, prep, n_convert: int, env: dict, tick: Ticker) -> None:
+    """The convert tasks in turn, each resolving its iteration as the Slurm array task would."""
+    recipe, derived, run = prep.recipe, prep.derived, prep.run
+    out_dir = recipe.convert.output_dir or str(run.root / "hf")
+    for i in range(n_convert):
+        task = {"task": i, "checkpoint_dir": derived.checkpoint_dir, "iterations": str(recipe.convert.iterations)}
+        try:
+            it = convert_iteration(task)
+        except RuntimeError as e:
+            write_marker(run, "convert", "failed", task=i if n_convert > 1 else None, reason=str(e))
+            raise
+        t = i if n_convert > 1 else None  # marker names as on Slurm: one-task stages are not arrays
+        if it is None:
+            write_marker(run, "convert", "started", task=t)
+            write_marker(run, "convert", "done", task=t, iteration=None)
+            continue
+        argv = _cmd(prep, "convert", derived.checkpoint_dir, str(Path(out_dir) / f"iter_{it:07d}"), "--iteration",
+                    str(it), "--dtype", recipe.convert.dtype)
+        _simple(fw, run, "convert", t, argv, env, tick)

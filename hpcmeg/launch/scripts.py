@@ -7,7 +7,7 @@ it, and ``with_dependency(params, dependency)`` the parameters of a dependent jo
 ``--kill-on-invalid-dep=yes``: a failed parent cancels its children even on clusters without
 ``DependencyParameters=kill_invalid_depend``). ``host_python`` is the interpreter on the compute node
 (``cluster.python``, default the submitting one): it runs the supervisor, and the ranks when there is
-no container.
+no container. The stages' commands in recipe terms (flags, shards, outputs): hpcmeg.launch.stage_args.
 
 Shape of every Slurm job (slurm-design.md §0): submitit runs a host-side supervisor in the batch
 shell (``use_srun=False``); the supervisor runs the stage's step script, which is one ``srun`` step
@@ -38,6 +38,8 @@ from typing import Any, Optional
 from hpcmeg.launch.container import ContainerSpec, Wrapped, python_argv, wrap
 from hpcmeg.jobenv import passed_names, written_env
 from hpcmeg.launch.rundir import RunDir
+from hpcmeg.launch.stage_args import (container_spec, dataset_outputs, hpcmeg_argv, preprocess_flags, shard_groups,
+                                      shard_prefixes, tokenizer_settings)
 
 # Time-limit/preemption lead signal for the steps of the train job. No "B:" prefix: Slurm signals the
 # job steps (every rank), not the batch shell, so the supervisor keeps running and decides afterwards.
@@ -118,65 +120,18 @@ def q(argv: list[str]) -> str:
     return " ".join(shlex.quote(str(a)) for a in argv)
 
 
-# ----------------------------------------------------------------------------- hpcmeg commands
+# ----------------------------------------------------------------------------- convert tasks
 
 
-def hpcmeg_argv(python: list[str], stage: str, *args: str) -> list[str]:
-    """``python -m hpcmeg.cli <stage> args``: no dependency on a console script being on PATH."""
-    return [*python, "-u", "-m", "hpcmeg.cli", stage, *args]
-
-
-def preprocess_flags(r) -> list[str]:
-    """Recipe data settings as ``hpcmeg preprocess`` (= Megatron preprocess_data.py) flags."""
-    d = r.data
-    out = ["--json-keys", *d.json_keys, "--tokenizer-type", d.tokenizer_type, "--workers", str(d.workers)]
-    if d.vocab_file:
-        out += ["--vocab-file", d.vocab_file]
-    if d.merge_file:
-        out += ["--merge-file", d.merge_file]
-    if d.tokenizer_model:
-        out += ["--tokenizer-model", d.tokenizer_model]
-    if d.append_eod:
-        out.append("--append-eod")
-    if d.split_sentences:
-        out.append("--split-sentences")
-    return out
-
-
-def tokenizer_settings(r) -> dict:
-    """The recipe values that change the tokenized output (part of the dataset manifest)."""
-    d = r.data
-    return {"tokenizer_type": d.tokenizer_type, "vocab_file": d.vocab_file, "merge_file": d.merge_file,
-            "tokenizer_model": d.tokenizer_model, "append_eod": d.append_eod,
-            "split_sentences": d.split_sentences, "json_keys": list(d.json_keys)}
-
-
-def shard_groups(files: list[str], shards: int) -> list[list[str]]:
-    """Contiguous groups of input files, one per array task (merging them in order keeps the order)."""
-    n = len(files) if shards <= 0 else max(1, min(shards, len(files)))
-    base, extra = divmod(len(files), n)
-    out, i = [], 0
-    for k in range(n):
-        size = base + (1 if k < extra else 0)
-        out.append(files[i:i + size])
-        i += size
-    return out
-
-
-def dataset_outputs(prefix: str, r) -> list[str]:
-    level = "sentence" if r.data.split_sentences else "document"
-    return [f"{prefix}_{k}_{level}" for k in r.data.json_keys]
-
-
-def convert_task_count(r, train_iters: int) -> int:
+def convert_task_count(recipe, train_iters: int) -> int:
     """Array size of the convert stage; the iterations themselves are resolved when the tasks run."""
-    it = str(r.convert.iterations).strip()
+    it = str(recipe.convert.iterations).strip()
     if it == "last":
         return 1
     if it == "all":
-        saves = (train_iters // r.checkpoint.save_interval if r.checkpoint.save_interval > 0 else 0)
-        saves += 0 if r.checkpoint.save_interval > 0 and train_iters % r.checkpoint.save_interval == 0 else 1
-        return max(1, min(saves, r.checkpoint.keep_last) if r.checkpoint.keep_last else saves)
+        saves = (train_iters // recipe.checkpoint.save_interval if recipe.checkpoint.save_interval > 0 else 0)
+        saves += 0 if recipe.checkpoint.save_interval > 0 and train_iters % recipe.checkpoint.save_interval == 0 else 1
+        return max(1, min(saves, recipe.checkpoint.keep_last) if recipe.checkpoint.keep_last else saves)
     return len(parse_iteration_list(it))
 
 
@@ -193,9 +148,9 @@ def parse_iteration_list(text: str) -> list[int]:
 # ----------------------------------------------------------------------------- step scripts
 
 
-def cpu_stage_cpus(r) -> int:
+def cpu_stage_cpus(recipe) -> int:
     """``--cpus-per-task`` of the CPU stages: cluster.preprocess_cpus, else one core per tokenizer worker."""
-    return int(r.cluster.preprocess_cpus or max(1, r.data.workers))
+    return int(recipe.cluster.preprocess_cpus or max(1, recipe.data.workers))
 
 
 def _side(spec: ContainerSpec, host_python: str) -> str:
@@ -205,10 +160,10 @@ def _side(spec: ContainerSpec, host_python: str) -> str:
     return f"the {spec.runtime} image {spec.image}"
 
 
-def _step_header(stage: str, r, run: RunDir, what: str, spec: ContainerSpec, host_python: str) -> list[str]:
+def _step_header(stage: str, recipe, run: RunDir, what: str, spec: ContainerSpec, host_python: str) -> list[str]:
     lines = [
         "#!/bin/bash",
-        f"# hpcmeg {stage} step of run {shlex.quote(r.run.name)!s}"[:200].replace("\n", " "),
+        f"# hpcmeg {stage} step of run {shlex.quote(recipe.run.name)!s}"[:200].replace("\n", " "),
         f"# {what}",
         "# Generated by hpcmeg submit; run by the host-side supervisor (hpcmeg.launch.supervisor) inside",
         "# the Slurm job. Every recipe value below is shell-quoted.",
@@ -221,152 +176,150 @@ def _step_header(stage: str, r, run: RunDir, what: str, spec: ContainerSpec, hos
         # Apptainer and pyxis pass the job's environment into the container: the host venv's Python
         # paths must not shadow the image's packages (its torch, its hpcmeg)
         lines.append("unset PYTHONPATH PYTHONHOME VIRTUAL_ENV")
-    if r.cluster.version_check:
+    if recipe.cluster.version_check:
         # the command below (in the container) checks it is the hpcmeg that wrote the run
         lines += [f"export HPCMEG_VERSION_FILE={shlex.quote(str(run.root / 'hpcmeg_version.json'))}",
                   f"export HPCMEG_VERSION_SIDE={shlex.quote(_side(spec, host_python))}"]
     return lines
 
 
-def _srun_line(srun_opts: list[str], log_prefix: str, w: Wrapped, tail_args: str = "", exec_: bool = True,
+def _srun_line(srun_opts: list[str], log_prefix: str, wrapped: Wrapped, tail_args: str = "", exec_: bool = True,
                after: str = "") -> list[str]:
     """``[exec ]srun ...`` with per-task, per-restart log files (appended, never truncated)."""
     out = [("exec " if exec_ else "") + "srun " + q(srun_opts) + " --open-mode=append \\",
            f'    --output={shlex.quote(log_prefix)}"${{tag}}.r${{restart}}".%t.log \\']
-    for part in (w.srun_opts, w.prefix):
+    for part in (wrapped.srun_opts, wrapped.prefix):
         if part:
             out.append("    " + q(part) + " \\")
-    out.append("    " + q(w.argv) + (" " + tail_args if tail_args else "") + (" " + after if after else ""))
+    out.append("    " + q(wrapped.argv) + (" " + tail_args if tail_args else "") + (" " + after if after else ""))
     return out
 
 
-def _container(r, run_dir: str) -> ContainerSpec:
-    c = r.container
-    return ContainerSpec(runtime=c.runtime, image=c.image, binds=tuple(c.binds), python=c.python)
-
-
-def train_step(r, run: RunDir, host_python: str, probe: bool = False) -> str:
+def train_step(recipe, run: RunDir, host_python: str, probe: bool = False) -> str:
     """The training step; ``probe`` (``hpcmeg smoke``) first runs ``hpcmeg.cli smoke-probe`` on the same
     ranks (devices, an all-reduce, a write into the run directory), then trains."""
-    c = r.cluster
-    spec = _container(r, str(run.root))
+    cluster = recipe.cluster
+    spec = container_spec(recipe)
     py = python_argv(spec, host_python)
-    gpus = c.gpus_per_node > 0
-    w = wrap(spec, hpcmeg_argv(py, "train", str(run.recipe)), gpus=gpus, always_bind=[str(run.root)])
-    srun = [f"--nodes={c.nodes}", f"--ntasks-per-node={c.tasks_per_node()}", f"--cpus-per-task={c.cpus_per_task}",
+    gpus = cluster.gpus_per_node > 0
+    wrapped = wrap(spec, hpcmeg_argv(py, "train", str(run.recipe)), gpus=gpus, always_bind=[str(run.root)])
+    srun = [f"--nodes={cluster.nodes}", f"--ntasks-per-node={cluster.tasks_per_node()}",
+            f"--cpus-per-task={cluster.cpus_per_task}",
             "--kill-on-bad-exit=1"]
-    lines = _step_header("train", r, run, f"{c.nodes} node(s) x {c.tasks_per_node()} task(s), one per "
-                         f"{'GPU' if c.gpus_per_node else 'CPU rank'}; ranks come from SLURM_PROCID/SLURM_NTASKS.",
+    lines = _step_header("train", recipe, run, f"{cluster.nodes} node(s) x {cluster.tasks_per_node()} task(s), one "
+                         f"per {'GPU' if cluster.gpus_per_node else 'CPU rank'}; ranks come from "
+                         f"SLURM_PROCID/SLURM_NTASKS.",
                          spec, host_python)
-    if c.master_port:
-        lines.append(f"export MASTER_PORT={int(c.master_port)}")
+    if cluster.master_port:
+        lines.append(f"export MASTER_PORT={int(cluster.master_port)}")
     if probe:
-        pw = wrap(spec, hpcmeg_argv(py, "smoke-probe", str(run.root)), gpus=gpus, always_bind=[str(run.root)])
+        probe_wrapped = wrap(spec, hpcmeg_argv(py, "smoke-probe", str(run.root)), gpus=gpus,
+                             always_bind=[str(run.root)])
         lines.append("# hpcmeg smoke: check devices, an all-reduce and the run directory on every rank first")
-        lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("train") / "probe.")), pw,
+        lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("train") / "probe.")), probe_wrapped,
                             exec_=False, after="|| exit $?")
-    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("train") / "train.")), w)
+    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("train") / "train.")), wrapped)
     return "\n".join(lines) + "\n"
 
 
-def preprocess_step(r, run: RunDir, host_python: str) -> str:
+def preprocess_step(recipe, run: RunDir, host_python: str) -> str:
     """``preprocess_step.sh OUT_PREFIX INPUT...``: tokenize one shard (a group of input files)."""
-    spec = _container(r, str(run.root))
-    argv = hpcmeg_argv(python_argv(spec, host_python), "preprocess", *preprocess_flags(r))
-    w = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
-    srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={cpu_stage_cpus(r)}"]
-    lines = _step_header("preprocess", r, run, "usage: preprocess_step.sh OUT_PREFIX INPUT... (one array task)", spec,
-                         host_python)
-    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("preprocess") / "preprocess.")), w,
+    spec = container_spec(recipe)
+    argv = hpcmeg_argv(python_argv(spec, host_python), "preprocess", *preprocess_flags(recipe))
+    wrapped = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
+    srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={cpu_stage_cpus(recipe)}"]
+    lines = _step_header("preprocess", recipe, run, "usage: preprocess_step.sh OUT_PREFIX INPUT... (one array task)",
+                         spec, host_python)
+    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("preprocess") / "preprocess.")), wrapped,
                         tail_args='--output-prefix "$1" --input "${@:2}"')
     return "\n".join(lines) + "\n"
 
 
-def merge_step(r, run: RunDir, host_python: str, shard_prefixes: list[str], prefix: str) -> str:
+def merge_step(recipe, run: RunDir, host_python: str, shards: list[str], prefix: str) -> str:
     """Concatenate the shards of every JSON key in shard order (one srun step per key)."""
-    spec = _container(r, str(run.root))
+    spec = container_spec(recipe)
     py = python_argv(spec, host_python)
-    lines = _step_header("merge", r, run, f"merge {len(shard_prefixes)} shards into {prefix}"[:150].replace("\n", " "),
+    lines = _step_header("merge", recipe, run, f"merge {len(shards)} shards into {prefix}"[:150].replace("\n", " "),
                          spec, host_python)
     lines.append("set -e")
-    outs = dataset_outputs(prefix, r)
+    outs = dataset_outputs(prefix, recipe)
     log = slurm_path("run.output_root", str(run.logs("merge") / "merge."))
-    for k, out in zip(r.data.json_keys, outs):
-        ins = [o for s in shard_prefixes for o in dataset_outputs(s, r) if o.endswith(out[len(prefix):])]
+    for k, out in zip(recipe.data.json_keys, outs):
+        ins = [o for s in shards for o in dataset_outputs(s, recipe) if o.endswith(out[len(prefix):])]
         argv = hpcmeg_argv(py, "merge-datasets", "--output-prefix", out, "--input", *ins)
-        w = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
-        srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={cpu_stage_cpus(r)}"]
-        lines += _srun_line(srun, log, w, exec_=False)  # several keys: one step each (set -e stops at a failure)
+        wrapped = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
+        srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={cpu_stage_cpus(recipe)}"]
+        lines += _srun_line(srun, log, wrapped, exec_=False)  # several keys: one step each (set -e stops at a failure)
     return "\n".join(lines) + "\n"
 
 
-def convert_step(r, run: RunDir, host_python: str, ckpt_dir: str) -> str:
+def convert_step(recipe, run: RunDir, host_python: str, ckpt_dir: str) -> str:
     """``convert_step.sh ITERATION OUT_DIR``: one checkpoint iteration to a Hugging Face directory."""
-    spec = _container(r, str(run.root))
+    spec = container_spec(recipe)
     argv = hpcmeg_argv(python_argv(spec, host_python), "convert", ckpt_dir)
-    w = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
-    srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={cpu_stage_cpus(r)}"]
-    lines = _step_header("convert", r, run, "usage: convert_step.sh ITERATION OUT_DIR (one array task)", spec,
+    wrapped = wrap(spec, argv, gpus=False, always_bind=[str(run.root)])
+    srun = ["--nodes=1", "--ntasks=1", f"--cpus-per-task={cpu_stage_cpus(recipe)}"]
+    lines = _step_header("convert", recipe, run, "usage: convert_step.sh ITERATION OUT_DIR (one array task)", spec,
                          host_python)
-    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("convert") / "convert.")), w,
-                        tail_args=f'"$2" --iteration "$1" --dtype {shlex.quote(r.convert.dtype)}')
+    lines += _srun_line(srun, slurm_path("run.output_root", str(run.logs("convert") / "convert.")), wrapped,
+                        tail_args=f'"$2" --iteration "$1" --dtype {shlex.quote(recipe.convert.dtype)}')
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- sbatch parameters
 
 
-def _common_params(r, stage: str, run: RunDir, time: str, array: bool) -> dict[str, Any]:
-    c = r.cluster
-    p: dict[str, Any] = {"job_name": job_name(r.run.name, stage), "use_srun": False, "stderr_to_stdout": True,
+def _common_params(recipe, stage: str, run: RunDir, time: str, array: bool) -> dict[str, Any]:
+    cluster = recipe.cluster
+    params: dict[str, Any] = {"job_name": job_name(recipe.run.name, stage), "use_srun": False, "stderr_to_stdout": True,
                          "wckey": None, "time": sbatch_value("cluster.time", time)}
-    cpu_own = stage != "train" and bool(c.cpu_partition)
+    cpu_own = stage != "train" and bool(cluster.cpu_partition)
     # a CPU partition's nodes lack the GPU nodes' features: cluster.constraint stays with the train job
     for key in ("cpu_partition" if cpu_own else "partition", "account", "qos", *(() if cpu_own else ("constraint",))):
-        val = getattr(c, key)
+        val = getattr(cluster, key)
         if val:
-            p["partition" if key == "cpu_partition" else key] = sbatch_value(f"cluster.{key}", val)
+            params["partition" if key == "cpu_partition" else key] = sbatch_value(f"cluster.{key}", val)
     pat = "%A_%a" if array else "%j"
     log = slurm_path("run.output_root", str(run.logs(stage) / f"{stage}."))
     # requeued jobs keep their id: append, never truncate (the supervisor prints a banner per restart)
-    p["additional_parameters"] = {"output": f"{log}{pat}.batch.log", "open-mode": "append"}
+    params["additional_parameters"] = {"output": f"{log}{pat}.batch.log", "open-mode": "append"}
     # cluster.secret_env values are never rendered; they and cluster.env_passthrough travel by name in
     # sbatch's environment propagation (--export=ALL,NAME: ALL is Slurm's default, spelled out so that a
     # site's SBATCH_EXPORT=NONE cannot drop them; srun steps inherit it through SLURM_EXPORT_ENV)
-    setup = ["export PYTHONUNBUFFERED=1", *env_exports(written_env(c))]
-    names = passed_names(c)
+    setup = ["export PYTHONUNBUFFERED=1", *env_exports(written_env(cluster))]
+    names = passed_names(cluster)
     if names:
-        p["additional_parameters"]["export"] = sbatch_value("cluster.env_passthrough", ",".join(["ALL", *names]))
-    if c.setup:
-        setup += ["# cluster.setup (shell by design: copied verbatim from the profile/recipe)", *c.setup]
-    p["setup"] = setup
-    return p
+        params["additional_parameters"]["export"] = sbatch_value("cluster.env_passthrough", ",".join(["ALL", *names]))
+    if cluster.setup:
+        setup += ["# cluster.setup (shell by design: copied verbatim from the profile/recipe)", *cluster.setup]
+    params["setup"] = setup
+    return params
 
 
-def train_params(r, run: RunDir) -> dict[str, Any]:
-    c = r.cluster
-    p = _common_params(r, "train", run, c.time, array=False)
-    p["cpus_per_task"] = c.cpus_per_task
-    if c.gpus_per_node > 0:
-        p["gpus_per_node"] = c.gpus_per_node
-    if c.mem is not None:
-        p["mem"] = sbatch_value("cluster.mem", c.mem)
-    if c.exclusive:
-        p["exclusive"] = True
-    p["additional_parameters"].update({
-        "nodes": c.nodes, "ntasks_per_node": c.tasks_per_node(), "requeue": True,
+def train_params(recipe, run: RunDir) -> dict[str, Any]:
+    cluster = recipe.cluster
+    params = _common_params(recipe, "train", run, cluster.time, array=False)
+    params["cpus_per_task"] = cluster.cpus_per_task
+    if cluster.gpus_per_node > 0:
+        params["gpus_per_node"] = cluster.gpus_per_node
+    if cluster.mem is not None:
+        params["mem"] = sbatch_value("cluster.mem", cluster.mem)
+    if cluster.exclusive:
+        params["exclusive"] = True
+    params["additional_parameters"].update({
+        "nodes": cluster.nodes, "ntasks_per_node": cluster.tasks_per_node(), "requeue": True,
         # overrides submitit's USR2@90 (additional_parameters are applied last)
-        "signal": f"{TRAIN_SIGNAL}@{int(c.signal_lead_s)}"})
-    return p
+        "signal": f"{TRAIN_SIGNAL}@{int(cluster.signal_lead_s)}"})
+    return params
 
 
-def array_params(r, run: RunDir, stage: str, time: str, array: bool = True) -> dict[str, Any]:
+def array_params(recipe, run: RunDir, stage: str, time: str, array: bool = True) -> dict[str, Any]:
     """One CPU task per job or array element. A one-element array is submitted as a plain job: Slurm 22.05
     runs ``--array=0-0`` without SLURM_ARRAY_* and expands ``%a`` to 4294967294."""
-    p = _common_params(r, stage, run, time, array=array)
-    p["cpus_per_task"] = cpu_stage_cpus(r)
-    p["additional_parameters"].update({"nodes": 1, "ntasks": 1, "signal": ARRAY_SIGNAL})
-    return p
+    params = _common_params(recipe, stage, run, time, array=array)
+    params["cpus_per_task"] = cpu_stage_cpus(recipe)
+    params["additional_parameters"].update({"nodes": 1, "ntasks": 1, "signal": ARRAY_SIGNAL})
+    return params
 
 
 def with_dependency(params: dict[str, Any], dependency: Optional[str]) -> dict[str, Any]:
@@ -383,55 +336,59 @@ def with_dependency(params: dict[str, Any], dependency: Optional[str]) -> dict[s
 # ----------------------------------------------------------------------------- the plan
 
 
-def build_plan(r, d, files: list[str], host_python: str, stages: tuple[str, ...] = ("preprocess", "train", "convert"),
-               skip_preprocess: bool = False, probe: bool = False) -> Plan:
-    """All jobs of the chain for recipe ``r`` (derived values ``d``; ``files``: expanded data.inputs;
-    ``host_python``: the interpreter on the compute nodes; ``probe``: the smoke test's train step)."""
-    run = RunDir(Path(d.run_dir))
+def build_plan(recipe, derived, files: list[str], host_python: str,
+               stages: tuple[str, ...] = ("preprocess", "train", "convert"), skip_preprocess: bool = False,
+               probe: bool = False) -> Plan:
+    """All jobs of the chain (``files``: data.inputs expanded; ``probe``: the smoke test's train step)."""
+    run = RunDir(Path(derived.run_dir))
     slurm_path("run.output_root", str(run.root))
     plan = Plan(run_dir=str(run.root))
-    if "preprocess" in stages and not r.data.data_path:
+    if "preprocess" in stages and not recipe.data.data_path:
         if skip_preprocess:
-            plan.notes.append(f"preprocess: skipped, {d.data_prefix} exists and matches its inputs and tokenizer")
+            plan.notes.append(f"preprocess: skipped, {derived.data_prefix} exists and matches its inputs and tokenizer")
         elif not files:
             raise ScriptError("data.inputs: no input files to preprocess")
         else:
-            groups = shard_groups(files, r.data.shards)
-            if len(groups) == 1:
-                prefixes = [d.data_prefix]
-            else:
-                shard_dir = Path(d.data_prefix).parent / "shards"
-                prefixes = [str(shard_dir / f"{Path(d.data_prefix).name}.shard{i:05d}") for i in range(len(groups))]
-            manifest = {"files": files, "tokenizer": tokenizer_settings(r), "prefix": d.data_prefix}
-            one = len(groups) == 1
-            tasks = [{"stage": "preprocess", "run_dir": str(run.root), "args": [pre, *g],
-                      **({"manifest": manifest} if one else {"task": i})}
-                     for i, (pre, g) in enumerate(zip(prefixes, groups))]
-            plan.jobs.append(StageJob("preprocess", array_params(r, run, "preprocess", r.cluster.preprocess_time, not one),
-                                      None if one else len(groups), tasks, preprocess_step(r, run, host_python)))
-            plan.notes.append(f"preprocess: {len(files)} input file(s) in {len(groups)} array task(s)")
-            if len(groups) > 1:
-                plan.jobs.append(StageJob("merge", array_params(r, run, "merge", r.cluster.preprocess_time, False), None,
-                                          [{"stage": "merge", "run_dir": str(run.root), "args": [], "manifest": manifest}],
-                                          merge_step(r, run, host_python, prefixes, d.data_prefix)))
-                plan.notes.append(f"merge: {len(groups)} shards -> {d.data_prefix}")
+            _plan_preprocess(plan, recipe, derived, run, files, host_python)
     if "train" in stages:
-        plan.jobs.append(StageJob("train", train_params(r, run), None, [{
-            "stage": "train", "run_dir": str(run.root), "args": [], "checkpoint_dir": d.checkpoint_dir,
-            "max_requeues": r.cluster.max_requeues, "train_iters": d.train_iters}], train_step(r, run, host_python, probe)))
-    if "convert" in stages and r.convert.enabled:
-        n = convert_task_count(r, d.train_iters)
-        out_dir = r.convert.output_dir or str(run.root / "hf")
-        tasks = [{"stage": "convert", "run_dir": str(run.root), "args": [], "checkpoint_dir": d.checkpoint_dir,
-                  "iterations": str(r.convert.iterations), "out_dir": out_dir, **({"task": i} if n > 1 else {})}
+        task = {"stage": "train", "run_dir": str(run.root), "args": [], "checkpoint_dir": derived.checkpoint_dir,
+                "max_requeues": recipe.cluster.max_requeues, "train_iters": derived.train_iters}
+        step = train_step(recipe, run, host_python, probe)
+        plan.jobs.append(StageJob("train", train_params(recipe, run), None, [task], step))
+    if "convert" in stages and recipe.convert.enabled:
+        n = convert_task_count(recipe, derived.train_iters)
+        out_dir = recipe.convert.output_dir or str(run.root / "hf")
+        tasks = [{"stage": "convert", "run_dir": str(run.root), "args": [], "checkpoint_dir": derived.checkpoint_dir,
+                  "iterations": str(recipe.convert.iterations), "out_dir": out_dir, **({"task": i} if n > 1 else {})}
                  for i in range(n)]
-        plan.jobs.append(StageJob("convert", array_params(r, run, "convert", r.cluster.convert_time, n > 1),
-                                  n if n > 1 else None, tasks, convert_step(r, run, host_python, d.checkpoint_dir)))
-        plan.notes.append(f"convert: {n} array task(s), iterations '{r.convert.iterations}' resolved at run time")
+        step = convert_step(recipe, run, host_python, derived.checkpoint_dir)
+        plan.jobs.append(StageJob("convert", array_params(recipe, run, "convert", recipe.cluster.convert_time, n > 1),
+                                  n if n > 1 else None, tasks, step))
+        plan.notes.append(f"convert: {n} array task(s), iterations '{recipe.convert.iterations}' resolved at run time")
     for job in plan.jobs:  # the supervisor checks it is the hpcmeg that wrote the run (hpcmeg_version.json)
         for t in job.tasks:
-            t["version_check"] = bool(r.cluster.version_check)
+            t["version_check"] = bool(recipe.cluster.version_check)
     return plan
+
+
+def _plan_preprocess(plan: Plan, recipe, derived, run: RunDir, files: list[str], host_python: str) -> None:
+    """The preprocess job (an array over shards when there are several) and, for shards, the merge job."""
+    groups = shard_groups(files, recipe.data.shards)
+    prefixes = shard_prefixes(derived.data_prefix, len(groups))
+    manifest = {"files": files, "tokenizer": tokenizer_settings(recipe), "prefix": derived.data_prefix}
+    one = len(groups) == 1
+    tasks = [{"stage": "preprocess", "run_dir": str(run.root), "args": [pre, *g],
+              **({"manifest": manifest} if one else {"task": i})}
+             for i, (pre, g) in enumerate(zip(prefixes, groups))]
+    time = recipe.cluster.preprocess_time
+    plan.jobs.append(StageJob("preprocess", array_params(recipe, run, "preprocess", time, not one),
+                              None if one else len(groups), tasks, preprocess_step(recipe, run, host_python)))
+    plan.notes.append(f"preprocess: {len(files)} input file(s) in {len(groups)} array task(s)")
+    if not one:
+        plan.jobs.append(StageJob("merge", array_params(recipe, run, "merge", time, False), None,
+                                  [{"stage": "merge", "run_dir": str(run.root), "args": [], "manifest": manifest}],
+                                  merge_step(recipe, run, host_python, prefixes, derived.data_prefix)))
+        plan.notes.append(f"merge: {len(groups)} shards -> {derived.data_prefix}")
 
 
 def render_sbatch(job: StageJob, folder: str, python: str, dependency: Optional[str] = None) -> str:

@@ -42,6 +42,7 @@ from hpcmeg.launch.preflight import preflight, slurm_refusals
 from hpcmeg.launch.provenance import write_record
 from hpcmeg.launch.resume_layout import layout_problems
 from hpcmeg.launch.rundir import RunDir, dataset_is_current, input_manifest, read_json, write_atomic
+from hpcmeg.launch.stage_args import dataset_outputs, tokenizer_settings
 from hpcmeg.launch.slurm_chain import active_jobs, job_environment, placeholder_dependency, submit_plan
 from hpcmeg.recipe import Loaded, Recipe, RecipeError, Where, derive, dump_yaml, read_recipe, recipe_dims, run_paths
 
@@ -218,8 +219,8 @@ def _dataset_reusable(recipe: Recipe, found: _Found) -> bool:
     prefix = found.derived.data_prefix
     if not found.files or len(found.present) != len(found.files):
         return False
-    return dataset_is_current(prefix, S.dataset_outputs(prefix, recipe),
-                              input_manifest(found.files, S.tokenizer_settings(recipe)))
+    return dataset_is_current(prefix, dataset_outputs(prefix, recipe),
+                              input_manifest(found.files, tokenizer_settings(recipe)))
 
 
 def _add_plan(prep: Prepared, notes: list[str], probe: bool, where: Where) -> None:
