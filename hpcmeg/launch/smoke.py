@@ -2,7 +2,8 @@
 
 Contract: ``cli_smoke(args) -> exit code`` (0: every check passed; 1: one failed; 2: the profile or a
 ``--set`` is refused before anything is submitted, by the same checks as ``hpcmeg submit``);
-``hpcmeg smoke-probe RUN``, run on every rank by the smoke's train step, is hpcmeg/launch/smoke_probe.py.
+``hpcmeg smoke-probe RUN``, run on every rank by the smoke's train step, is hpcmeg/launch/smoke_probe.py;
+reading back what the jobs wrote is hpcmeg/launch/smoke_evidence.py.
 
 The chain is the one ``hpcmeg submit`` builds, with the user's profile (partition, account, GPUs,
 container, interpreter) and a tiny recipe: preprocess of an embedded corpus (a slice of the Python
@@ -21,7 +22,6 @@ submission returns, so every job submitted is recorded and cancelled. ``--timeou
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -29,7 +29,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
+
+from hpcmeg.launch.smoke_evidence import (checkpoint_detail, describe_ranks, first_loss_line, last_log_line,
+                                          load_converted, probe_results)
 
 HEARTBEAT_S = 8.0
 POLL_S = 1.0
@@ -102,77 +105,6 @@ class Reporter:
         return not all(self.done.values())
 
 
-# ----------------------------------------------------------------------------- reading what the jobs wrote
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _last_line(paths: list[Path]) -> str:
-    """The last meaningful line of the newest log (what to show with a FAIL)."""
-    for p in sorted(paths, key=lambda q: q.stat().st_mtime if q.exists() else 0, reverse=True):
-        try:
-            lines = [ln.strip() for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            continue
-        for ln in reversed(lines):
-            if not ln.startswith(("=====", "[hpcmeg supervisor] step:", "submitit", "Traceback")):
-                return f"{ln[:300]} ({p})"
-    return "no log written"
-
-
-def first_loss_line(run) -> Optional[str]:
-    for p in sorted(run.logs("train").glob("train.*.0.log")):
-        try:
-            for ln in p.read_text(errors="replace").splitlines():
-                if ln.lstrip().startswith("iteration") and "| loss " in ln:
-                    return ln.strip()
-        except OSError:
-            continue
-    return None
-
-
-def describe_ranks(ranks: list[dict], gpus_per_node: int) -> tuple[bool, str]:
-    """The devices-per-rank verdict: every rank got its own GPU, or CPU ranks when none were asked for."""
-    if gpus_per_node <= 0:
-        cpus = sorted({str(r.get("cpus_usable")) for r in ranks})
-        per = sorted({str(r.get("slurm_cpus_per_task")) for r in ranks})
-        return True, (f"CPU ranks: {len(ranks)} rank(s), no GPUs requested (cluster.gpus_per_node 0); "
-                      f"--cpus-per-task {'/'.join(per)}, cores usable per rank {'/'.join(cpus)}")
-    bad = [r for r in ranks if not r.get("gpus")]
-    if bad:
-        return False, (f"rank(s) {', '.join(str(r['rank']) for r in bad)} see no GPU (CUDA_VISIBLE_DEVICES="
-                       f"{bad[0].get('cuda_visible_devices')}, torch {bad[0].get('torch')}): check --gpus-per-node, "
-                       f"the image's CUDA torch and, with Apptainer, --nv")
-    devs = [(r.get("host"), r.get("device")) for r in ranks]
-    dup = len(set(devs)) != len(devs)
-    names = sorted({n for r in ranks for n in r["gpus"]})
-    text = "; ".join(f"rank {r['rank']} {r['device']}" for r in sorted(ranks, key=lambda r: r["rank"]))
-    return not dup, (f"{text} ({', '.join(names)}, CUDA_VISIBLE_DEVICES={ranks[0].get('cuda_visible_devices')})"
-                     + ("; two ranks share a GPU" if dup else ""))
-
-
-def load_converted(hf_dir: Path) -> tuple[bool, str]:
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # one line per check: no progress bars in between
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
-        with torch.no_grad():
-            logits = model(torch.tensor([[15496, 995, 198]])).logits
-        n = sum(p.numel() for p in model.parameters())
-        ok = bool(torch.isfinite(logits).all())
-        return ok, f"{hf_dir}: {type(model).__name__}, {n / 1e6:.1f} M parameters, logits {'finite' if ok else 'NOT finite'}"
-    except Exception as e:  # noqa: BLE001 - any failure to load is the check's answer
-        return False, f"{hf_dir}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-
-
 # ----------------------------------------------------------------------------- the command
 
 
@@ -185,20 +117,22 @@ def _prepare(args):
     """Recipe + run directory + corpus + plan; RecipeError leaves nothing of this run behind."""
     from hpcmeg.data.corpus import write_stdlib_corpus
     from hpcmeg.launch.rundir import RunDir
-    from hpcmeg.launch.submit import active_jobs, prepare
+    from hpcmeg.launch.slurm_chain import active_jobs
+    from hpcmeg.launch.submit import prepare
     from hpcmeg.recipe import RecipeError, load_recipe
 
     first = smoke_recipe("runs", _ANY_WORLD, False, "corpus.jsonl")
-    c = load_recipe(None, list(args.overrides), args.profile, data=first).cluster
-    if c.executor != "slurm":
-        raise RecipeError([f"cluster.profile: '{c.profile}' runs without Slurm (cluster.executor {c.executor}); "
-                           f"hpcmeg smoke checks a Slurm cluster (for this machine alone: hpcmeg demo --profile local)"])
-    world = c.tasks_per_node()
+    cluster = load_recipe(None, list(args.overrides), args.profile, data=first).cluster
+    if cluster.executor != "slurm":
+        raise RecipeError([f"cluster.profile: '{cluster.profile}' runs without Slurm (cluster.executor "
+                           f"{cluster.executor}); hpcmeg smoke checks a Slurm cluster (for this machine alone: "
+                           f"hpcmeg demo --profile local)"])
+    world = cluster.tasks_per_node()
     root = Path(os.path.abspath(os.path.expanduser(args.output_root)))
     run = RunDir(root / RUN_NAME)
     corpus = run.root / "smoke-corpus.jsonl"
-    r = load_recipe(None, list(args.overrides), args.profile,
-                    data=smoke_recipe(str(root), world, c.gpus_per_node > 0, str(corpus)))
+    recipe = load_recipe(None, list(args.overrides), args.profile,
+                         data=smoke_recipe(str(root), world, cluster.gpus_per_node > 0, str(corpus)))
     if run.root.exists():
         if not (run.root / TAG_FILE).exists():
             raise RecipeError([f"run.output_root: {run.root} exists and is not a smoke run directory; choose another "
@@ -213,7 +147,7 @@ def _prepare(args):
         run.root.mkdir(parents=True)
         (run.root / TAG_FILE).write_text("a hpcmeg smoke run directory: the next hpcmeg smoke replaces it\n")
         write_stdlib_corpus(str(corpus), key="content", include_tests=False, max_files=40)
-        prep = prepare(r, probe=True, submitting=True)
+        prep = prepare(recipe, probe=True, submitting=True)
     except Exception:  # noqa: BLE001 - whatever refused it, nothing of this run stays behind
         shutil.rmtree(run.root, ignore_errors=True)
         if created:
@@ -283,7 +217,8 @@ def cli_smoke(args) -> int:
 
 
 def _smoke(args, rep: Reporter) -> int:
-    from hpcmeg.launch.submit import submit_plan, write_run_files
+    from hpcmeg.launch.slurm_chain import submit_plan
+    from hpcmeg.launch.submit import write_run_files
 
     rep.line(f"hpcmeg smoke with profile {args.profile}: checking the profile and the compute-node interpreter")
     prep = _prepare(args)  # RecipeError: one line per problem, exit 2 (nothing submitted)
@@ -315,39 +250,25 @@ def _watch(args, rep: Reporter, prep, ids: dict) -> int:
     from hpcmeg.launch.provenance import describe, fingerprint
     from hpcmeg.launch.rundir import read_markers
 
-    r, run = prep.recipe, prep.run
-    c = r.cluster
-    gpus = c.gpus_per_node > 0
-    ranks_desc = f"{c.tasks_per_node()} {'GPU' if gpus else 'CPU'} rank(s) on 1 node"
+    recipe, run = prep.recipe, prep.run
+    cluster = recipe.cluster
+    ranks_desc = f"{cluster.tasks_per_node()} {'GPU' if cluster.gpus_per_node > 0 else 'CPU'} rank(s) on 1 node"
     rep.line(f"submitted {', '.join(f'{s} {j}' for s, j in ids.items())} ({ranks_desc}); run directory {run.root}")
     mine = fingerprint()
     deadline = time.time() + float(args.timeout)
     last_status = 0.0
-    st: dict = {"stages": {}}
+    status: dict = {"stages": {}}
     while True:
         markers = read_markers(run)
         now = time.time()
-        if now - last_status >= 2.0 or not st["stages"]:
-            st = ST.run_status(run.root)
+        if now - last_status >= 2.0 or not status["stages"]:
+            status = ST.run_status(run.root)
             last_status = now
-        states = {s: v["state"] for s, v in st["stages"].items()}
+        states = {s: v["state"] for s, v in status["stages"].items()}
         _progress(rep, prep, markers, states, mine, describe)
         failed = [s for s in ("preprocess", "merge", "train", "convert") if states.get(s) in BAD]
         if failed or rep.failed:
-            if failed:  # the first stage that failed; what it cancelled downstream is "not reached"
-                s = next((x for x in failed if states[x] != "CANCELLED"), failed[0])
-                ev = markers.get(s) or next((m for k, m in markers.items() if k.startswith(s + ".")), {})
-                why = (ev.get("failed") or {}).get("reason") or "no reason recorded"
-                rank_logs = [p for p in run.logs(s).glob("*.log") if not p.name.endswith(".batch.log")]
-                detail = _last_line(rank_logs) if rank_logs else _last_line(list(run.logs(s).glob("*.log")))
-                pending = next((k for k in _pending_for(s) if k not in rep.done), s)
-                rep.result(pending, False, f"the {s} job ended {states[s]}: {why}; last log line: {detail}")
-            _cancel(run)
-            left = [k for k in CHECKS if k not in rep.done]
-            if left:
-                rep.line(f"not reached: {', '.join(left)}")
-            rep.line(f"smoke test FAILED; logs: hpcmeg logs {run.root} --stage {failed[0] if failed else 'train'}")
-            return 1
+            return _fail(rep, run, markers, states, failed)
         if all(v == "COMPLETED" for v in states.values()) and "convert" in states:
             break
         if now > deadline:
@@ -355,12 +276,35 @@ def _watch(args, rep: Reporter, prep, ids: dict) -> int:
             _cancel(run)
             return 1
         waiting = next((s for s in ("preprocess", "train", "convert") if states.get(s) not in (None, "COMPLETED")), "")
-        why = sorted({t.get("reason", "") for t in st["stages"].get(waiting, {}).get("tasks", {}).values()} - {""})
+        why = sorted({t.get("reason", "") for t in status["stages"].get(waiting, {}).get("tasks", {}).values()} - {""})
         rep.waiting = f"waiting for {waiting}: {states.get(waiting, '?')}" + (f" ({why[0]})" if why else "")
         time.sleep(POLL_S)
+    return _verdict(rep, recipe, run)
+
+
+def _fail(rep: Reporter, run, markers: dict, states: dict, failed: list[str]) -> int:
+    """A stage failed (``failed``) or a check did: say which and why, cancel the rest, exit 1."""
+    if failed:  # the first stage that failed; what it cancelled downstream is "not reached"
+        stage = next((x for x in failed if states[x] != "CANCELLED"), failed[0])
+        ev = markers.get(stage) or next((m for k, m in markers.items() if k.startswith(stage + ".")), {})
+        why = (ev.get("failed") or {}).get("reason") or "no reason recorded"
+        rank_logs = [p for p in run.logs(stage).glob("*.log") if not p.name.endswith(".batch.log")]
+        detail = last_log_line(rank_logs) if rank_logs else last_log_line(list(run.logs(stage).glob("*.log")))
+        pending = next((k for k in _pending_for(stage) if k not in rep.done), stage)
+        rep.result(pending, False, f"the {stage} job ended {states[stage]}: {why}; last log line: {detail}")
+    _cancel(run)
+    left = [k for k in CHECKS if k not in rep.done]
+    if left:
+        rep.line(f"not reached: {', '.join(left)}")
+    rep.line(f"smoke test FAILED; logs: hpcmeg logs {run.root} --stage {failed[0] if failed else 'train'}")
+    return 1
+
+
+def _verdict(rep: Reporter, recipe, run) -> int:
+    """Every job completed: load the converted model, then PASS only if every check was seen to pass."""
     rep.waiting = "loading the converted model with transformers"
     rep.line(f"... {rep.waiting}")
-    ok, detail = load_converted(run.root / "hf" / f"iter_{r.train.train_iters:07d}")
+    ok, detail = load_converted(run.root / "hf" / f"iter_{recipe.train.train_iters:07d}")
     rep.result("converted model loads", ok, f"AutoModelForCausalLM.from_pretrained({detail})")
     missing = [k for k in CHECKS if k not in rep.done]
     for k in missing:
@@ -382,28 +326,29 @@ def _pending_for(stage: str) -> tuple[str, ...]:
 
 def _progress(rep: Reporter, prep, markers: dict, states: dict, mine: dict, describe) -> None:
     """Print every check whose answer the run directory now holds."""
-    r, run, c = prep.recipe, prep.run, prep.recipe.cluster
+    recipe, run, cluster = prep.recipe, prep.run, prep.recipe.cluster
     started = next((markers[s]["started"] for s in ("preprocess", "train") if "started" in markers.get(s, {})), None)
     if started:
         same = (started.get("hpcmeg_version"), started.get("hpcmeg_source")) == (mine["version"], mine["source"])
+        node = started.get("node") or started.get("host")
         rep.result("interpreter and hpcmeg on the node", same,
-                   f"{started.get('python')} (Python {started.get('python_version')}) on {started.get('node') or started.get('host')} runs "
+                   f"{started.get('python')} (Python {started.get('python_version')}) on {node} runs "
                    f"hpcmeg {started.get('hpcmeg_version')} (source {started.get('hpcmeg_source')})"
                    + ("" if same else f"; this submit is {describe(mine)}"))
         rep.result("run directory writable from the node", True,
-                   f"the supervisor on {started.get('node') or started.get('host')} wrote {run.markers}")
+                   f"the supervisor on {node} wrote {run.markers}")
     if states.get("preprocess") == "COMPLETED":
         rep.result("preprocess", True, f"{len(prep.files)} input file(s) tokenized into {prep.derived.data_prefix}_*")
-    ranks = [x for x in (_read_json(p) for p in sorted((run.root / "smoke").glob("rank*.json"))) if x]
-    world = c.tasks_per_node()
+    ranks = probe_results(run)
+    world = cluster.tasks_per_node()
     if ranks and len(ranks) == world:
-        spec = (f"{r.container.runtime} image {r.container.image}" if r.container.runtime != "none"
+        spec = (f"{recipe.container.runtime} image {recipe.container.image}" if recipe.container.runtime != "none"
                 else "no container (container.runtime none)")
         ev = ranks[0]
         rep.result("container start", True,
                    f"{spec}: rank 0 ran {ev['python']} (Python {ev['python_version']}, torch {ev['torch']}, hpcmeg "
                    f"{ev['hpcmeg_version']}); {ev['container']}")
-        ok, text = describe_ranks(ranks, c.gpus_per_node)
+        ok, text = describe_ranks(ranks, cluster.gpus_per_node)
         rep.result("devices per rank", ok, text)
         sums_ok = all(x.get("allreduce_sum") == x.get("allreduce_expected") and x.get("allreduce_16mib_ok")
                       for x in ranks)
@@ -421,16 +366,11 @@ def _progress(rep: Reporter, prep, markers: dict, states: dict, mine: dict, desc
             loss = float("nan")
         rep.result("first loss line", math.isfinite(loss), line)
     if states.get("train") == "COMPLETED":
-        rep.result("training", True, f"{r.train.train_iters} iterations on {world} rank(s): "
-                                     f"{st_detail(run, prep.derived.checkpoint_dir, r.train.train_iters)}")
+        iters = recipe.train.train_iters
+        rep.result("training", True, f"{iters} iterations on {world} rank(s): "
+                                     f"{checkpoint_detail(prep.derived.checkpoint_dir, iters)}")
     if states.get("convert") == "COMPLETED":
         rep.result("convert", True, f"the convert job wrote {run.root / 'hf'}")
-
-
-def st_detail(run, ckpt_dir: str, iters: int) -> str:
-    from hpcmeg.megatron.names import latest_iteration
-
-    return f"checkpoint at iteration {latest_iteration(ckpt_dir)}/{iters}"
 
 
 def _cancel(run) -> None:
