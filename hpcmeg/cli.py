@@ -89,11 +89,20 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hpcmeg", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="hpcmeg", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_recipe_commands(sub)
+    _add_checkpoint_commands(sub)
+    _add_run_commands(sub)
+    _add_check_commands(sub)
+    for name, (_, _, help_) in PASSTHROUGH.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    return parser
 
+
+def _add_recipe_commands(sub) -> None:
+    """submit, train, prepare-cache, validate: the commands that take a recipe."""
     p = sub.add_parser("submit", help="build and submit the preprocess -> train -> convert job chain",
                        description="Validate RECIPE, write every sbatch script and the resolved recipe into the "
                                    "run directory, and submit the chain through submitit (or run it locally "
@@ -120,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default="preprocess,train,convert",
                    help="the stages submit would run (default: all three); inputs are checked for preprocess")
 
+
+def _add_checkpoint_commands(sub) -> None:
+    """convert, reshard, import-hf: the commands that read or write a checkpoint directory."""
     p = sub.add_parser("convert", help="convert Megatron-layout checkpoints to a Hugging Face GPT-2 directory")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (with --all: one sub-directory per iteration)")
@@ -146,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=_count(1), default=1)
     p.add_argument("--make-vocab-size-divisible-by", type=_count(1), default=128)
 
+
+def _add_run_commands(sub) -> None:
+    """status, logs, cancel, plot: the commands that look at or stop a run directory."""
     p = sub.add_parser("status", help="show the state of a run's jobs (works without Slurm accounting)")
     p.add_argument("run", metavar="RUN", help="run directory (printed by submit)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -164,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN", help="run directory (or a metrics.jsonl file)")
     p.add_argument("-o", "--output", default=None, help="PNG path (default: RUN/curves.png)")
 
+
+def _add_check_commands(sub) -> None:
+    """doctor, demo, smoke (and smoke-probe, its per-rank step): the commands that check a machine or a cluster."""
     sub.add_parser("doctor", help="report the software, GPUs, Slurm and container tools, and the fast paths in use")
 
     p = sub.add_parser("demo", help="run the whole pipeline on the embedded default (stdlib code, tiny GPT)")
@@ -186,10 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds (default 1800)")
     p = sub.add_parser("smoke-probe")  # run by `hpcmeg smoke`'s train step on every rank; not for users
     p.add_argument("run", metavar="RUN")
-
-    for name, (_, _, help_) in PASSTHROUGH.items():
-        sub.add_parser(name, help=help_, add_help=False)
-    return parser
 
 
 def _call(module: str, func: str, *a) -> int:
