@@ -106,7 +106,7 @@ def op_checks(rows):
     compare("causal_attention_qkv[triton]", lambda t: fused.causal_attention_qkv(t, 0.0, True, "triton"),
             split_attention, [qkv], rows)
     if fused.HAVE_TRITON_CE:  # the Triton CE forward alone, at GPT-2's vocabulary, against its twin
-        from hpcmeg.model import triton_ce
+        from hpcmeg.kernels import cross_entropy as triton_ce
         lg = (torch.randn(4096, 50304, device="cuda") * 3).to(torch.bfloat16)
         lb = torch.randint(0, 50304, (4096,), device="cuda")
         errs = [rel(a, b) for a, b in zip(triton_ce.ce_forward(lg, lb), triton_ce.reference(lg, lb))]
@@ -159,7 +159,7 @@ def dropout_and_accumulation_checks(rows):
     dropout); bucketed gradient accumulation against the per-parameter twin through the whole
     compiled step."""
     if fused.HAVE_TRITON_DROPOUT:
-        from hpcmeg.model import triton_dropout
+        from hpcmeg.kernels import dropout as triton_dropout
         for shape, p in (((12, 1024, 768), 0.1), ((3, 1001, 37), 0.5)):
             seed = triton_dropout.draw_seed(torch.device("cuda"))
             k = triton_dropout.keep_mask(seed, list(shape), p)
@@ -241,7 +241,7 @@ def ce_checks(rows):
     model) for both."""
     from triton.testing import do_bench
 
-    from hpcmeg.model import triton_ce
+    from hpcmeg.kernels import cross_entropy as triton_ce
     lg = (torch.randn(4096, 50304, device="cuda") * 3).to(torch.bfloat16)
     lb = torch.randint(0, 50304, (4096,), device="cuda")
     a, b = lg.clone(), lg.clone()

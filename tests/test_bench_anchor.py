@@ -330,7 +330,7 @@ def test_bench_tools_name_only_what_hpcmeg_has(tmp_path):
     assert not bad, bad
     # the check itself: a script naming what the fused path lost is caught, each name once
     removed = tmp_path / "removed.py"
-    removed.write_text("from hpcmeg.model import triton_attention as ta, fused\nfrom hpcmeg.model import cublaslt\n"
+    removed.write_text("from hpcmeg.kernels import attention as ta\nfrom hpcmeg.model import fused, cublaslt\n"
                        "ta.DEFAULT_BLOCKS\nfused.bias_dropout_add_layer_norm(1, 2, 3, 4, 5, 6, 7, 8, dropout_impl=0)\n"
                        "torch.ops.hpcmeg.bda_layer_norm\n")
     found = _missing_names(str(removed))
@@ -344,7 +344,7 @@ def test_attention_probe_best_spec():
     of the fastest --bits variant only when it beat the default launch by >= 5 %, never one that failed."""
     import attention_probe as ap
 
-    from hpcmeg.model import triton_attention
+    from hpcmeg.kernels import attention as triton_attention
     res = {"triton p=0.1 fwd [default]": 0.10, "triton p=0.1 fwd [fwd_warps=8]": 0.09,
            "triton p=0.1 bwd [default]": 0.30, "triton p=0.1 bwd [dkv_m=16+dq_n=16]": 0.28,
            "triton p=0.1 bwd [bwd_stages=2]": "failed: x"}

@@ -84,7 +84,7 @@ def test_linear_cross_entropy_bf16_and_fp32():
 
 _TRITON_CE_CHECK = r"""
 import torch
-from hpcmeg.model import triton_ce
+from hpcmeg.kernels import cross_entropy as triton_ce
 torch.manual_seed(0)
 for dt in (torch.float32, torch.bfloat16):
     # V = 9000: two full 4096-column chunks and a 808-column tail; a row stride > V (a column slice)
@@ -128,7 +128,7 @@ print("ok")
 
 
 def test_triton_ce_forward_in_the_interpreter():
-    """hpcmeg/model/triton_ce.py's kernel run by Triton's CPU interpreter against its PyTorch twin
+    """hpcmeg/kernels/cross_entropy.py's kernel run by Triton's CPU interpreter against its PyTorch twin
     (the same kernel compiled for the GPU is checked by bench/gpu_agreement.py on the H200)."""
     from helpers import run_in_triton_interpreter
     run_in_triton_interpreter(_TRITON_CE_CHECK)
@@ -139,7 +139,7 @@ def test_triton_ce_grad_kernel_compiles_for_hopper():
     pytest.importorskip("triton")
     from helpers import compile_for_hopper
 
-    from hpcmeg.model import triton_ce
+    from hpcmeg.kernels import cross_entropy as triton_ce
     types = dict(logits_ptr="*bf16", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32")
     k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel, types, dict(V=50304, BLOCK=triton_ce.BLOCK), num_warps=8)
     assert k.metadata.shared <= 227 * 1024
@@ -157,7 +157,7 @@ def test_triton_ce_grad_kernel_reads_the_target_before_its_barriers():
 
     from helpers import compile_for_hopper
 
-    from hpcmeg.model import triton_ce
+    from hpcmeg.kernels import cross_entropy as triton_ce
     types = dict(logits_ptr="*bf16", labels_ptr="*i64", loss_ptr="*fp32", stride_row="i32")
     k = compile_for_hopper(triton_ce._ce_fwd_grad_kernel, types, dict(V=50304, BLOCK=triton_ce.BLOCK), num_warps=8)
     ptx = k.asm["ptx"].splitlines()
@@ -301,7 +301,7 @@ def test_packed_keep_bits_give_the_same_function():
     """_BiasDropoutAddLayerNorm with the keep-mask packed eight to a byte (what the model saves on CUDA)
     against the bool mask: the same outputs and gradients, bit for bit (the same values go through
     the same arithmetic), and only the packed mask is saved for the backward."""
-    from hpcmeg.model import triton_dropout
+    from hpcmeg.kernels import dropout as triton_dropout
     torch.manual_seed(0)
     x, bias, res = torch.randn(2, 7, 64), torch.randn(64), torch.randn(2, 7, 64)
     w, b = 1 + 0.1 * torch.randn(64), torch.randn(64)

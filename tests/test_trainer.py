@@ -200,7 +200,7 @@ def test_auto_attention_is_triton_on_hopper_with_16_bit_training_only():
     """The recipe's attention_backend 'auto' becomes hpcmeg's Triton attention where it was timed
     faster than cuDNN (compute capability 9.x, bf16/fp16); elsewhere (older or newer GPUs, fp32, CPU)
     it stays 'auto' (SDPA), and an explicit choice is never changed."""
-    from hpcmeg.model import triton_attention
+    from hpcmeg.kernels import attention as triton_attention
 
     if triton_attention.triton is None:
         pytest.skip("no triton")

@@ -1,4 +1,4 @@
-"""hpcmeg/model/triton_attention.py: the Triton flash attention (forward, backward, keep-mask bits)
+"""hpcmeg/kernels/attention.py: the Triton flash attention (forward, backward, keep-mask bits)
 against its plain PyTorch twins in Triton's CPU interpreter; the twins against autograd and
 against PyTorch SDPA; the custom op (opcheck); the model with attention_backend='triton' against
 the default backend, eager and under torch.compile.
@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpcmeg.model import triton_attention as ta
+from hpcmeg.kernels import attention as ta
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.model.gpt import GPT
 from helpers import compile_for_hopper, run_in_triton_interpreter
 
 _INTERPRETER_CHECK = r"""
 import torch
-from hpcmeg.model import triton_attention as ta
+from hpcmeg.kernels import attention as ta
 
 seed = torch.tensor([123456789012345], dtype=torch.int64)
 S, BH = 256, 3

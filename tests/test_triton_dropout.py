@@ -1,4 +1,4 @@
-"""hpcmeg/model/triton_dropout.py: the Philox keep-mask twin (CPU), its known-answer vectors, the
+"""hpcmeg/kernels/dropout.py: the Philox keep-mask twin (CPU), its known-answer vectors, the
 Triton kernel against the twin bit for bit in Triton's CPU interpreter, the custom op (opcheck),
 and the op inside torch.compile (Inductor, CPU) with gradients.
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from hpcmeg.model import triton_dropout as td
+from hpcmeg.kernels import dropout as td
 
 
 def _seed(v: int) -> torch.Tensor:
@@ -147,7 +147,7 @@ _INTERPRETER_CHECK = r"""
 import torch
 import triton
 import triton.language as tl
-from hpcmeg.model import triton_dropout as td
+from hpcmeg.kernels import dropout as td
 
 M = 0xFFFFFFFF
 
@@ -203,7 +203,7 @@ print("ok")
 
 
 def test_kernel_matches_twin_in_the_interpreter(tmp_path):
-    """hpcmeg/model/triton_dropout.py's kernel (and triton.language.random's raw Philox words) run by Triton's CPU interpreter against the PyTorch twin, bit for bit."""
+    """hpcmeg/kernels/dropout.py's kernel (and triton.language.random's raw Philox words) run by Triton's CPU interpreter against the PyTorch twin, bit for bit."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (slurm/setup-dev.sh installs it for this test)")
     script = tmp_path / "check_triton_dropout.py"

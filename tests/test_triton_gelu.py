@@ -1,4 +1,4 @@
-"""hpcmeg/model/triton_gelu.py: the Triton tanh-GELU forward and backward (dh and the bias gradient)
+"""hpcmeg/kernels/gelu.py: the Triton tanh-GELU forward and backward (dh and the bias gradient)
 against their plain PyTorch twins in Triton's CPU interpreter (fp32, bf16, fp16; ragged shapes,
 several dbias partial rows); the twins against ops.bias_gelu, F.gelu and autograd; the custom ops
 (opcheck, CPU path).
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcmeg.model import ops
-from hpcmeg.model import triton_gelu as tg
+from hpcmeg.kernels import gelu as tg
 from helpers import run_in_triton_interpreter
 
 _INTERPRETER_CHECK = r"""
@@ -20,7 +20,7 @@ import warnings
 import torch
 warnings.filterwarnings("ignore", "overflow", RuntimeWarning)  # numpy's exp2 -> inf for very negative h
 from hpcmeg.model import ops
-from hpcmeg.model import triton_gelu as tg
+from hpcmeg.kernels import gelu as tg
 
 def within_one_ulp(a, b):
     # case 4. a, b in bf16/fp16: |a - b| <= one rounding step of b (2^-7 resp. 2^-10 of |b| bounds the

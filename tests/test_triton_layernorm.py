@@ -1,4 +1,4 @@
-"""hpcmeg/model/triton_layernorm.py: the fused LayerNorm + residual + bias-dropout-add backward
+"""hpcmeg/kernels/layernorm.py: the fused LayerNorm + residual + bias-dropout-add backward
 kernels against their plain PyTorch twin in Triton's CPU interpreter (fp32 and bf16, ragged
 shapes, several partial-sum rows); the twin against torch.autograd through ops.layer_norm with the
 bias-dropout-add forward; the custom op (opcheck) and the launch plan.
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from hpcmeg.model import ops
-from hpcmeg.model import triton_layernorm as tln
+from hpcmeg.kernels import layernorm as tln
 from helpers import run_in_triton_interpreter
 
 _INTERPRETER_CHECK = r"""
 import torch
-from hpcmeg.model import triton_layernorm as tln
+from hpcmeg.kernels import layernorm as tln
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
@@ -94,7 +94,7 @@ for wdtype in (torch.float32, torch.bfloat16):
     n_checks += 1
 # the mask packed eight to a byte (what the model saves on CUDA): the same results as the bool mask,
 # bit for bit, in the twin and the kernels (several programs, a ragged tail, H = 96 and 768)
-from hpcmeg.model.triton_dropout import pack_bits
+from hpcmeg.kernels.dropout import pack_bits
 for shape, launch in (((37, 96), few), ((39, 768), tln.Launch(programs=8)), ((2, 45, 256), tln.DEFAULT_LAUNCH)):
     args = inputs(shape, torch.bfloat16, True, True)
     packed = args[:5] + (pack_bits(args[5]),) + args[6:]

@@ -1,4 +1,4 @@
-"""hpcmeg/model/triton_attention.py on the GPU: agreement with its twin and with SDPA, and its time
+"""hpcmeg/kernels/attention.py on the GPU: agreement with its twin and with SDPA, and its time
 against cuDNN SDPA at the model sizes' attention shapes, over a few tile configurations.
 
 Agreement (bf16 kernels vs the fp32 twin on the same bf16 inputs; ||a - b|| / ||b||): output and
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from hpcmeg.model import triton_attention as ta  # noqa: E402
+from hpcmeg.kernels import attention as ta  # noqa: E402
 
 SHAPES = {"124M": (12, 1024, 12, 64), "355M": (12, 1024, 16, 64), "1.3B": (8, 1024, 16, 128)}
 

@@ -1,4 +1,4 @@
-"""hpcmeg/model/triton_gelu.py on the GPU: agreement of the Triton tanh-GELU kernels with their
+"""hpcmeg/kernels/gelu.py on the GPU: agreement of the Triton tanh-GELU kernels with their
 twins, and their time against what Inductor generates now, at the MLP shapes of the model sizes.
 
 Shapes [tokens, ffn] bf16: [12288, 3072] (124M, micro batch 12), [12288, 4096] (355M),
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from hpcmeg.model import triton_gelu as tg  # noqa: E402
+from hpcmeg.kernels import gelu as tg  # noqa: E402
 
 SHAPES = {"124M": (12288, 3072), "355M": (12288, 4096), "1.3B": (8192, 8192)}
 # Launch overrides to time besides the default (see triton_gelu.Launch for what each field does)

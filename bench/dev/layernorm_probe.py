@@ -1,4 +1,4 @@
-"""hpcmeg/model/triton_layernorm.py on the GPU: agreement with its twin, and its time against the
+"""hpcmeg/kernels/layernorm.py on the GPU: agreement with its twin, and its time against the
 way Inductor computes the same backward today, at the model sizes' LayerNorm shapes.
 
 Shapes (tokens x hidden, bf16 activations, fp32 LN weight): 12288 x 768 (124M), 12288 x 1024 (355M),
@@ -36,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from hpcmeg.model import triton_layernorm as tln  # noqa: E402
+from hpcmeg.kernels import layernorm as tln  # noqa: E402
 
 SHAPES = "12288x768,12288x1024,8192x2048"
 EPS = 1e-5

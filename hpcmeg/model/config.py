@@ -52,7 +52,7 @@ class GPTConfig:
     """Fused path only. 'auto': the flash-attn package if importable, else SDPA with priority
     cuDNN > flash > mem-efficient > math (the trainer turns a recipe's 'auto' into 'triton' on a
     Hopper GPU, compute capability 9.x, with bf16/fp16 training: hpcmeg/train/build.attention_backend_for).
-    'triton': hpcmeg/model/triton_attention.py (q/k/v read in the QKV GEMM's layout, dropout
+    'triton': hpcmeg/kernels/attention.py (q/k/v read in the QKV GEMM's layout, dropout
     inside, the QKV bias gradient from its own row sums; where the shape is not supported, 'auto');
     or force one of cudnn|flash|flash_attn|efficient|math. Why 'triton' first on Hopper: forward +
     backward per layer at p = 0.1 on an H100, 0.395 ms against cuDNN's 0.451 (124M), 0.512 vs 0.585
@@ -65,7 +65,7 @@ class GPTConfig:
     True: the residual stream stays in the params' dtype (fp32 under autocast)."""
     fused_ce: str = "grad_in_forward"
     """Fused path only: the LM head's loss (hpcmeg/model/fused_ce.py). 'grad_in_forward': the
-    forward's kernel (hpcmeg/model/triton_ce.py) turns the bf16 logits into their gradient softmax -
+    forward's kernel (hpcmeg/kernels/cross_entropy.py) turns the bf16 logits into their gradient softmax -
     onehot in place, and the backward folds the per-token scale into the LM-head GEMMs: no fp32
     [tokens, vocab] tensor, no backward pass over the logits. 'backward_in_forward' (a memory
     trade-off): 'grad_in_forward' with the LM head's backward GEMMs run in the forward, chunk by

@@ -6,14 +6,14 @@ What "fused" means here, op by op:
     > math by default: on Hopper cuDNN's kernel is the fastest SDPA backend; the list falls
     through when a backend refuses the inputs, e.g. dropout or CPU tensors).
   * dropout (embedding output, residual branches): on CUDA a keep-mask from the Philox kernel of
-    triton_dropout.py (8 draws of 16 bits per Philox call; Inductor's own lowering draws one per
+    dropout_kernel.py (8 draws of 16 bits per Philox call; Inductor's own lowering draws one per
     element inside the fused kernel, which made the bias-dropout-add+LN kernel 61 us instead of
     18 us at 124M on the H200), the scaling fused by Inductor; the residual branches' masks, which
     the bias-dropout-add + LayerNorm saves for its backward, packed 8 to a byte. Attention dropout
     stays inside the attention kernel.
   * layer_norm / bias_dropout_add(_layer_norm): the forwards are one expression each on the native
     kernels (F.layer_norm), which Inductor fuses under torch.compile with the neighbouring residual
-    adds, dropout scaling and casts. Their backward is ONE pass of hpcmeg/model/triton_layernorm.py
+    adds, dropout scaling and casts. Their backward is ONE pass of hpcmeg/kernels/layernorm.py
     per LayerNorm: dx with the residual-gradient add and the dropout mask, and the partial sums of
     dw, db and the branch bias gradient (gpt.py ends both residual branches of a layer with
     bias_dropout_add_layer_norm: the MLP's with the next layer's input LayerNorm or the final one,
@@ -27,7 +27,7 @@ What "fused" means here, op by op:
     Measured on the H200 (bench/results/profile_h200_s3a.md): with the bias add left to
     Inductor, the backward recomputed GELU' in two kernels (141 us/layer at 124M) where
     addmm + GELU needs 83 us. The GELU forward and the backward with the bias gradient are
-    hpcmeg/model/triton_gelu.py's kernels (exp2-based; 38.5 + 62.8 us vs Inductor's libdevice-tanh
+    hpcmeg/kernels/gelu.py's kernels (exp2-based; 38.5 + 62.8 us vs Inductor's libdevice-tanh
     45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
   * With the LayerNorm and GELU kernels against Inductor's (bench/results/user_path_s9b_124M_kernels.md,
     124M user path, one call): 494.6K vs 482.7K tokens/s (+2.5 %).
@@ -49,13 +49,13 @@ from hpcmeg.model.fused_ce import HAVE_TRITON_CE, autocast_cast, linear_cross_en
 # the custom ops these register (torch.ops.hpcmeg.flash_attention, .layer_norm_backward,
 # .gelu_tanh(_backward), .dropout_keep_mask/_bits) must exist before
 # torch.compile traces the model; their CPU paths are the plain twins, so no triton needed
-from hpcmeg.model import triton_attention, triton_dropout
-from hpcmeg.model import triton_gelu, triton_layernorm  # noqa: F401
+from hpcmeg.kernels import attention as attention_kernel, dropout as dropout_kernel
+from hpcmeg.kernels import gelu, layernorm  # noqa: F401
 
 # Import-time facts, never mutated: whether the flash-attn package exists, and whether Triton
 # imports (then the keep-mask op runs its kernel on CUDA).
 HAVE_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-HAVE_TRITON_DROPOUT = triton_dropout.triton is not None
+HAVE_TRITON_DROPOUT = dropout_kernel.triton is not None
 
 _SDPA_ORDER = {
     "auto": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -69,7 +69,7 @@ _SDPA_ORDER = {
 
 
 class _LayerNorm(torch.autograd.Function):
-    """F.layer_norm (Inductor fuses it with its neighbours) whose backward is triton_layernorm's one
+    """F.layer_norm (Inductor fuses it with its neighbours) whose backward is hpcmeg/kernels/layernorm.py's one
     pass: dx and the partial sums of dw, db together, mean and rstd recomputed from x (read anyway),
     so nothing but x is saved."""
 
@@ -98,7 +98,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 class _LinearBiasGelu(torch.autograd.Function):
-    """tanh-GELU(x W^T + b) with triton_gelu's kernels: the bias in the GEMM's epilogue, GELU in one
+    """tanh-GELU(x W^T + b) with hpcmeg/kernels/gelu.py's kernels: the bias in the GEMM's epilogue, GELU in one
     pass (exp2-based, memory-bound), and the backward's dGELU and bias gradient in one pass over
     [tokens, ffn] (Inductor: a pointwise kernel, then a reduction that re-reads both inputs).
     Saves x, W and the pre-activation h, as linear + GELU do. `flat`/`offset`: the weight's
@@ -195,7 +195,7 @@ def _mask_kernel_for(x: torch.Tensor) -> bool:
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout; on CUDA the keep-mask comes from triton_dropout's Philox kernel (a bool [x.shape]
+    """Dropout; on CUDA the keep-mask comes from hpcmeg/kernels/dropout.py's Philox kernel (a bool [x.shape]
     tensor, 8 draws of 16 bits per Philox call, so p in steps of 2**-16) and the scaling
     x * keep * keep_scale(p) (65536 / (65536 - round(p * 65536)), 1 / (1 - p) to 8e-6) is left to
     Inductor, which fuses it (and its backward, grad * keep * keep_scale(p)) into the neighbouring
@@ -204,8 +204,8 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     if not training or p == 0:
         return x
     if _mask_kernel_for(x):
-        keep = torch.ops.hpcmeg.dropout_keep_mask(triton_dropout.draw_seed(x.device), list(x.shape), p)
-        return x * keep * triton_dropout.keep_scale(p)
+        keep = torch.ops.hpcmeg.dropout_keep_mask(dropout_kernel.draw_seed(x.device), list(x.shape), p)
+        return x * keep * dropout_kernel.keep_scale(p)
     return F.dropout(x, p=p, training=True)
 
 
@@ -217,7 +217,7 @@ def bias_dropout_add(x, bias, residual, p: float, training: bool):
 
 class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     """out = residual + (x + bias) * keep * scale, y = LayerNorm(out) -> (out, y). The forward is
-    plain ops (Inductor fuses them into one kernel); the backward is ONE triton_layernorm pass: the
+    plain ops (Inductor fuses them into one kernel); the backward is ONE pass of hpcmeg/kernels/layernorm.py: the
     LN backward, plus the gradient arriving at `out` from the residual path, times the keep-mask
     (the gradient of x), and the partial sums of dw, db and the bias gradient, where Inductor ran a
     fused kernel and then column reductions re-reading its inputs. keep None: no dropout (all kept,
@@ -231,7 +231,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     def forward(ctx, x, bias, residual, keep, scale, weight, ln_bias, eps, out_grad=True):
         branch = x + bias.to(x.dtype)
         if keep is not None:
-            mask = triton_dropout.unpack_bits(keep, list(x.shape)) if keep.dtype == torch.uint8 else keep
+            mask = dropout_kernel.unpack_bits(keep, list(x.shape)) if keep.dtype == torch.uint8 else keep
             branch = branch * mask * scale
         out = residual + branch
         y = F.layer_norm(out, (out.shape[-1],), weight, ln_bias, eps)
@@ -263,10 +263,10 @@ def _keep(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
     mask; elsewhere a bool mask from torch.rand (torch's generator, as F.dropout)."""
     if not _mask_kernel_for(x):
         return torch.rand_like(x, dtype=torch.float32) >= p, 1.0 / (1.0 - p)
-    seed, shape = triton_dropout.draw_seed(x.device), list(x.shape)
-    packed = shape[-1] % triton_dropout.PER_CALL == 0
+    seed, shape = dropout_kernel.draw_seed(x.device), list(x.shape)
+    packed = shape[-1] % dropout_kernel.PER_CALL == 0
     keep = (torch.ops.hpcmeg.dropout_keep_bits if packed else torch.ops.hpcmeg.dropout_keep_mask)(seed, shape, p)
-    return keep, triton_dropout.keep_scale(p)
+    return keep, dropout_kernel.keep_scale(p)
 
 
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, out_grad: bool = True):
@@ -282,15 +282,15 @@ def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bi
 def causal_attention_qkv(qkv: torch.Tensor, dropout_p: float, training: bool, backend: str = "auto",
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of qkv [b, s, heads, 3 * head_dim] (per head its q, k, v) -> [b, s, heads,
-    head_dim]. backend 'triton': hpcmeg/model/triton_attention.py's kernels straight on the GEMM's
+    head_dim]. backend 'triton': hpcmeg/kernels/attention.py's kernels straight on the GEMM's
     layout (its gradient comes back as one dqkv, no concatenation), when they take the shape.
     bias [heads * 3 * head_dim]: the QKV bias when the caller added it to qkv detached (x W^T +
     b.detach()); its gradient, the sum of dqkv over tokens, then comes from here: from the Triton
     backward kernels' own row sums (no reduction re-reading dqkv: 13.9 us per 124M layer call), or,
     on the other backends, through a zero add (qkv + (b - b.detach()))."""
     p = dropout_p if training else 0.0
-    if backend == "triton" and triton_attention.supports(qkv):
-        seed = triton_attention.draw_seed(qkv.device) if p > 0 else \
+    if backend == "triton" and attention_kernel.supports(qkv):
+        seed = attention_kernel.draw_seed(qkv.device) if p > 0 else \
             torch.zeros(1, dtype=torch.int64, device=qkv.device)
         return torch.ops.hpcmeg.flash_attention(qkv, seed, p, bias)[0]
     if bias is not None:

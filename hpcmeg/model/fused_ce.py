@@ -2,7 +2,7 @@
 logits for the whole batch (fused.py's linear_cross_entropy, the fast twin of ops.py's).
 
 Implementations (GPTConfig.fused_ce):
-  * 'grad_in_forward' (the default): bf16 logits, which the forward's kernel (triton_ce.py's
+  * 'grad_in_forward' (the default): bf16 logits, which the forward's kernel (hpcmeg/kernels/cross_entropy.py's
     cross_entropy_grad_, one read and one write) overwrites with softmax - onehot; the backward folds
     the per-token scale into the LM-head GEMMs, so there is no backward pass over [tokens, vocab]
     and no fp32 [tokens, vocab] tensor (_LinearCEGradInForward).
@@ -25,11 +25,11 @@ import torch
 from hpcmeg.model import ops
 from hpcmeg.model import wgrad  # noqa: F401  (registers hpcmeg::wgrad_accumulate_ and main_grad_add_)
 
-# Import-time fact, never mutated: whether Triton imports (then hpcmeg/model/triton_ce.py registers
+# Import-time fact, never mutated: whether Triton imports (then hpcmeg/kernels/cross_entropy.py registers
 # torch.ops.hpcmeg.cross_entropy_lse / cross_entropy_grad_, the one-pass CE kernels used on CUDA;
 # they must be registered before torch.compile traces the model).
 try:
-    from hpcmeg.model import triton_ce as _triton_ce  # noqa: F401
+    from hpcmeg.kernels import cross_entropy as _cross_entropy_kernels  # noqa: F401
     HAVE_TRITON_CE = True
 except ImportError:  # no triton (CPU-only installs): the Inductor/eager formulation below
     HAVE_TRITON_CE = False

@@ -132,7 +132,7 @@ class TransformerLayer(nn.Module):
         the LayerNorm that follows (the next layer's input_layernorm or the final one): the closing
         bias-dropout-add and that LayerNorm are one op, as the attention branch's and
         post_attention_layernorm always were, so the fused path's backward of the MLP branch end is
-        the one LayerNorm pass of triton_layernorm.py too (mask, residual gradient and bias gradient
+        the one LayerNorm pass of hpcmeg/kernels/layernorm.py too (mask, residual gradient and bias gradient
         included) instead of separate dropout-backward and bias-sum kernels. stream_used False: the
         caller uses the returned stream only through next_norm (the last layer before the final
         LayerNorm), so it needs no gradient of its own."""

@@ -1,7 +1,7 @@
 """Plain PyTorch reference ops: the obviously-correct twins of hpcmeg/model/fused.py.
 
 Every function here has a same-named fast version in fused.py (cross_entropy_with_lse and
-cross_entropy_grad_: the Triton kernels of triton_ce.py; softmax_minus_onehot is their shared
+cross_entropy_grad_: the Triton kernels of hpcmeg/kernels/cross_entropy.py; softmax_minus_onehot is their shared
 gradient formula); tests/test_fused_ops.py checks that each pair agrees (fp32 on CPU, the
 Triton one in its interpreter) and bench/gpu_agreement.py does so on the GPU in bf16.
 These are the ops the model uses when GPTConfig.fused is False (CPU, debugging).
@@ -78,7 +78,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
 def cross_entropy_with_lse(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token loss, logsumexp), both fp32, of logits [..., V] against labels [...]: the one
-    written-out formulation that fused.py's CE paths and triton_ce.py's twin share."""
+    written-out formulation that fused.py's CE paths and hpcmeg/kernels/cross_entropy.py's twin share."""
     lf = logits.float()
     lse = torch.logsumexp(lf, dim=-1)
     return lse - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1), lse
@@ -94,7 +94,7 @@ def softmax_minus_onehot(logits: torch.Tensor, labels: torch.Tensor, lse: torch.
 
 def cross_entropy_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token loss fp32 [...], with the logits overwritten in place by softmax - onehot in their own
-    dtype: the plain twin of triton_ce's grad-in-forward kernel (fused.py's 'grad_in_forward' CE)."""
+    dtype: the plain twin of hpcmeg/kernels/cross_entropy.py's grad-in-forward kernel (fused.py's 'grad_in_forward' CE)."""
     loss, lse = cross_entropy_with_lse(logits, labels)
     logits.copy_(softmax_minus_onehot(logits, labels, lse).to(logits.dtype))
     return loss

@@ -27,7 +27,7 @@ Contract
 
 How the forward combines the shards: each rank computes, per token, the fp32 logsumexp of its
 shard (on CUDA the one-pass Triton kernel torch.ops.hpcmeg.cross_entropy_lse of
-hpcmeg/model/triton_ce.py, which reads the bf16 logits once; elsewhere its plain twin, fused by
+hpcmeg/kernels/cross_entropy.py, which reads the bf16 logits once; elsewhere its plain twin, fused by
 Inductor when compiled) and its target logit (gathered from the shard, 0 where the label lives in
 another shard). One all-gather of the stacked [2, N] fp32 (lse_r, target_r) then gives every rank
 lse = logsumexp_r(lse_r) and target = sum_r target_r (exact: one nonzero term). Chosen over

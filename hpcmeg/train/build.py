@@ -54,9 +54,9 @@ def attention_backend_for(backend: str, device: torch.device, precision: str,
     installed, else SDPA, cuDNN first). capability: for the tests (default: the device's)."""
     if backend != "auto" or device.type != "cuda" or precision not in ("bf16", "fp16"):
         return backend
-    from hpcmeg.model import triton_attention
+    from hpcmeg.kernels import attention as attention_kernel
 
-    if triton_attention.triton is None:
+    if attention_kernel.triton is None:
         return backend
     major, _ = capability or torch.cuda.get_device_capability(device)
     return "triton" if major == 9 else backend

@@ -30,7 +30,7 @@ Contract
     byte c holds exactly the eight elements of Philox counter c. 1/8 of the bool mask's memory and
     traffic: the bias-dropout-add + LayerNorm saves it for the backward (1.75 B less per hidden
     element per layer than two bool masks), its forward
-    unpacks it with `unpack_bits` (tensor ops Inductor fuses) and triton_layernorm's backward
+    unpacks it with `unpack_bits` (tensor ops Inductor fuses) and hpcmeg/kernels/layernorm.py's backward
     reads the bits. Custom op hpcmeg::dropout_keep_bits; twin reference_keep_bits = pack_bits of
     the bool twin; pack_bits / unpack_bits convert between the two layouts.
   threshold(p) -> t = floor(p * 65536 + 0.5) in [0, 65536]; keep_scale(p) -> 65536 / (65536 - t),

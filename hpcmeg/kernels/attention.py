@@ -9,7 +9,7 @@ transposes), returns the output [b, s, heads, head_dim] (a free view of [b, s, h
 backward writes one dqkv [b, s, heads, 3 * head_dim] (no concatenation).
 
 The algorithm (FlashAttention-2's, causal, dropout inside the kernels from a precomputed keep-bit
-tensor) and its costs: hpcmeg/model/triton_attention_kernels.py, which holds the kernels.
+tensor) and its costs: hpcmeg/kernels/attention_kernels.py, which holds the kernels.
 
 Keep-mask layout (the twin `reference_keep` builds exactly this; tests/test_triton_attention.py
 checks it bit for bit in Triton's interpreter): for flat head index bh = b * heads + h, query row i
@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from hpcmeg.model.triton_dropout import draw_seed, philox4x32_10  # noqa: F401  (seeds; the twin's generator)
+from hpcmeg.kernels.dropout import draw_seed, philox4x32_10  # noqa: F401  (seeds; the twin's generator)
 
 try:
     import triton
@@ -112,10 +112,10 @@ def supports(qkv: torch.Tensor) -> bool:
             and qkv.shape[1] % SEQ_MULTIPLE == 0 and qkv.stride(-1) == 1)
 
 
-# ---- the kernels (hpcmeg/model/triton_attention_kernels.py) ---------------------------------
+# ---- the kernels (hpcmeg/kernels/attention_kernels.py) ---------------------------------
 
 if triton is not None:
-    from hpcmeg.model.triton_attention_kernels import (  # noqa: F401  (the tests compile them via this module)
+    from hpcmeg.kernels.attention_kernels import (  # noqa: F401  (the tests compile them via this module)
         _attn_bias_grad_kernel, _attn_bits_kernel, _attn_dkv_kernel, _attn_dq_kernel, _attn_fwd_kernel)
 
 

@@ -1,6 +1,6 @@
-"""The Triton kernels of hpcmeg/model/triton_attention.py (causal flash attention with dropout): the
+"""The Triton kernels of hpcmeg/kernels/attention.py (causal flash attention with dropout): the
 keep-bit draw, the forward, the backward's dQ and dK/dV kernels and the QKV bias gradient's final
-sum, with their @triton.jit helpers. triton_attention.py owns the launchers, the tile shapes
+sum, with their @triton.jit helpers. attention.py owns the launchers, the tile shapes
 (Launch), the keep-mask layout these kernels implement, the plain twin and the custom ops; the
 tests reach the kernels through it.
 

@@ -52,8 +52,8 @@ Contract
       the Triton kernels (CUDA tensors; CPU tensors under TRITON_INTERPRET=1 in the tests).
       dy, x, d_res [..., H] with any leading dims (flattened; made contiguous if they are not),
       weight [H] fp32 or the activation dtype, keep bool [..., H], or uint8 [..., H / 8] packed
-      as triton_dropout.pack_bits does (H % 8 == 0: 1/8 B per element), or None; scale the kept values'
-      factor (triton_dropout.keep_scale(p) for its masks, 1 / (1 - p) for torch's). dx, d_branch [..., H] contiguous in dy's
+      as dropout.pack_bits does (H % 8 == 0: 1/8 B per element), or None; scale the kept values'
+      factor (dropout.keep_scale(p) for its masks, 1 / (1 - p) for torch's). dx, d_branch [..., H] contiguous in dy's
       dtype; dw, db, dbias [H] in weight's dtype (fp32 sums, rounded once: in the sum kernel, so
       bf16 parameters take no cast kernels, 74 per 124M micro batch otherwise). d_branch is empty (numel 0) when keep is None, and dbias too
       unless bias_grad: then dbias = sum_rows(dx) (no dropout: the branch's gradient is dx itself).
@@ -80,7 +80,7 @@ from typing import Optional
 
 import torch
 
-from hpcmeg.model.triton_dropout import unpack_bits
+from hpcmeg.kernels.dropout import unpack_bits
 
 try:
     import triton
@@ -288,7 +288,7 @@ def _check(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, d_res: Optio
 
 def keep_problems(keep: Optional[torch.Tensor], like: torch.Tensor, name: str) -> list[str]:
     """What is wrong with a keep mask for rows shaped like `like` [..., H] (none: []): a bool mask of
-    like's shape, or uint8 bits [..., H / 8] packed as triton_dropout.pack_bits does."""
+    like's shape, or uint8 bits [..., H / 8] packed as dropout.pack_bits does."""
     h = like.shape[-1] if like.dim() else 0
     if keep is not None and keep.dtype == torch.uint8:
         if h % 8 or keep.shape != (*like.shape[:-1], h // 8):
