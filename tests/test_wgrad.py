@@ -27,7 +27,7 @@ from hpcmeg.train.step import TrainStep
 VOCAB = 128
 
 
-def fused_gpt(layers: int = 2, seed: int = 0, fused: bool = True, ce: str = "fused") -> GPT:
+def fused_gpt(layers: int = 2, seed: int = 0, fused: bool = True, ce: str = "grad_in_forward") -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(layers, 32, 4, 128, 16, VOCAB, hidden_dropout=0.0, attention_dropout=0.0, fused=fused,
                          fused_ce=ce))
@@ -84,7 +84,7 @@ def test_wgrad_op_passes_opcheck():
     torch.library.opcheck(torch.ops.hpcmeg.wgrad_accumulate_.default, (flat, dy, x, 8))
 
 
-def _grads(fusion: bool, n_micro: int, compile: bool = False, fused: bool = True, ce: str = "fused"):
+def _grads(fusion: bool, n_micro: int, compile: bool = False, fused: bool = True, ce: str = "grad_in_forward"):
     m = fused_gpt(fused=fused, ce=ce)
     buf, opt = build_optimizer(m, AdamWConfig(1e-2), bucket_numel=3000, wgrad_fusion=fusion)
     ts = TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu", compile=compile)
@@ -97,15 +97,15 @@ def _grads(fusion: bool, n_micro: int, compile: bool = False, fused: bool = True
     return buf, views, {k: v.clone() for k, v in m.state_dict().items()}, hist
 
 
-@pytest.mark.parametrize("n_micro,ce", [(1, "fused"), (3, "fused"), (3, "grad_in_forward")])
+@pytest.mark.parametrize("n_micro,ce", [(1, "grad_in_forward"), (3, "grad_in_forward"), (3, "backward_in_forward")])
 def test_sunk_buffer_layout_and_gradients_match_the_hook_path(n_micro, ce):
-    """With the grad-in-forward loss the tied word embedding is sunk too: the output layer's GEMM
-    and the embedding's index_add_ both add into its main grad."""
+    """The linears and the tied word embedding are sunk: the output layer's GEMM and the embedding's
+    index_add_ both add into its main grad."""
     buf, g_sink, w_sink, h_sink = _grads(True, n_micro, ce=ce)
     ref, g_ref, w_ref, h_ref = _grads(False, n_micro, ce=ce)
     sunk = [bk for bk in buf.buckets if bk.sunk]
     # qkv, dense, h->4h, 4h->h of each layer (+ the word embedding)
-    assert sum(len(bk.params) for bk in sunk) == 4 * 2 + (ce == "grad_in_forward")
+    assert sum(len(bk.params) for bk in sunk) == 4 * 2 + 1
     assert all(all(buf.is_sunk(p) == bk.sunk for p in bk.params) for bk in buf.buckets)  # never mixed
     assert not any(bk.sunk for bk in ref.buckets)
     for name in g_ref:
@@ -124,10 +124,10 @@ def test_compiled_sink_step_matches_eager_hooks():
     """torch.compile keeps the sink's mutation inside the compiled backward (the grad buffer is a module
     buffer: one static graph input), and the result is the eager hook path's. The compiled model also
     takes the grad-in-forward cross-entropy (its kernel's in-place write of an intermediate, under
-    Inductor) against the eager model's default one: one compile for both checks."""
-    _, g_c, w_c, h_c = _grads(True, 2, compile=True, ce="grad_in_forward")
+    Inductor)."""
+    _, g_c, w_c, h_c = _grads(True, 2, compile=True)
     _, g_e, w_e, h_e = _grads(False, 2)
-    assert h_c == pytest.approx(h_e, rel=1e-5)  # compiled, another CE implementation: case 2 on the loss
+    assert h_c == pytest.approx(h_e, rel=1e-5)  # compiled against eager: case 2 on the loss
     for name in g_e:  # case 3 (compiled model against eager); atol 1e-6 for main grads of a mean loss
         torch.testing.assert_close(g_c[name], g_e[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -149,7 +149,7 @@ def test_a_sunk_weight_with_a_grad_is_an_error_and_the_fusion_needs_a_fused_cuda
     assert not wgrad_fusion(fused_gpt(fused=False), torch.bfloat16)
 
 
-def _run_sink(world: int, rank: int, distributed: bool, micro_per_rank: int, ce: str = "fused"):
+def _run_sink(world: int, rank: int, distributed: bool, micro_per_rank: int, ce: str = "grad_in_forward"):
     m = fused_gpt(ce=ce)
     ctx = context_for(ParallelDims(world, distributed_optimizer=distributed), rank, rank, "cpu")
     buf, opt = build_optimizer(m, AdamWConfig(1e-2), ctx, bucket_numel=3000, wgrad_fusion=True)
@@ -175,18 +175,15 @@ def _dp_sink_case(rank, world, distributed, ce):
 @pytest.mark.dist
 def test_dp2_with_sinks_equals_one_process_accumulating(dist_pool):
     """The sunk buckets reduce in finish_grads (all-reduce, or reduce-scatter for the distributed
-    optimizer): DP2 x 1 micro batch == one process x 2, bitwise (a sum of two floats either way).
-    With the grad-in-forward loss the word embedding is sunk too (its bucket reduces last): its main
-    grad takes two additions per micro batch (the output layer's GEMM, then the embedding's rows),
-    so one process sums ((h1 + e1) + h2) + e2 where DP2 sums (h1 + e1) + (h2 + e2): equal to fp32
-    round-off, not bitwise."""
-    for distributed, ce in ((False, "fused"), (True, "fused"), (True, "grad_in_forward")):
-        for (ref_hist, ref_w), (hist, weights) in dist_pool(2).run(_dp_sink_case, distributed, ce):
-            if ce == "fused":  # case 1 (the docstring)
-                assert hist == ref_hist
-                assert all(torch.equal(weights[k], v) for k, v in ref_w.items())
-            else:  # grad norms from main grads one fp32 rounding apart (the docstring): a few u
-                assert hist == pytest.approx(ref_hist, rel=1e-6)
-                for k, v in ref_w.items():  # Adam's g / sqrt(v) lifts round-off of ~0 gradients to
-                    # ~1 % of a step (lr 1e-2): 1e-4 absolute, and rtol 1e-4 likewise
-                    torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-4)
+    optimizer): DP2 x 1 micro batch == one process x 2. The tied word embedding is sunk (its bucket
+    reduces last) and its main grad takes two additions per micro batch (the output layer's GEMM,
+    then the embedding's rows), so one process sums ((h1 + e1) + h2) + e2 where DP2 sums
+    (h1 + e1) + (h2 + e2): equal to fp32 round-off, not bitwise (and through the clipped global norm
+    every weight follows within that round-off)."""
+    for distributed in (False, True):
+        for (ref_hist, ref_w), (hist, weights) in dist_pool(2).run(_dp_sink_case, distributed, "grad_in_forward"):
+            # grad norms from main grads one fp32 rounding apart (the docstring): a few u
+            assert hist == pytest.approx(ref_hist, rel=1e-6)
+            for k, v in ref_w.items():  # Adam's g / sqrt(v) lifts round-off of ~0 gradients to
+                # ~1 % of a step (lr 1e-2): 1e-4 absolute, and rtol 1e-4 likewise
+                torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-4)

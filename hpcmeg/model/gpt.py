@@ -287,13 +287,12 @@ class GPT(nn.Module):
         """The weights whose every use can add its gradient straight into a main-grad sink
         (wgrad.py; build_optimizer sinks them with gradient-accumulation fusion): every nn.Linear's,
         and the word embedding when the embedding is a plain nn.Embedding and its tied output layer
-        here is an LMHead whose loss takes a sink (cross-entropy 'grad_in_forward' or
-        'backward_in_forward'). Fused models only."""
+        here is an LMHead (every fused loss takes a sink). Fused models only."""
         if not self.cfg.fused:
             return []
         out = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
         if (self.embedding is not None and type(self.embedding.word_embeddings) is nn.Embedding
-                and type(self.head) is LMHead and self.cfg.fused_ce in ("grad_in_forward", "backward_in_forward")):
+                and type(self.head) is LMHead):
             out.append(self.embedding.word_embeddings.weight)
         return out
 
