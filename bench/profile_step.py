@@ -40,7 +40,7 @@ import train_throughput as tt  # noqa: E402
 CATEGORIES = [
     ("attention", r"flash|fmha|cudnn|sdpa|attention|attn"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|wgmma"),
-    ("hpcmeg_triton", r"^_(gelu|ln|ce|sum_partials|sum_rows|keep_mask|keep_bits)"),  # hpcmeg/model/triton_*.py
+    ("hpcmeg_triton", r"^_(gelu|ln|ce|sum_partials|sum_rows|keep_mask|keep_bits)"),  # hpcmeg/kernels/*.py
     ("triton_persistent_red", r"^triton_per"),
     ("triton_reduction", r"^triton_red"),
     ("triton_pointwise", r"^triton_poi"),
