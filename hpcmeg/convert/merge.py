@@ -1,5 +1,6 @@
 """Merge the TP x PP shards of a Megatron-layout checkpoint into one full-model state dict, and split
-one back into any (tp, pp) layout. Shared by `hpcmeg convert`, `hpcmeg reshard` and `hpcmeg import-hf`.
+one back into any (tp, pp) layout. Shared by `hpcmeg convert`, `hpcmeg reshard` and `hpcmeg import-hf`
+(their output directories: hpcmeg/convert/output_dir.py).
 
 Contract
   "full" state dict = hpcmeg's flat Megatron legacy names (see hpcmeg/model/gpt.py) with GLOBAL layer
@@ -30,16 +31,16 @@ vocabulary are dropped or zero rows appended; rows of real tokens are never touc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
+# hpcmeg.convert.hf and import_hf still import the output-directory helpers from here
+from hpcmeg.convert.output_dir import OutputDirError, atomic_output_dir, check_output_dir  # noqa: F401
 from hpcmeg.checkpoint.shard_set import ShardInfo, ShardMismatchError, check_shard_set
 from hpcmeg.checkpoint.store import CheckpointWarning, load_checkpoint
 from hpcmeg.megatron.args import checkpoint_models
@@ -247,7 +248,8 @@ def _layout_of(iter_dir: str) -> tuple[int, int]:
     return max(tps) + 1, max(pps) + 1
 
 
-def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep_shards: bool = False) -> FullCheckpoint:
+def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None,
+                         keep_shards: bool = False) -> FullCheckpoint:
     """Load every shard of one iteration (verified against hpcmeg's manifest when present) and merge.
 
     Peak memory: one shard's whole dict (optimizer included) plus the model weights merged so far;
@@ -257,24 +259,45 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
     iteration = resolve_iteration(ckpt_dir, iteration)
     iter_dir = os.path.join(ckpt_dir, iter_dirname(iteration))
     tp, pp = _layout_of(iter_dir)
-    models: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    optimizers: dict[tuple[int, int], Any] = {}
-    rngs: dict[tuple[int, int], Any] = {}
-    infos: dict[tuple[int, int], ShardInfo] = {}
-    base: dict[str, Any] = {}
+    shards = _read_shards(ckpt_dir, iteration, tp, pp, keep_shards)
+    args = _model_args(shards.base, checkpoint_path(ckpt_dir, iteration, 0, 0, pp), iter_dir, tp, pp)
+    vpp = len(shards.models[(0, 0)])
+    try:
+        check_shard_set(shards.infos, tp, pp, iteration)
+    except ShardMismatchError as e:
+        raise CheckpointReadError(str(e)) from None
+    try:
+        full = merge_shards(virtual_stages(shards.models, pp), tp, pp * vpp, args.num_layers, where=iter_dir)
+    except ValueError as e:
+        raise CheckpointReadError(str(e)) from None
+    except KeyError as e:  # a foreign or damaged model dict
+        text = str(e.args[0]) if e.args else ""
+        raise CheckpointReadError(f"{iter_dir}: {text}" if " " in text else f"{iter_dir}: the model lacks {text!r}; "
+                                  f"not a legacy Megatron GPT checkpoint") from None
+    return FullCheckpoint(full=full, args=args, base=shards.base, iteration=iteration, tp=tp, pp=pp, iter_dir=iter_dir,
+                          shard_models=shards.models if keep_shards else None,
+                          shard_optimizers=shards.optimizers if keep_shards else None,
+                          shard_rng=shards.rngs if keep_shards else None, vpp=vpp)
+
+
+@dataclass
+class _Shards:
+    """What `_read_shards` keeps of every (tp, pp) shard; `base` is shard (0, 0)'s dict without its model."""
+    models: dict[tuple[int, int], list[dict[str, Any]]]
+    infos: dict[tuple[int, int], ShardInfo]
+    optimizers: dict[tuple[int, int], Any]
+    rngs: dict[tuple[int, int], Any]
+    base: dict[str, Any]
+
+
+def _read_shards(ckpt_dir: str, iteration: int | str, tp: int, pp: int, keep_shards: bool) -> _Shards:
+    """Every shard's model chunks and ShardInfo, one shard in memory at a time; optimizer and RNG state
+    only with keep_shards."""
+    shards = _Shards(models={}, infos={}, optimizers={}, rngs={}, base={})
     for p in range(pp):
         for t in range(tp):
-            with warnings.catch_warnings():
-                # a foreign (non-hpcmeg) checkpoint has no manifest: loading it unverified is expected here
-                warnings.simplefilter("ignore", CheckpointWarning)
-                try:
-                    got = load_checkpoint(ckpt_dir, tp_rank=t, pp_rank=p, tp_size=tp, pp_size=pp, iteration=iteration)
-                except (RuntimeError, ValueError) as e:
-                    raise CheckpointReadError(str(e).replace("requested checkpoint unusable: ", "")) from None
-            if got is None:
-                raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, t, p, pp)}: cannot be read")
-            state = got[1]
             path = checkpoint_path(ckpt_dir, iteration, t, p, pp)
+            state = _load_shard(ckpt_dir, iteration, t, p, tp, pp)
             try:
                 chunks = checkpoint_models(state)
             except KeyError:
@@ -282,122 +305,50 @@ def load_full_checkpoint(ckpt_dir: str, iteration: int | str | None = None, keep
                                           f"pipeline): not a Megatron GPT checkpoint") from None
             if not all(isinstance(c, dict) for c in chunks):
                 raise CheckpointReadError(f"{path}: its model entry is not a dict of tensors")
-            if models and len(chunks) != len(next(iter(models.values()))):
+            if shards.models and len(chunks) != len(shards.models[(0, 0)]):
                 raise CheckpointReadError(f"{path}: holds {len(chunks)} model chunk(s) where shard (0, 0) holds "
-                                          f"{len(next(iter(models.values())))}")
-            models[(t, p)] = chunks
+                                          f"{len(shards.models[(0, 0)])}")
+            shards.models[(t, p)] = chunks
             try:
-                infos[(t, p)] = ShardInfo.of(path, state, [from_megatron_model(c) for c in chunks])
+                shards.infos[(t, p)] = ShardInfo.of(path, state, [from_megatron_model(c) for c in chunks])
             except KeyError as e:  # a foreign or damaged model dict: the message says what it lacks
                 raise CheckpointReadError(f"{path}: {e.args[0] if e.args else e}") from None
             for k in [k for k in state if k == "model" or (k.startswith("model") and k[5:].isdigit())]:
                 del state[k]
             if keep_shards:
-                optimizers[(t, p)] = state.get("optimizer")
-                rngs[(t, p)] = state.get("rng_state")
+                shards.optimizers[(t, p)] = state.get("optimizer")
+                shards.rngs[(t, p)] = state.get("rng_state")
             if (t, p) == (0, 0):
-                base = state
+                shards.base = state
+    return shards
+
+
+def _load_shard(ckpt_dir: str, iteration: int | str, t: int, p: int, tp: int, pp: int) -> dict[str, Any]:
+    """The whole dict of shard (t, p); CheckpointReadError naming the file where it cannot be read."""
+    with warnings.catch_warnings():
+        # a foreign (non-hpcmeg) checkpoint has no manifest: loading it unverified is expected here
+        warnings.simplefilter("ignore", CheckpointWarning)
+        try:
+            got = load_checkpoint(ckpt_dir, tp_rank=t, pp_rank=p, tp_size=tp, pp_size=pp, iteration=iteration)
+        except (RuntimeError, ValueError) as e:
+            raise CheckpointReadError(str(e).replace("requested checkpoint unusable: ", "")) from None
+    if got is None:
+        raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, t, p, pp)}: cannot be read")
+    return got[1]
+
+
+def _model_args(base: dict[str, Any], first_shard: str, iter_dir: str, tp: int, pp: int) -> argparse.Namespace:
+    """Shard (0, 0)'s args, with the model sizes hpcmeg needs and the layout the shards have."""
     args = base.get("args")
     if not isinstance(args, argparse.Namespace):
-        raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, 0, 0, pp)}: no 'args' entry; hpcmeg needs "
-                                  f"the model sizes from it")
+        raise CheckpointReadError(f"{first_shard}: no 'args' entry; hpcmeg needs the model sizes from it")
     absent = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
               if not isinstance(getattr(args, k, None), int)]
     if absent:
-        raise CheckpointReadError(f"{checkpoint_path(ckpt_dir, iteration, 0, 0, pp)}: its args lack {', '.join(absent)}; "
-                                  f"not a Megatron GPT checkpoint hpcmeg can read")
+        raise CheckpointReadError(f"{first_shard}: its args lack {', '.join(absent)}; not a Megatron GPT checkpoint "
+                                  f"hpcmeg can read")
     a_tp = getattr(args, "tensor_model_parallel_size", tp)
     a_pp = getattr(args, "pipeline_model_parallel_size", pp)
     if (a_tp, a_pp) != (tp, pp):
         raise CheckpointReadError(f"{iter_dir}: holds tp={tp} x pp={pp} shards but its args say tp={a_tp} pp={a_pp}")
-    vpp = len(models[(0, 0)])
-    try:
-        check_shard_set(infos, tp, pp, iteration)
-    except ShardMismatchError as e:
-        raise CheckpointReadError(str(e)) from None
-    try:
-        full = merge_shards(virtual_stages(models, pp), tp, pp * vpp, args.num_layers, where=iter_dir)
-    except ValueError as e:
-        raise CheckpointReadError(str(e)) from None
-    except KeyError as e:  # a foreign or damaged model dict
-        text = str(e.args[0]) if e.args else ""
-        raise CheckpointReadError(f"{iter_dir}: {text}" if " " in text else f"{iter_dir}: the model lacks {text!r}; "
-                                  f"not a legacy Megatron GPT checkpoint") from None
-    return FullCheckpoint(full=full, args=args, base=base, iteration=iteration, tp=tp, pp=pp, iter_dir=iter_dir,
-                          shard_models=models if keep_shards else None,
-                          shard_optimizers=optimizers if keep_shards else None,
-                          shard_rng=rngs if keep_shards else None, vpp=vpp)
-
-
-# ------------------------------------------------------------------------------ atomic output dirs
-
-class OutputDirError(ValueError):
-    """The output directory cannot be created where asked (a file in the way, no permission)."""
-
-
-def _existing_ancestor(path: str) -> str:
-    while not os.path.lexists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def check_output_dir(out_dir: str, replaceable: Callable[[str], bool] = lambda d: False) -> None:
-    """Refuse, before any work is done, an output directory that atomic_output_dir could not create:
-    a non-empty foreign directory (FileExistsError), a file in the way, or a place this user cannot
-    write (OutputDirError). Every message names the path and what to do."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.lexists(out_dir):
-        if not os.path.isdir(out_dir):
-            raise OutputDirError(f"{out_dir} exists and is not a directory; choose another output directory")
-        try:
-            busy = bool(os.listdir(out_dir))
-        except OSError as e:
-            raise OutputDirError(f"{out_dir}: cannot list it ({e.strerror}); choose another output directory") from None
-        if busy and not replaceable(out_dir):
-            raise FileExistsError(f"{out_dir} exists and is not empty; choose another output directory or remove it")
-    anc = _existing_ancestor(os.path.dirname(out_dir))
-    if not os.path.isdir(anc):
-        raise OutputDirError(f"{anc} is a file, not a directory, so {out_dir} cannot be created there; choose "
-                             f"another output directory")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise OutputDirError(f"{anc}: permission denied: you cannot create {out_dir} there; choose a directory "
-                             f"you can write")
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str, replaceable: Callable[[str], bool] = lambda d: False) -> Iterator[str]:
-    """Yield a staging dir next to `out_dir`; on success rename it to `out_dir`, on error delete it.
-
-    An existing `out_dir` is left alone unless it is empty or `replaceable(out_dir)` says it is an
-    earlier output of the same tool (then it is swapped out only after the new one is complete), so
-    a failure never leaves a half-written or half-deleted `out_dir`. Parent directories created on
-    the way are removed again on failure: nothing of a failed run stays behind."""
-    out_dir = os.path.abspath(out_dir)
-    check_output_dir(out_dir, replaceable)
-    parent = os.path.dirname(out_dir)
-    created: list[str] = []
-    d = parent
-    while not os.path.isdir(d):
-        created.append(d)
-        d = os.path.dirname(d)
-    stage = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{os.getpid()}")
-    try:
-        for d in reversed(created):
-            os.mkdir(d)
-        if os.path.exists(stage):
-            shutil.rmtree(stage)
-        os.makedirs(stage)
-        yield stage
-        old = None
-        if os.path.exists(out_dir):
-            old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{os.getpid()}")
-            os.rename(out_dir, old)
-        os.rename(stage, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        for d in created:  # deepest first; only if still empty (another writer may use it now)
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
-        raise
+    return args
