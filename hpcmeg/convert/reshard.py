@@ -40,8 +40,9 @@ import torch
 
 from hpcmeg.convert.hf_tokenizer import TokenizerError, vocab_size_of
 from hpcmeg.errors import one_line
-from hpcmeg.convert.merge import (CheckpointReadError, FullCheckpoint, OutputDirError, atomic_output_dir,
-                                  check_output_dir, load_full_checkpoint, merge_tp, repad_vocab, split_full, split_tp)
+from hpcmeg.convert.merge import (CheckpointReadError, FullCheckpoint, load_full_checkpoint, merge_tp, repad_vocab,
+                                  split_full, split_tp)
+from hpcmeg.convert.output_dir import OutputDirError, atomic_output_dir, check_output_dir
 from hpcmeg.megatron.layout import WORD_EMB, pad_vocab_size
 from hpcmeg.checkpoint.store import save_checkpoint, write_text_atomic
 from hpcmeg.megatron.args import make_checkpoint_dict
@@ -285,45 +286,79 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
         raise ReshardError(f"--vpp {vpp} needs --pp > 1 (virtual stages are chunks of pipeline stages)")
     check_output_dir(out_dir)  # before loading every shard, not after
     ck = load_full_checkpoint(ckpt_dir, iteration, keep_shards=True)
-    a = ck.args
-    if a.num_attention_heads % tp:
-        raise ReshardError(f"num_attention_heads={a.num_attention_heads} is not divisible by --tp {tp}")
-    if a.num_layers % (pp * vpp):
-        raise ReshardError(f"num_layers={a.num_layers} is not divisible by --pp {pp}" + (f" x --vpp {vpp}" if vpp > 1 else ""))
+    source = ck.args
+    if source.num_attention_heads % tp:
+        raise ReshardError(f"num_attention_heads={source.num_attention_heads} is not divisible by --tp {tp}")
+    if source.num_layers % (pp * vpp):
+        raise ReshardError(f"num_layers={source.num_layers} is not divisible by --pp {pp}"
+                           + (f" x --vpp {vpp}" if vpp > 1 else ""))
     rows = ck.full[WORD_EMB].shape[0]
     orig = true_vocab_size(ck) or rows
-    div = getattr(a, "make_vocab_size_divisible_by", None) or 128
-    padded = pad_vocab_size(orig, div, tp)
+    padded = pad_vocab_size(orig, getattr(source, "make_vocab_size_divisible_by", None) or 128, tp)
     full = repad_vocab(ck.full, orig, padded)
+    hp = dict(ck.base.get("hpcmeg") or {})
+    extra = {"previous": hp.get("extra"),
+             "resharded_from": {"checkpoint_dir": os.path.abspath(ckpt_dir), "iteration": ck.iteration,
+                                "tp": ck.tp, "pp": ck.pp, "vpp": ck.vpp, "padded_vocab_size": rows}}
+    optimizers = _resharded_optimizer(ck, tp, pp, vpp, orig, padded, extra, on_note)
+    rngs = _resharded_rng(ck, tp, pp, on_note)
+    ck.shard_models = ck.shard_optimizers = ck.shard_rng = None
+    args, recipe = _target_args(source, tp, pp, vpp, orig, padded), _target_recipe(hp.get("recipe"), tp, pp, vpp)
+    kept = {k: v for k, v in ck.base.items()
+            if k not in ("args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
+                         "rng_state", "hpcmeg")}
+    iteration_value = 0 if ck.iteration == RELEASE_DIRNAME else int(ck.base.get("iteration", ck.iteration))
+    states = {}
+    for key, model in split_full(full, tp, pp, source.num_layers, source.num_attention_heads, vpp).items():
+        state = make_checkpoint_dict(args=args, iteration=iteration_value, model=model, optimizer=optimizers.get(key),
+                                     opt_param_scheduler=ck.base.get("opt_param_scheduler"), rng_state=rngs[key],
+                                     recipe=recipe, data_state=hp.get("data_state"), extra=extra)
+        state.update(kept)
+        states[key] = state
+    with atomic_output_dir(out_dir) as stage:
+        write_checkpoint_layout(stage, ck.iteration, states, tp, pp)
+    return os.path.abspath(out_dir)
 
-    args = argparse.Namespace(**vars(a))
+
+def _target_args(source: argparse.Namespace, tp: int, pp: int, vpp: int, orig: int, padded: int) -> argparse.Namespace:
+    """The source's args with the new layout, padded vocabulary and world size (same data parallelism)."""
+    args = argparse.Namespace(**vars(source))
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     args.padded_vocab_size, args.orig_vocab_size = padded, orig
-    dp = getattr(a, "data_parallel_size", None) or 1
-    args.world_size = tp * pp * dp
-    hp = dict(ck.base.get("hpcmeg") or {})
-    recipe = copy.deepcopy(hp.get("recipe"))
+    args.world_size = tp * pp * (getattr(source, "data_parallel_size", None) or 1)
+    return args
+
+
+def _target_recipe(source: Any, tp: int, pp: int, vpp: int) -> Any:
+    """A copy of the checkpoint's recipe (when it has one) with the new layout in its parallel section."""
+    recipe = copy.deepcopy(source)
     if isinstance(recipe, dict):
         par = recipe.setdefault("parallel", {})
         par.update(tensor=tp, pipeline=pp)
         if vpp > 1 or par.get("virtual_pipeline"):
             par["virtual_pipeline"] = vpp if vpp > 1 else None
-    extra = {"previous": hp.get("extra"),
-             "resharded_from": {"checkpoint_dir": os.path.abspath(ckpt_dir), "iteration": ck.iteration,
-                                "tp": ck.tp, "pp": ck.pp, "vpp": ck.vpp, "padded_vocab_size": rows}}
-    kept = {k: v for k, v in ck.base.items()
-            if k not in ("args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
-                         "rng_state", "hpcmeg")}
-    optimizers: dict[tuple[int, int], Any] = {}
+    return recipe
+
+
+def _resharded_optimizer(ck: FullCheckpoint, tp: int, pp: int, vpp: int, orig: int, padded: int, extra: dict,
+                         on_note: Callable[[str], None]) -> dict[tuple[int, int], Any]:
+    """The optimizer state of every target shard; {} (weights only, said in ``extra`` and by ``on_note``)
+    when the source's is not hpcmeg's trainer layout."""
     try:
         moments, meta = _merge_optimizer(ck)
-        optimizers = _split_optimizer(moments, meta, tp, pp, a.num_layers, a.num_attention_heads, orig, padded, vpp)
+        heads = ck.args.num_attention_heads
+        return _split_optimizer(moments, meta, tp, pp, ck.args.num_layers, heads, orig, padded, vpp)
     except ValueError as e:
         extra["optimizer_dropped"] = str(e)  # weights-only: start from it with checkpoint.load
         on_note(f"optimizer state not resharded ({e}); the new checkpoint holds weights, schedule and "
                 f"counters: start from it with checkpoint.load")
-    seed = getattr(a, "seed", None)
+        return {}
+
+
+def _resharded_rng(ck: FullCheckpoint, tp: int, pp: int, on_note: Callable[[str], None]) -> dict[tuple[int, int], Any]:
+    """Every target shard's rng_state (target_rng_states); ``on_note`` says how many start fresh."""
+    seed = getattr(ck.args, "seed", None)
     if not isinstance(seed, int):
         seed = int(((ck.recipe or {}).get("train") or {}).get("seed", 1234))  # Megatron's default seed
     rngs = target_rng_states(ck.shard_rng or {}, tp, pp, seed)
@@ -332,19 +367,7 @@ def reshard_checkpoint(ckpt_dir: str, out_dir: str, tp: int, pp: int, iteration:
         on_note(f"{len(new_ranks)} shard(s) of the new layout have no source shard at their (tp, pp) rank, e.g. "
                 f"{new_ranks[0]}: their RNG streams start as a fresh run's, so the resumed losses follow the old "
                 f"run's closely, not bit for bit")
-    ck.shard_models = ck.shard_optimizers = ck.shard_rng = None
-    iteration_value = 0 if ck.iteration == RELEASE_DIRNAME else int(ck.base.get("iteration", ck.iteration))
-    states = {}
-    for key, model in split_full(full, tp, pp, a.num_layers, a.num_attention_heads, vpp).items():
-        st = make_checkpoint_dict(args=args, iteration=iteration_value, model=model, optimizer=optimizers.get(key),
-                                  opt_param_scheduler=ck.base.get("opt_param_scheduler"),
-                                  rng_state=rngs[key],
-                                  recipe=recipe, data_state=hp.get("data_state"), extra=extra)
-        st.update(kept)
-        states[key] = st
-    with atomic_output_dir(out_dir) as stage:
-        write_checkpoint_layout(stage, ck.iteration, states, tp, pp)
-    return os.path.abspath(out_dir)
+    return rngs
 
 
 def cli_reshard(args: argparse.Namespace) -> int:
