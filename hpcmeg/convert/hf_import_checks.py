@@ -151,51 +151,78 @@ def check_hf_weights(cfg: dict[str, Any], sd: dict[str, torch.Tensor], where: st
     """Problems of the weights `sd` (read from `where`) against a config that check_hf_config passed."""
     prefix = "transformer." if any(k.startswith("transformer.") for k in sd) else ""
     exp = expected_shapes(cfg, prefix)
-    n_layer = cfg["n_layer"]
-    groups: dict[str, list[str]] = {}  # config key or kind -> lines; one line each in the end
-
-    def add(group: str, line: str) -> None:
-        groups.setdefault(group, []).append(line)
-
     blocks = sorted({int(m.group(1)) for k in sd if k.startswith(prefix) and (m := _BLOCK.match(k[len(prefix):]))})
     have = blocks[-1] + 1 if blocks else 0
+    groups: dict[str, list[str]] = {}  # config key or kind -> lines; one line each in the end
+    for group, line in (_layer_count(cfg, prefix, have, where) + _expected_tensors(cfg, sd, exp, prefix, have, where)
+                        + _other_tensors(cfg, sd, exp, prefix, where)):
+        groups.setdefault(group, []).append(line)
+    if cfg.get("n_inner") is None and "n_embd" in groups and "n_inner" in groups:
+        groups["n_embd"] += groups.pop("n_inner")  # the MLP width is 4 x n_embd: one wrong key, one line
+    return [lines[0] + (f" (and {len(lines) - 1} more tensors)" if len(lines) > 1 else "")
+            for lines in groups.values()]
+
+
+def _layer_count(cfg: dict[str, Any], prefix: str, have: int, where: str) -> list[tuple[str, str]]:
+    """(group, line) when the weights hold more or fewer blocks (``have``) than config.json's n_layer."""
+    n_layer = cfg["n_layer"]
     span = f"{prefix}h.0 .. {prefix}h.{have - 1}" if have else "none"
-    def blocks_from(a: int, b: int) -> str:
-        return f"block {a}" if a == b else f"blocks {a} .. {b}"
+
+    def blocks_from(first: int, last: int) -> str:
+        return f"block {first}" if first == last else f"blocks {first} .. {last}"
 
     if have > n_layer:
-        add("n_layer", f"{where}: config.json n_layer={n_layer} but the weights hold {have} blocks ({span}): "
-                       f"{prefix}h.{n_layer}.ln_1.weight and the rest of {blocks_from(n_layer, have - 1)} would be "
-                       f"dropped; set n_layer to {have}")
-    elif have < n_layer:
-        add("n_layer", f"{where}: config.json n_layer={n_layer} but the weights hold only {have} blocks ({span}): "
-                       f"{prefix}h.{have}.ln_1.weight and the rest of {blocks_from(have, n_layer - 1)} are missing; "
-                       + (f"set n_layer to {have}" if have else "give a GPT-2's block weights"))
+        return [("n_layer", f"{where}: config.json n_layer={n_layer} but the weights hold {have} blocks ({span}): "
+                            f"{prefix}h.{n_layer}.ln_1.weight and the rest of {blocks_from(n_layer, have - 1)} would "
+                            f"be dropped; set n_layer to {have}")]
+    if have < n_layer:
+        return [("n_layer", f"{where}: config.json n_layer={n_layer} but the weights hold only {have} blocks ({span}): "
+                            f"{prefix}h.{have}.ln_1.weight and the rest of {blocks_from(have, n_layer - 1)} are "
+                            f"missing; " + (f"set n_layer to {have}" if have else "give a GPT-2's block weights"))]
+    return []
+
+
+def _expected_tensors(cfg: dict[str, Any], sd: dict[str, torch.Tensor], exp: dict, prefix: str, have: int,
+                      where: str) -> list[tuple[str, str]]:
+    """(group, line) for every tensor config.json implies that is missing (outside a missing block),
+    has another shape (grouped by the config key it disagrees with) or is not floating point."""
+    out = []
     for name, dims in exp.items():
         if name not in sd:
-            m = _BLOCK.match(name[len(prefix):])
-            if m and int(m.group(1)) >= have:
+            block = _BLOCK.match(name[len(prefix):])
+            if block and int(block.group(1)) >= have:
                 continue  # a missing block: the n_layer line says it
-            add("missing", f"{where}: {name} missing (expected {_shape(s for s, _ in dims)} for config.json "
-                           f"{_key_value(cfg, dims[0][1])}, n_layer={n_layer}); give the complete weights")
+            out.append(("missing", f"{where}: {name} missing (expected {_shape(s for s, _ in dims)} for config.json "
+                                   f"{_key_value(cfg, dims[0][1])}, n_layer={cfg['n_layer']}); give the complete "
+                                   f"weights"))
             continue
-        t = sd[name]
-        keys = _blame(dims, t.shape)
+        tensor = sd[name]
+        keys = _blame(dims, tensor.shape)
         for key in keys:
             want = _shape(s for s, _ in dims)
-            add(key, f"{where}: config.json {_key_value(cfg, key)} disagrees with {name}: expected shape {want}, "
-                     f"found {_shape(t.shape)}; fix {key} in config.json or give the matching weights")
-        if not keys and not t.dtype.is_floating_point:
+            out.append((key, f"{where}: config.json {_key_value(cfg, key)} disagrees with {name}: expected shape "
+                             f"{want}, found {_shape(tensor.shape)}; fix {key} in config.json or give the matching "
+                             f"weights"))
+        if not keys and not tensor.dtype.is_floating_point:
             dkey = "dtype" if "dtype" in cfg else "torch_dtype"
-            add("dtype", f"{where}: {name} has dtype {t.dtype} (config.json {dkey}={cfg.get(dkey)}); GPT-2 weights "
-                         f"are floating point")
+            out.append(("dtype", f"{where}: {name} has dtype {tensor.dtype} (config.json {dkey}={cfg.get(dkey)}); "
+                                 f"GPT-2 weights are floating point"))
+    return out
+
+
+def _other_tensors(cfg: dict[str, Any], sd: dict[str, torch.Tensor], exp: dict, prefix: str,
+                   where: str) -> list[tuple[str, str]]:
+    """(group, line) for every stored tensor config.json does not imply: an lm_head that is not wte's
+    tie, or an unexpected weight (old mask buffers and the blocks past n_layer excepted)."""
+    n_layer = cfg["n_layer"]
+    out = []
     for name in sorted(sd):
         if name in exp:
             continue
         rest = name[len(prefix):] if name.startswith(prefix) else None
         if rest is not None and _MASK_BUFFER.match(rest):
             continue
-        if rest is not None and (m := _BLOCK.match(rest)) and int(m.group(1)) >= n_layer:
+        if rest is not None and (block := _BLOCK.match(rest)) and int(block.group(1)) >= n_layer:
             continue  # an extra block: the n_layer line says it
         if name == "lm_head.weight":
             wte = sd.get(prefix + "wte.weight")
@@ -204,14 +231,12 @@ def check_hf_weights(cfg: dict[str, Any], sd: dict[str, torch.Tensor], where: st
                 continue
             diff = (f"shapes {_shape(lm.shape)} vs {_shape(wte.shape)}" if lm.shape != wte.shape else
                     f"largest difference {(lm.float() - wte.float()).abs().max().item():.3g}")
-            add("tie", f"{where}: config.json tie_word_embeddings=True but lm_head.weight differs from "
-                       f"{prefix}wte.weight ({diff}); hpcmeg's GPT ties them, so this output layer would be lost")
+            out.append(("tie", f"{where}: config.json tie_word_embeddings=True but lm_head.weight differs from "
+                               f"{prefix}wte.weight ({diff}); hpcmeg's GPT ties them, so this output layer would be "
+                               f"lost"))
             continue
         arch = cfg.get("architectures")
-        add("unexpected", f"{where}: unexpected weight {name} {_shape(sd[name].shape)} (config.json "
-                          f"architectures={arch}; a GPT2LMHeadModel with n_layer={n_layer} has no such tensor); "
-                          f"give a GPT2LMHeadModel's weights")
-    if cfg.get("n_inner") is None and "n_embd" in groups and "n_inner" in groups:
-        groups["n_embd"] += groups.pop("n_inner")  # the MLP width is 4 x n_embd: one wrong key, one line
-    return [lines[0] + (f" (and {len(lines) - 1} more tensors)" if len(lines) > 1 else "")
-            for lines in groups.values()]
+        out.append(("unexpected", f"{where}: unexpected weight {name} {_shape(sd[name].shape)} (config.json "
+                                  f"architectures={arch}; a GPT2LMHeadModel with n_layer={n_layer} has no such "
+                                  f"tensor); give a GPT2LMHeadModel's weights"))
+    return out
