@@ -5,6 +5,8 @@ running for 30 s, then every 60 s; HPCMEG_TEST_HEARTBEAT=FIRST[,EVERY] seconds, 
 (``slurm/local-cluster.sh start``: two emulated nodes, accounting, fake pyxis) once per test
 session; tests that need it are marked ``slurm``. Set HPCMEG_SKIP_SLURM=1 to skip them on a
 machine where the cluster cannot be installed.
+
+When the session ends, any rank process (tests/preloaded.py) a timed-out test left running is killed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ CLUSTER_SCRIPT = REPO / "slurm" / "local-cluster.sh"
 
 def pytest_configure(config):
     heartbeat.register(config)
+
+
+def pytest_unconfigure(config):
+    from preloaded import kill_leftovers
+
+    kill_leftovers()
 
 
 def hpcmeg_cmd() -> list[str]:
@@ -72,7 +80,7 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def dist_pool():
-    """``dist_pool(world).run(fn, *args)``: a gloo process pool per world size, spawned once per session."""
+    """``dist_pool(world).run(fn, *args)``: a gloo process pool per world size, started once per session."""
     from dist_pool import DistPool
 
     pools: dict[int, DistPool] = {}

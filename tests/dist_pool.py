@@ -1,14 +1,15 @@
-"""A pool of gloo processes that lives for the whole test session: spawn once per world size, run
+"""A pool of gloo processes that lives for the whole test session: started once per world size, run
 many cases in it (the idea of torch's MultiProcContinousTest).
 
 Spawning and joining a 2-process gloo group costs ~3-5 s on 2 cores (interpreter start, torch
 import, rendezvous); a parallelism test file with 30 cases would spend minutes on it. Here each
-world size is spawned once per session, and a case is one function run on every rank.
+world size is started once per session, and a case is one function run on every rank. The ranks
+fork from tests/preloaded.py's server, so not even that first start imports torch again.
 
 Contract
 - ``DistPool(world).run(fn, *args, timeout=...) -> [result of rank 0, rank 1, ...]``: ``fn`` must be
   a module-level function (pickled by reference; test modules are importable in the workers because
-  spawn passes the parent's sys.path) called as ``fn(rank, world, *args)`` on every rank, with the
+  multiprocessing passes the parent's sys.path) called as ``fn(rank, world, *args)`` on every rank, with the
   default process group already initialised (gloo, ``torch.set_num_threads(1)``). Its return value
   must be picklable (tensors are fine).
 - A rank that raises: ``run`` raises AssertionError with every failing rank's traceback. A case that
@@ -19,7 +20,6 @@ Contract
 """
 from __future__ import annotations
 
-import os
 import queue as queue_mod
 import socket
 import time
@@ -58,24 +58,16 @@ class DistPool:
         self._case = 0
 
     def _start(self) -> None:
-        import torch.multiprocessing as mp
+        from preloaded import context
 
-        ctx = mp.get_context("spawn")
+        ctx = context()  # forked from a server that has imported torch (OMP_NUM_THREADS=1 there)
         port = _free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
-        env_before = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned interpreters
-        try:
-            self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results),
-                                       daemon=True) for r in range(self.world)]
-            for p in self._procs:
-                p.start()
-        finally:
-            if env_before is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_before
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world, port, self._tasks[r], self._results),
+                                   daemon=True) for r in range(self.world)]
+        for p in self._procs:
+            p.start()
 
     def run(self, fn, *args, timeout: float = 180.0) -> list:
         if not self._procs or not all(p.is_alive() for p in self._procs):

@@ -101,18 +101,21 @@ class Ranks:
     sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as hpcmeg's
     local executor starts them. torchrun itself costs a torch import and an agent per launch (~3 s
     on 2 cores); the multi-process tests launch ~25 times. One torchrun test stays
-    (tests/test_dp.py). Like srun --kill-on-bad-exit, the others are stopped when one rank fails.
+    (tests/test_dp.py). Each rank is a process forked from tests/preloaded.py's server, which has
+    imported torch already: a fresh interpreter per rank spent ~4 s of CPU on imports, ~90 ranks
+    a session. Like srun --kill-on-bad-exit, the others are stopped when one rank fails.
     Output goes to files (pipes of N ranks could fill while we wait on one); stdout of all ranks,
     rank order, is returned as torchrun would merge it."""
 
     def __init__(self, nproc: int, args: list[str], env: dict):
         import tempfile
+
+        from preloaded import CliProcess
         port = str(free_port())
-        self.logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
-        self.procs = [subprocess.Popen([sys.executable, "-m", "hpcmeg.cli", *args], stdout=o, stderr=e, text=True,
-                                       env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
-                                                LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                                                MASTER_PORT=port))
+        self.logs = [(tempfile.NamedTemporaryFile("w+"), tempfile.NamedTemporaryFile("w+")) for _ in range(nproc)]
+        self.procs = [CliProcess(args, dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+                                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                                 o.name, e.name)
                       for r, (o, e) in enumerate(self.logs)]
 
     def poll(self):

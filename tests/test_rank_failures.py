@@ -1,11 +1,13 @@
 """A failure on one rank of `hpcmeg train` is seen on every rank, and a stop asked during start-up is kept.
 
-On real gloo ranks (`python -m hpcmeg.cli train` started as torchrun starts them) and a real TP2
-checkpoint: one rank's shard is altered so that only that rank finds the problem while loading (a
-tensor of another architecture's size, the manifest updated to match, so nothing before the load
-notices). That rank prints its one line; the other prints one line naming it; both exit 2 together,
-no traceback. And a SIGTERM that arrives while the recipe is still being read (the recipe is a FIFO
-the test writes only after the signal) ends the run before its first step with a line and exit 3.
+On real gloo ranks (`hpcmeg train` processes with the variables torchrun sets, forked from
+tests/preloaded.py's server, which has imported torch) and a real TP2 checkpoint: one rank's shard
+is altered so that only that rank finds the problem while loading (a tensor of another
+architecture's size, the manifest updated to match, so nothing before the load notices). That
+rank prints its one line; the other prints one line naming it; both exit 2 together, no traceback.
+And a SIGTERM that arrives while the recipe is still being read (the recipe is a FIFO the test
+writes only after the signal; a fresh interpreter, so torch is not imported yet) ends the run
+before its first step with a line and exit 3.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from helpers import TINY_RECIPE, TRAIN_BASE, Ranks, run_ranks, stdlib_dataset
+from preloaded import run_cli
 from hpcmeg.checkpoint.store import file_crc32
 from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_REQUEUE, MANIFEST_FILENAME
 
@@ -155,8 +158,7 @@ def test_a_process_count_other_than_the_recipes_is_one_warning_line(tmp_path):
     """One process started for a recipe that plans 1 node x 2 CPU tasks: a warning naming both counts
     and the keys, on stderr before anything is built (the run itself then fails on its missing data)."""
     args = _args(tmp_path, tmp_path / "no-such-data", "count", ["cluster.nodes=1", "cluster.cpu_tasks_per_node=2"])
-    p = subprocess.run([sys.executable, "-m", "hpcmeg.cli", *args], capture_output=True, text=True, env=_env(),
-                       timeout=300)
+    p = run_cli(args, _env(), timeout=300)
     lines = p.stderr.splitlines()
     assert lines and lines[0] == ("hpcmeg train: warning: 1 process(es) are running but the recipe plans 2 "
                                   "(cluster.nodes 1 x cluster.cpu_tasks_per_node 2); data parallelism and gradient "
