@@ -15,13 +15,13 @@ own os.environ before it runs anything.
 
 Contract
 - ``context()``: the multiprocessing forkserver context, its server started (once) and preloaded.
-- ``CliProcess(args, env, stdout, stderr)``: ``python -m hpcmeg.cli ARGS`` with environment ``env``
-  (the whole environment, as subprocess's env=), stdout and stderr appended to the files at those
-  paths, in a process forked from the server. Popen's interface as far as the tests use it: pid,
+- ``CliProcess(args, env, stdout, stderr, cwd=None)``: ``python -m hpcmeg.cli ARGS`` with environment
+  ``env`` (the whole environment, as subprocess's env=), stdout and stderr appended to the files at
+  those paths, in ``cwd`` (default: this process's), in a process forked from the server. Popen's interface as far as the tests use it: pid,
   poll(), wait(timeout) (raises subprocess.TimeoutExpired), returncode (-N for signal N),
   send_signal(sig), kill(). The child ends like an interpreter: exit code of main(), non-daemon
   threads joined, atexit handlers run. It may start processes of its own (DataLoader workers).
-- ``run_cli(args, env, timeout) -> subprocess.CompletedProcess``: a CliProcess to its end, text
+- ``run_cli(args, env, timeout, cwd=None) -> subprocess.CompletedProcess``: a CliProcess to its end, text
   stdout and stderr (subprocess.run(..., capture_output=True, text=True)'s result).
 - ``kill_leftovers()``: tests/conftest.py calls it when the session ends.
 """
@@ -60,11 +60,11 @@ def context():
     return ctx
 
 
-def run_cli(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], env: dict, timeout: float, cwd=None) -> subprocess.CompletedProcess:
     import tempfile
 
     with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
-        p = CliProcess(args, env, out.name, err.name)
+        p = CliProcess(args, env, out.name, err.name, cwd)
         try:
             code = p.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -84,13 +84,15 @@ def kill_leftovers() -> None:
             p.join(5)
 
 
-def _cli_child(args: list[str], env: dict, stdout: str, stderr: str) -> None:
+def _cli_child(args: list[str], env: dict, stdout: str, stderr: str, cwd: str | None) -> None:
     """In the forked child: become `python -m hpcmeg.cli ARGS` with stdout/stderr on those files."""
     import atexit
     import threading
 
     os.environ.clear()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     for fd, path in ((1, stdout), (2, stderr)):
         f = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(f, fd)
@@ -115,8 +117,9 @@ def _cli_child(args: list[str], env: dict, stdout: str, stderr: str) -> None:
 
 
 class CliProcess:
-    def __init__(self, args: list[str], env: dict, stdout: str, stderr: str):
-        self._p = context().Process(target=_cli_child, args=(list(args), dict(env), stdout, stderr), name=NAME)
+    def __init__(self, args: list[str], env: dict, stdout: str, stderr: str, cwd=None):
+        self._p = context().Process(target=_cli_child, name=NAME,
+                                    args=(list(args), dict(env), stdout, stderr, None if cwd is None else str(cwd)))
         self._p.start()
         self.pid = self._p.pid
         self.args = args
