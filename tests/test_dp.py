@@ -106,10 +106,14 @@ def _two_ranks(tmp_path, mode, signal_rank1_after_s=None):
 
     import torch.multiprocessing as mp
 
+    from preloaded import context
+
     prefix = stdlib_dataset(tmp_path / "data")
     res_dir = tmp_path / f"res-{mode}"
     res_dir.mkdir()
-    ctx = mp.spawn(_rank_worker, args=(free_port(), str(tmp_path), prefix, mode, str(res_dir)), nprocs=2, join=False)
+    context()  # the forkserver the ranks fork from: torch imported once per session, not per rank
+    ctx = mp.start_processes(_rank_worker, args=(free_port(), str(tmp_path), prefix, mode, str(res_dir)), nprocs=2,
+                             join=False, start_method="forkserver")
     if signal_rank1_after_s is not None:
         deadline = time.time() + 120
         metrics = tmp_path / mode / "metrics.jsonl"
