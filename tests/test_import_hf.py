@@ -138,10 +138,9 @@ def test_hpcmeg_train_fine_tunes_from_import_then_converts(hf, tmp_path):
     """The acceptance path: import-hf -> `hpcmeg train` with checkpoint.load (weights only, iteration 0)
     -> a few steps on real text tokenized with the imported tokenizer -> `hpcmeg convert` of the
     fine-tuned checkpoint loads in transformers with the same sizes."""
-    import subprocess
-    import sys
-
     import yaml
+
+    from preloaded import run_cli
 
     ck = str(tmp_path / "imported")
     assert hpcmeg_main(["import-hf", hf["dir"], ck]) == 0
@@ -166,8 +165,8 @@ def test_hpcmeg_train_fine_tunes_from_import_then_converts(hf, tmp_path):
     }
     path = tmp_path / "ft.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    r = subprocess.run([sys.executable, "-m", "hpcmeg.cli", "train", str(path)], capture_output=True, text=True,
-                       timeout=600, cwd=str(tmp_path))
+    # a process of its own, forked with torch already imported (tests/preloaded.py)
+    r = run_cli(["train", str(path)], dict(os.environ), timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"weights from {ck}" in r.stdout + r.stderr
     run_ck = str(tmp_path / "runs" / "ft" / "checkpoints")

@@ -1,7 +1,8 @@
 """Exact resume on CPU: an interrupted-and-resumed run equals the uninterrupted one, bit for bit.
 
 Dropout is ON (0.1) so the RNG restore matters; the interruption is Megatron's exit interval
-(in process) and a real SIGTERM to a `hpcmeg train` subprocess (all ranks agree, save, exit 3).
+(in process) and a real SIGTERM to a `hpcmeg train` process (all ranks agree, save, exit 3), forked
+from tests/preloaded.py's server, which has imported torch.
 Per-step losses, grad norms and validation losses from metrics.jsonl are compared with ==, and the
 final checkpoints (model, optimizer moments, schedule) with torch.equal.
 """
@@ -11,8 +12,7 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
+import tempfile
 import time
 
 import pytest
@@ -23,6 +23,7 @@ from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_OK, EXIT_REQUEUE
 from hpcmeg.train.entry import train
 from hpcmeg.train.metrics import read_metrics
 from helpers import SMALL, TINY_RECIPE as TINY, run_dir, small_recipe, stdlib_dataset
+from preloaded import CliProcess, run_cli
 
 N = 10
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", f"train.train_iters={N}", "train.eval_interval=4"]
@@ -112,25 +113,27 @@ def test_sigterm_then_resume_is_exact(straight):
     prefix, out, rd_ref = straight
     sets = [f"run.output_root={out}", "run.name=signalled", f"data.data_path=[{prefix}]"]
 
-    cmd = [sys.executable, "-m", "hpcmeg.cli", "train", TINY]
+    args = ["train", TINY]
     for s in sets + SMALL + DROPOUT:
-        cmd += ["--set", s]
+        args += ["--set", s]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     rd = os.path.join(str(out), "signalled")
     metrics = os.path.join(rd, "metrics.jsonl")
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and p.poll() is None:
-        if os.path.exists(metrics) and read_metrics(metrics)["train"]:
-            break
-        time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
-    stdout, stderr = p.communicate(timeout=240)
+    with tempfile.NamedTemporaryFile("w+") as out_f, tempfile.NamedTemporaryFile("w+") as err_f:
+        p = CliProcess(args, env, out_f.name, err_f.name)
+        deadline = time.time() + 240
+        while time.time() < deadline and p.poll() is None:
+            if os.path.exists(metrics) and read_metrics(metrics)["train"]:
+                break
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=240)
+        stdout, stderr = out_f.read(), err_f.read()
     assert p.returncode == EXIT_REQUEUE, stderr[-3000:]
     status = json.load(open(os.path.join(rd, "train_status.json")))
     assert status["status"] == "preempted" and "SIGTERM" in status["reason"] and status["iteration"] < N
     assert "resume me" in stdout
-    r2 = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    r2 = run_cli(args, env, timeout=300)
     assert r2.returncode == EXIT_OK, r2.stderr[-3000:]
     assert curves(rd) == curves(rd_ref)
     assert_same_final(rd, rd_ref)
