@@ -303,4 +303,6 @@ def test_shard_of_another_save_is_refused_at_resume(runs, tmp_path, dist_pool):
         train(nproc, runs.out, runs.prefix, "tp2sp_mixed", BASE + extra)
     text = str(e.value)
     assert f"[rank 1]: {checkpoint_path(mixed, 6, 1, 0, 1)}: holds iteration 3" in text, text[-3000:]
-    assert "another rank's shard" in text and "Traceback" not in text, text[-3000:]
+    # and no rank talked to the store after rank 0 (its host) had gone: torch prints that broken pipe
+    # with a C++ stack beside the ranks' lines (train/peers.py: rank 0 leaves last)
+    assert "another rank's shard" in text and "Traceback" not in text and "Broken pipe" not in text, text[-3000:]

@@ -201,6 +201,7 @@ class _TrainJob:
                 self.ctx.destroy()
             if self.peers is not None:
                 self.peers.linger()  # a failed rank waits for the others' lines (kill-on-bad-exit)
+                self.peers.close()  # rank 0, which serves the store, leaves after the others
 
 
 def train(recipe: Recipe, *, environ=None, exit_interval: int | None = None, on_built=None, signals=None) -> int:

@@ -23,6 +23,10 @@ Protocol (keys under hpcmeg/train/, one set per rendezvous: torchrun's restarts 
   rank that failed waits (`linger`) until read + failures reach the world size, at most LINGER_S,
   before it exits: srun --kill-on-bad-exit (and the local executor) stop the other ranks as soon as
   one exits non-zero, which would cut their line off; rank 0 also serves the store meanwhile.
+- Rank 0's process serves the store, so it leaves last (`close`): every other rank adds 1 to "done"
+  when it stops using the store, and rank 0, when any failure was recorded, waits for the others'
+  "done" (at most PEER_WAIT_S) before it exits. A rank that polled the store after rank 0 had gone
+  got a broken pipe, which torch reports with a C++ stack on stderr beside the ranks' lines.
 A rank that dies without reaching Python's exception handling (SIGKILL, a segfault) records nothing:
 the others then report the failed collective as before.
 """
@@ -163,6 +167,22 @@ class PeerReport:
             while self._add("read", 0) + self._add("failures", 0) < self.world and time.monotonic() < end:
                 time.sleep(POLL_S)
         except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+    def close(self) -> None:
+        """This rank is done with the store (see the module docstring); on rank 0, after a recorded
+        failure, wait for the others to be done too (at most PEER_WAIT_S)."""
+        try:
+            if self.rank != 0:
+                self._add("done", 1)
+                return
+            if self._add("failures", 0) == 0:
+                return
+            end = time.monotonic() + PEER_WAIT_S
+            while self._add("done", 0) < self.world - 1 and time.monotonic() < end:
+                time.sleep(POLL_S)
+        except Exception:  # noqa: BLE001 - best effort: the store may be gone already
             pass
 
 
