@@ -28,6 +28,7 @@ from typing import Optional, TextIO
 
 from hpcmeg.launch.causes import failure_lines, task_logs
 from hpcmeg.launch.job_states import FINAL
+from hpcmeg.launch.rundir import RunDir
 from hpcmeg.launch.status import cli_status, run_status
 
 _SHOWN = re.compile(r"^(iteration \s*\d+/\d+ \||validation at iteration|saved (checkpoint )?iteration|already at "
@@ -68,6 +69,13 @@ class LogFollower:
 def _size(p: Path) -> int:
     try:
         return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _mtime_ns(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
     except OSError:
         return 0
 
@@ -133,8 +141,10 @@ def _rank0_log(run_dir: Path, stage: str, job_id: str) -> Optional[Path]:
 def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: float = 10.0,
               out: Optional[TextIO] = None, prog: str = "hpcmeg submit", tick_s: float = 1.0) -> int:
     """See the module docstring. Slurm is asked every ``poll_s`` (squeue/scontrol: cheap, but not to be
-    hammered); the logs are read every ``tick_s`` and the heartbeat is checked as often, so the longest
-    silence is about ``heartbeat_s`` plus one Slurm query."""
+    hammered), and every ``tick_s`` for ``poll_s`` after a job's supervisor wrote a marker (a stage
+    started or ended: its job is about to change state, and the chain's end is then seen within a
+    tick, not up to ``poll_s`` later); the logs are read every ``tick_s`` and the heartbeat is checked
+    as often, so the longest silence is about ``heartbeat_s`` plus one Slurm query."""
     root = Path(run_dir)
     tick = Ticker(out, heartbeat_s)
     seen: dict[str, str] = {}
@@ -142,9 +152,13 @@ def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: floa
     started: dict[str, float] = {}
     st: dict = {"stages": {}}
     next_poll = 0.0
+    markers, markers_mtime, eager_until = RunDir(root).markers, None, 0.0
     try:
         while True:
-            if time.time() >= next_poll:
+            mtime = _mtime_ns(markers)  # a marker is written by rename: the directory's mtime moves
+            if mtime != markers_mtime:
+                markers_mtime, eager_until = mtime, time.time() + poll_s
+            if time.time() >= next_poll or time.time() < eager_until:
                 st = run_status(root)
                 next_poll = time.time() + poll_s
                 for stage, s in st["stages"].items():
