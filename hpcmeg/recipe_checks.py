@@ -1,6 +1,6 @@
 """``validate``: the checks of a recipe's values that the schema's types cannot express.
 
-Owns the range checks (the schema's ``ranged`` fields), the choice lists (recipe_schema.CHOICES) and
+Owns the range checks (the schema's ``ranged`` fields), the choice lists (recipe_choices.CHOICES) and
 every check that spans fields, one function per concern, run in a fixed order: ranges, choices,
 names, the model's shape, the parallel layout (hpcmeg/megatron/parallel_dims.py holds its rules; the
 train job checks the running processes with the same object), the schedule, the data, the cluster
@@ -18,7 +18,8 @@ import re
 
 from hpcmeg.megatron.lr_schedule import schedule_from_recipe
 from hpcmeg.recipe_plan import parse_blend, parse_split, recipe_dims
-from hpcmeg.recipe_schema import CHOICES, Recipe, field_range
+from hpcmeg.recipe_choices import CHOICES
+from hpcmeg.recipe_schema import Recipe, field_range
 
 _LAYOUT_KEYS = ("cluster.nodes", "cluster.gpus_per_node", "cluster.cpu_tasks_per_node", "parallel.tensor",
                 "parallel.pipeline", "parallel.virtual_pipeline", "parallel.sequence_parallel")

@@ -4,7 +4,8 @@ range in one place (``ranged(default, ge=..., gt=..., le=..., lt=...)`` next to 
 
 Section and field names follow Megatron-LM's flags where one exists (``--micro-batch-size`` is
 ``train.micro_batch_size``), so a Megatron user can guess them; the user guide has the table.
-Loading, validation and derived values live in ``hpcmeg.recipe``.
+Loading, validation and derived values live in ``hpcmeg.recipe``; the allowed values of every choice
+key and the retired keys live in ``hpcmeg.recipe_choices``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import re
 from dataclasses import Field, dataclass, field
 from typing import Optional
+
+# Re-exported so that ``recipe_schema`` stays the one import for "what a recipe may hold".
+from hpcmeg.recipe_choices import CHOICES, RETIRED  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -363,37 +367,6 @@ class ConvertConfig:
     """Where converted models go; null = ``<run_dir>/hf``."""
     enabled: bool = True
     """Run the conversion stage after training."""
-
-
-# Keys a recipe may no longer hold, and what to do instead (the loader names them with this line
-# rather than as unknown keys).
-RETIRED = {
-    "model.dropout_impl": "the fused path has one dropout (a Triton keep-mask on CUDA); model.fused: off "
-                          "gives torch's",
-    "model.layernorm_impl": "the fused path has one LayerNorm (its backward one Triton pass); model.fused: off "
-                            "gives the plain one",
-    "model.gelu_impl": "the fused path has one GELU (Triton kernels); model.fused: off gives the plain one",
-    "train.optimizer_kernel": "AdamW's update runs compiled by Inductor on CUDA, plain elsewhere",
-    "train.grad_accumulation": "gradients enter the fp32 main grads a bucket at a time",
-    "train.gradient_accumulation_fusion": "a fused model on CUDA with bf16/fp16 parameters always accumulates "
-                                          "weight gradients in its GEMMs; model.fused: off does not",
-}
-
-# Every choice key's allowed values, written once: the loader checks them, GPTConfig imports its own.
-CHOICES = {
-    ("data", "tokenizer_type"): ("GPT2BPETokenizer", "HuggingFaceTokenizer"),
-    ("model", "fused"): ("auto", "on", "off"),
-    ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
-    ("model", "cross_entropy"): ("grad_in_forward", "backward_in_forward"),
-    ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
-    ("train", "precision"): ("bf16", "fp16", "fp32"),
-    ("train", "compile"): ("auto", "on", "off"),
-    ("train", "device"): ("auto", "cuda", "cpu"),
-    ("cluster", "executor"): ("slurm", "local"),
-    ("container", "runtime"): ("apptainer", "pyxis", "none"),
-    ("convert", "format"): ("hf",),
-    ("convert", "dtype"): ("fp32", "bf16", "fp16"),
-}
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import yaml
 
-from hpcmeg.recipe_schema import CHOICES, RETIRED
+from hpcmeg.recipe_choices import CHOICES, RETIRED
 
 # dotted keys whose choices include on and off: a YAML boolean there means the word
 _ON_OFF = frozenset(f"{sec}.{key}" for (sec, key), allowed in CHOICES.items() if {"on", "off"} <= set(allowed))

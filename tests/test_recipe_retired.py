@@ -1,12 +1,12 @@
-"""Recipe keys that were removed (recipe_schema.RETIRED) are named as such, one line each with the
+"""Recipe keys that were removed (recipe_choices.RETIRED) are named as such, one line each with the
 file line that set them, instead of as unknown keys; and every choice key's values are the ones
-the code that reads them accepts (the lists are written once, in recipe_schema.CHOICES)."""
+the code that reads them accepts (the lists are written once, in recipe_choices.CHOICES)."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from hpcmeg.recipe_schema import CHOICES, RETIRED
+from hpcmeg.recipe_choices import CHOICES, RETIRED
 
 
 def test_each_retired_key_is_named_with_its_line_and_the_fix(tmp_path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcmeg.recipe_schema import CHOICES
+from hpcmeg.recipe_choices import CHOICES
 
 ATTENTION_BACKENDS = CHOICES[("model", "attention_backend")]
 CE_IMPLS = CHOICES[("model", "cross_entropy")]
@@ -46,7 +46,7 @@ class GPTConfig:
     init_method_std: float = 0.02
     """Std of the normal init of all weights; output projections use std / sqrt(2 * num_layers)."""
     fused: bool = False
-    """Use the fast paths of hpcmeg/model/fused.py (SDPA/flash attention, fusion-friendly ops,
+    """Use the fast paths of hpcmeg/fused/ops.py (SDPA/flash attention, fusion-friendly ops,
     cross-entropy without full fp32 logits). False: the plain twins of hpcmeg/model/ops.py."""
     attention_backend: str = "auto"
     """Fused path only. 'auto': the flash-attn package if importable, else SDPA with priority
@@ -64,7 +64,7 @@ class GPTConfig:
     the autocast dtype (as in Megatron, where bf16 params make it bf16), halving its memory traffic;
     True: the residual stream stays in the params' dtype (fp32 under autocast)."""
     fused_ce: str = "grad_in_forward"
-    """Fused path only: the LM head's loss (hpcmeg/model/fused_ce.py). 'grad_in_forward': the
+    """Fused path only: the LM head's loss (hpcmeg/fused/linear_ce.py). 'grad_in_forward': the
     forward's kernel (hpcmeg/kernels/cross_entropy.py) turns the bf16 logits into their gradient softmax -
     onehot in place, and the backward folds the per-token scale into the LM-head GEMMs: no fp32
     [tokens, vocab] tensor, no backward pass over the logits. 'backward_in_forward' (a memory
