@@ -13,12 +13,10 @@ Contract
   parameter's storage moves into ``param_data`` (dtype ``param_dtype``, values copied; a Parameter
   keeps its identity, so modules, the optimizer and torch.compile keep working): do not move or
   re-cast the model afterwards.
-- Layout: class by class; inside a class in REVERSE registration order (backward produces the last
-  layers' gradients first, so buckets fill in order); every parameter starts at a multiple of
-  ``align`` elements; a class is cut into buckets of about ``bucket_numel`` elements (a parameter is
-  never split; buckets never span classes, so no rank's slice ever mixes decay and no-decay
-  parameters); every bucket is padded to a multiple of ``align * dp_size``, so each data-parallel
-  rank's slice of each bucket has the same length. Padding stays zero in both buffers.
+- Layout (hpcmeg/parallel/grad_layout.py): class by class, in reverse registration order, each
+  parameter aligned to ``align`` elements, each class cut into buckets of about ``bucket_numel``
+  (a parameter never split, a bucket never spanning classes), each bucket padded to a multiple of
+  ``align * dp_size`` so every data-parallel rank's slice of it has the same length.
 - Gradients: a post-accumulate-grad hook per parameter moves ``p.grad`` into its main-grad view
   (copy on the first micro batch of a step, add after: micro batches sum in ``grad_dtype``) and
   frees it. ``accumulate="bucketed"`` (default) does that a bucket at a time: the hook only takes
@@ -40,7 +38,7 @@ Contract
   rank's pieces of it: the sequence-parallel LayerNorm/bias gradients over the TP group).
   Reductions SUM: the caller scales each rank's loss by 1/dp (TrainStep does).
 - ``sunk``: ids of weights whose GEMMs accumulate their gradients straight into their main grads
-  (gradient-accumulation fusion, hpcmeg/model/wgrad.py; wgrad.attach_sinks gives each nn.Linear its
+  (gradient-accumulation fusion, hpcmeg/fused/wgrad.py; wgrad.attach_sinks gives each nn.Linear its
   ``sink_of(weight)``). They get no hook and buckets of their own (a bucket never mixes sunk and
   other parameters), ``start_step`` zeroes their main grads, and their buckets (with every bucket
   after them: launches stay in index order) reduce in ``finish_grads``, when the backward that
@@ -59,37 +57,20 @@ Contract
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hpcmeg.parallel.grad_layout import Bucket, bucket_gaps, plan_layout, sunk_ranges
+
 DEFAULT_BUCKET_NUMEL = 10_000_000  # 40 MB of fp32 gradients: Megatron's default bucket size
 ACCUMULATE = ("bucketed", "per_param")
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _collective(name_2_13: str, name_2_11: str):
     """torch 2.13 renamed the flat collectives (the old names warn); 2.11 (the GPU image) has the old."""
     return getattr(dist, name_2_13, None) or getattr(dist, name_2_11)
-
-
-@dataclass
-class Bucket:
-    start: int
-    end: int
-    """[start, end) in the full buffers; (end - start) is a multiple of align * dp_size."""
-    cls: Hashable
-    """The key of the class it belongs to (the optimizer's decay / no-decay x parameter role)."""
-    params: list
-    shard_start: int
-    """Where this rank's slice of the bucket starts in shard coordinates."""
-    sunk: bool = False
-    """Its parameters' main grads are written by their GEMMs (hpcmeg/model/wgrad.py), not by hooks."""
 
 
 class ParamAndGradBuffer:
@@ -114,36 +95,21 @@ class ParamAndGradBuffer:
         self.extra_reductions = tuple(extra_reductions)  # ((class, group), ...) summed after the DP reduction
         self._sunk = frozenset(sunk) & {id(p) for p in params}  # weights whose GEMM accumulates itself
 
-        # ---- layout (pure arithmetic)
-        self._offset: dict[int, tuple[int, int]] = {}
-        self.buckets: list[Bucket] = []
-        self._class_buckets: dict[str, list[Bucket]] = {}
-        self._class_range: dict[str, tuple[int, int]] = {}
-        off, shard_off = 0, 0
-        for name, ps in classes:
-            cls_start, first = off, len(self.buckets)
-            cur: list = []
-            b_start = off
-            for p in reversed(ps):
-                start = _round_up(off, align)
-                sunk_changes = cur and (id(p) in self._sunk) != (id(cur[0]) in self._sunk)
-                if cur and (sunk_changes or start + p.numel() - b_start > bucket_numel):
-                    off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size)
-                    cur, b_start, start = [], off, off
-                self._offset[id(p)] = (start, start + p.numel())
-                cur.append(p)
-                off = start + p.numel()
-            if cur:
-                off, shard_off = self._close(name, cur, b_start, off, shard_off, align * dp_size)
-            self._class_buckets[name] = self.buckets[first:]
-            self._class_range[name] = (cls_start, off)
-        self.numel, self.shard_numel = off, shard_off
+        layout = plan_layout(classes, sunk=self._sunk, align=align, dp_size=dp_size, sharded=self.sharded,
+                             bucket_numel=bucket_numel)
+        self._offset, self.buckets = layout.offset, layout.buckets
+        self._class_buckets, self._class_range = layout.class_buckets, layout.class_range
+        self.numel, self.shard_numel = layout.numel, layout.shard_numel
+        self._adopt_storage(params)
+        self._init_step_state(params)
 
-        # ---- storage: parameters become views of param_data
-        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=self.device)
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
+    def _adopt_storage(self, params: list[nn.Parameter]) -> None:
+        """Every parameter becomes a view of param_data (values copied, identity kept), its main grad
+        a view of grad_data; the fp32 values from before the cast are kept for the optimizer."""
+        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
+        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
         self._grad_views: dict[int, torch.Tensor] = {}
-        fp32 = {id(p): p.detach().float() for p in params} if param_dtype != torch.float32 else None
+        fp32 = {id(p): p.detach().float() for p in params} if self.param_dtype != torch.float32 else None
         with torch.no_grad():
             for p in params:
                 a, b = self._offset[id(p)]
@@ -152,16 +118,10 @@ class ParamAndGradBuffer:
                 self._grad_views[id(p)] = self.grad_data[a:b].view(p.shape)
         self._fp32_shard = self._shard_of(fp32) if fp32 is not None else None
 
-        # ---- per-step hook state
+    def _init_step_state(self, params: list[nn.Parameter]) -> None:
+        """The per-step counters and queues the gradient hooks use, and the hooks themselves."""
         self._bucket_of = {id(p): i for i, bk in enumerate(self.buckets) for p in bk.params}
-        # main-grad ranges the model's GEMMs accumulate into (zeroed at each step's start), merged
-        self._sunk_ranges: list[list[int]] = []
-        for bk in self.buckets:
-            if bk.sunk:
-                if self._sunk_ranges and self._sunk_ranges[-1][1] == bk.start:
-                    self._sunk_ranges[-1][1] = bk.end
-                else:
-                    self._sunk_ranges.append([bk.start, bk.end])
+        self._sunk_ranges = sunk_ranges(self.buckets)  # zeroed at each step's start (GEMMs only add)
         self._left = self._fresh_left()
         self._count = {id(p): 0 for p in params}
         self._n_micro = 1
@@ -171,14 +131,9 @@ class ParamAndGradBuffer:
         self._pending: list[dict[int, tuple]] = [{} for _ in self.buckets]
         self._flush_queued = False
         self._staging: torch.Tensor | None = None  # [largest multi-parameter bucket], the grads' dtype
-        self._bucket_gaps = [self._gaps(bk) for bk in self.buckets]
-        hook = self._on_grad if accumulate == "per_param" else self._take_grad
+        self._bucket_gaps = [bucket_gaps(bk, self._offset) for bk in self.buckets]
+        hook = self._on_grad if self.accumulate == "per_param" else self._take_grad
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if id(p) not in self._sunk]
-
-    def _close(self, cls, params, start, end, shard_off, multiple):
-        end = start + _round_up(end - start, multiple)
-        self.buckets.append(Bucket(start, end, cls, list(params), shard_off, id(params[0]) in self._sunk))
-        return end, shard_off + (end - start) // (self.dp_size if self.sharded else 1)
 
     def slice_numel(self, bucket: Bucket) -> int:
         return (bucket.end - bucket.start) // (self.dp_size if self.sharded else 1)
@@ -201,7 +156,7 @@ class ParamAndGradBuffer:
         return id(p) in self._sunk
 
     def sink_of(self, p: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(grad_data, offset) of a sunk parameter: hpcmeg/model/wgrad.py's sink for its GEMM."""
+        """(grad_data, offset) of a sunk parameter: hpcmeg/fused/wgrad.py's sink for its GEMM."""
         if id(p) not in self._sunk:
             raise ValueError("ParamAndGradBuffer.sink_of: this parameter was not given in `sunk`")
         return self.grad_data, self._offset[id(p)][0]
@@ -297,16 +252,6 @@ class ParamAndGradBuffer:
         full = self.grad_data[bk.start:bk.end]
         full.copy_(stage) if first else full.add_(stage)
 
-    def _gaps(self, bk: Bucket) -> list[tuple[int, int]]:
-        """[start, end) ranges of bucket `bk` (relative to its start) that hold no parameter."""
-        spans = sorted(self._offset[id(p)] for p in bk.params)
-        out, at = [], bk.start
-        for a, e in spans + [(bk.end, bk.end)]:
-            if a > at:
-                out.append((at - bk.start, a - bk.start))
-            at = max(at, e)
-        return out
-
     def _launch(self, b: int) -> None:
         self._next_launch = b + 1
         if self.dp_size == 1:
@@ -329,7 +274,7 @@ class ParamAndGradBuffer:
             if id(p) in self._sunk:
                 if p.grad is not None:  # autograd produced it: the GEMM did not take it (plain ops?)
                     raise RuntimeError("ParamAndGradBuffer: a sunk weight got a .grad; its layer must call "
-                                       "hpcmeg.model.wgrad.linear with the buffer's sink (a fused model)")
+                                       "hpcmeg.fused.wgrad.linear with the buffer's sink (a fused model)")
             elif self._count[id(p)] == 0:  # unused this step: its view still holds the last step's
                 self._grad_views[id(p)].zero_()
         for b in range(self._next_launch, len(self.buckets)):
