@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -235,16 +236,94 @@ def loop_config(recipe: Recipe, derived: Derived):
                       num_workers=recipe.data.num_workers)
 
 
+def _write_recipe_copies(recipe: Recipe, run_dir: str) -> None:
+    """The recipe this train job runs (train_recipe.yaml, every start) and, for a run started without
+    `hpcmeg submit`, the run's recipe.yaml."""
+    write_resolved(recipe, os.path.join(run_dir, "train_recipe.yaml"))
+    if not os.path.exists(os.path.join(run_dir, "recipe.yaml")):
+        write_resolved(recipe, os.path.join(run_dir, "recipe.yaml"))
+
+
+def _datasets(recipe: Recipe, derived: Derived, ctx):
+    """(train dataset, fixed evaluation batches) of this rank; the vocabulary checked against the model's."""
+    from hpcmeg.train.data import build_datasets, eval_batches, vocab_checked
+
+    train = recipe.train
+    data = data_plan(recipe, derived)
+    train_ds, valid_ds, _ = (vocab_checked(data, ds) for ds in
+                             build_datasets(data, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
+    evals = eval_batches(valid_ds, train.eval_iters if train.eval_interval else 0, train.micro_batch_size,
+                         derived.grad_accum_steps, ctx.dp_rank, ctx.dp_size, ctx.device)
+    return train_ds, evals
+
+
+class _Flops(NamedTuple):
+    n_params: int
+    """The whole model's parameters (this rank holds a TP/PP part of them)."""
+    per_token: float
+    peak: float | None
+    """The device's peak FLOP/s for MFU, None where unknown."""
+
+
+def _model_flops(recipe: Recipe, model, device: torch.device) -> _Flops:
+    from hpcmeg.model.flops import flops_per_token
+    from hpcmeg.model.gpt import GPT
+    from hpcmeg.train.metrics import peak_flops_for
+
+    with torch.device("meta"):  # the whole model's count (this rank holds a TP/PP part of it), for MFU
+        n_params = GPT(model.cfg, init_seed=0).num_params()
+    fpt = flops_per_token(n_params, recipe.model.num_layers, recipe.model.hidden_size, recipe.data.seq_length)
+    peak = peak_flops_for(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the peak probe's matrices are not training memory
+    return _Flops(n_params, fpt, peak)
+
+
+def _lr_schedule(recipe: Recipe, derived: Derived):
+    from hpcmeg.megatron.lr_schedule import schedule_from_recipe
+
+    try:
+        return schedule_from_recipe(recipe.train, recipe.train.global_batch_size, derived.train_samples)
+    except ValueError as e:
+        raise RecipeError([f"train.lr_warmup_iters / train.lr_decay_iters: {e}; shorten the warmup or "
+                           f"lengthen the decay"]) from None
+
+
+def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, plan, buffer, flops: _Flops,
+              resumed: str) -> None:
+    """The start record (metrics.jsonl) and the start line: layout, device, sizes, what computes."""
+    ctx, model, step, optimizer, train = trainer.ctx, trainer.model, trainer.step, trainer.optimizer, recipe.train
+    dev = ctx.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    trainer.metrics.write({
+        "kind": "start", "iteration": trainer.state.iteration, "world_size": ctx.world_size,
+        "data_parallel_size": ctx.dp_size, "tensor_parallel_size": ctx.tp_size,
+        "pipeline_parallel_size": ctx.pp_size, "virtual_pipeline_size": dims.vpp,
+        "sequence_parallel": plan.sequence_parallel, "grad_accum_steps": derived.grad_accum_steps,
+        "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
+        "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
+        "fused": model.cfg.fused, "kernels": kernels_of(model.cfg, dev), "compile": step.compile,
+        "optimizer": optimizer.name,
+        "n_params": flops.n_params, "flops_per_token": flops.per_token,
+        "peak_tflops": flops.peak / 1e12 if flops.peak else None, "torch": torch.__version__,
+        "recipe": recipe.source, "start": resumed})
+    tp = "" if ctx.tp_size == 1 else f"TP {ctx.tp_size}{' + SP' if plan.sequence_parallel else ''} x "
+    if ctx.pp_size > 1:
+        tp += f"PP {ctx.pp_size}{f' (V {dims.vpp})' if dims.vpp > 1 else ''} x "
+    trainer.metrics.print(
+        f"hpcmeg train: {recipe.run.name} | {ctx.world_size} process(es) on {name} | {tp}DP {ctx.dp_size} x "
+        f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
+        f"{flops.n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused}"
+        f"{' (' + kernels_of(model.cfg, dev) + ')' if model.cfg.fused else ''} | "
+        f"compile {step.compile} | {optimizer.name} | {resumed}")
+
+
 def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=None, on_step_time=lambda s: None,
                   on_save_time=lambda s: None, on_context=lambda ctx: None):
     """Everything from the recipe (module docstring); resumes if it can. Returns (trainer, ctx).
     on_context(ctx) runs as soon as the process group exists (the caller's failure report uses it)."""
-    from hpcmeg.model.flops import flops_per_token
     from hpcmeg.parallel.context import init_distributed
-    from hpcmeg.train.data import build_datasets, eval_batches, vocab_checked
-    from hpcmeg.train.metrics import MetricsLogger, Throughput, peak_flops_for
-    from hpcmeg.megatron.lr_schedule import schedule_from_recipe
-    from hpcmeg.model.gpt import GPT
+    from hpcmeg.train.metrics import MetricsLogger, Throughput
     from hpcmeg.train.rank_model import rank_model, rank_step
     from hpcmeg.train.trainer import Trainer
 
@@ -257,9 +336,7 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
         dev = ctx.device
         share_cpu_threads(env, dev)
         if ctx.is_rank0:
-            write_resolved(recipe, os.path.join(derived.run_dir, "train_recipe.yaml"))
-            if not os.path.exists(os.path.join(derived.run_dir, "recipe.yaml")):
-                write_resolved(recipe, os.path.join(derived.run_dir, "recipe.yaml"))
+            _write_recipe_copies(recipe, derived.run_dir)
         # Megatron's default stream: the same on every rank of a TP and DP group, one per pipeline stage
         seed_everything(train.seed + 100 * ctx.pp_rank)
         # init keyed by (train.seed, parameter name): the same initial weights whatever the layout
@@ -271,52 +348,21 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
                              train.precision, buffer.param_dtype, cfg.fp32_residual_connection),
                          precision=train.precision, grad_clip=train.clip_grad, loss_scaler=scaler,
                          compile=_auto(train.compile, dev), device=dev)
-        data = data_plan(recipe, derived)
-        train_ds, valid_ds, _ = (vocab_checked(data, ds) for ds in
-                                 build_datasets(data, barrier=ctx.barrier, is_rank0=ctx.is_rank0))
-        evals = eval_batches(valid_ds, train.eval_iters if train.eval_interval else 0, train.micro_batch_size,
-                             derived.grad_accum_steps, ctx.dp_rank, ctx.dp_size, dev)
-        with torch.device("meta"):  # the whole model's count (this rank holds a TP/PP part of it), for MFU
-            n_params = GPT(model.cfg, init_seed=0).num_params()
-        fpt = flops_per_token(n_params, recipe.model.num_layers, recipe.model.hidden_size, recipe.data.seq_length)
-        peak = peak_flops_for(dev)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)  # the peak probe's matrices are not training memory
-        try:
-            schedule = schedule_from_recipe(train, train.global_batch_size, derived.train_samples)
-        except ValueError as e:
-            raise RecipeError([f"train.lr_warmup_iters / train.lr_decay_iters: {e}; shorten the warmup or "
-                               f"lengthen the decay"]) from None
+        train_ds, evals = _datasets(recipe, derived, ctx)
+        flops = _model_flops(recipe, model, dev)
+        schedule = _lr_schedule(recipe, derived)
         metrics = MetricsLogger(derived.run_dir, enabled=ctx.is_rank0, train_iters=derived.train_iters,
                                 per="gpu" if dev.type == "cuda" else "rank")
         trainer = Trainer(config=loop_config(recipe, derived), ctx=ctx, model=model, optimizer=optimizer,
                           schedule=schedule,
                           loss_scaler=scaler, step=step, train_dataset=train_ds, eval_set=evals, metrics=metrics,
-                          throughput=Throughput(fpt, derived.tokens_per_iteration, ctx.world_size, peak),
+                          throughput=Throughput(flops.per_token, derived.tokens_per_iteration, ctx.world_size,
+                                                flops.peak),
                           megatron_args=megatron_args_fn(recipe, derived, dims), recipe_dict=to_dict(recipe), stop=stop,
                           on_step_time=on_step_time, on_save_time=on_save_time, exit_interval=exit_interval,
                           rng_streams=rng)
         resumed = resume(trainer, recipe, derived, ctx)
-        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        metrics.write({"kind": "start", "iteration": trainer.state.iteration, "world_size": ctx.world_size,
-                       "data_parallel_size": ctx.dp_size, "tensor_parallel_size": ctx.tp_size,
-                       "pipeline_parallel_size": ctx.pp_size, "virtual_pipeline_size": dims.vpp,
-                       "sequence_parallel": plan.sequence_parallel, "grad_accum_steps": derived.grad_accum_steps,
-                       "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
-                       "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
-                       "fused": model.cfg.fused, "kernels": kernels_of(model.cfg, dev), "compile": step.compile,
-                       "optimizer": optimizer.name,
-                       "n_params": n_params, "flops_per_token": fpt,
-                       "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
-                       "recipe": recipe.source, "start": resumed})
-        tp = "" if ctx.tp_size == 1 else f"TP {ctx.tp_size}{' + SP' if plan.sequence_parallel else ''} x "
-        if ctx.pp_size > 1:
-            tp += f"PP {ctx.pp_size}{f' (V {dims.vpp})' if dims.vpp > 1 else ''} x "
-        metrics.print(f"hpcmeg train: {recipe.run.name} | {ctx.world_size} process(es) on {name} | {tp}DP {ctx.dp_size} x "
-                      f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
-                      f"{n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused}"
-                      f"{' (' + kernels_of(model.cfg, dev) + ')' if model.cfg.fused else ''} | "
-                      f"compile {step.compile} | {optimizer.name} | {resumed}")
+        _announce(trainer, recipe, derived, dims, plan, buffer, flops, resumed)
         return trainer, ctx
     except BaseException:
         ctx.destroy()
