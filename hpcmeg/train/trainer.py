@@ -47,6 +47,7 @@ from hpcmeg.checkpoint.store import save_checkpoint
 from hpcmeg.megatron.args import checkpoint_models, make_checkpoint_dict
 from hpcmeg.parallel.pipeline.stages import load_megatron_models, megatron_models
 from hpcmeg.train.data import TrainBatches
+from hpcmeg.train.loop_state import LogWindow, LoopState
 
 
 class TrainingDiverged(RuntimeError):
@@ -117,89 +118,110 @@ class Trainer:
 
     def _run(self) -> Outcome:
         config, state = self.config, self.state
-        n_iters, gbs = config.train_iters, config.global_batch_size
+        n_iters = config.train_iters
         if state.iteration >= n_iters:
             self.metrics.print(f"already at iteration {state.iteration} of {n_iters}: nothing to train")
             return Outcome("finished", state.iteration)
         batches = TrainBatches(self.train_dataset, state.consumed_train_samples, config.micro_batch_size,
                                config.grad_accum_steps, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device,
                                num_workers=config.num_workers, seed=config.seed)
-        win = _Window(after_resume=state.iteration > 0)
+        win = LogWindow(after_resume=state.iteration > 0)
         self.model.train()
-        pending = None  # (PendingStep, iteration, lr): queued on the device, numbers not checked yet
-        last_reason = None
-        first = state.iteration
-        t_iter = time.perf_counter()
+        loop = LoopState(win=win, first=state.iteration, t_iter=time.perf_counter())
         while state.iteration < n_iters:
-            lr = self.schedule.apply(self.optimizer)
-            try:
-                micro = next(batches)
-            except StopIteration:
-                raise RuntimeError(f"the training dataset ran out at iteration {state.iteration} "
-                                   f"({state.consumed_train_samples} samples consumed)") from None
-            handle = self.step.launch(micro)
-            batches.prefetch()  # the next step's loads/copies overlap this step's GPU work
-            state.iteration += 1
-            state.consumed_train_samples += gbs
-            if not handle.skipped:  # known at launch: fp16 decides its skip inside launch()
-                self.schedule.step(gbs)
+            handle, lr, at_exit_interval = self._launch_iteration(batches, loop)
             it = state.iteration
-            at_exit_interval = bool(self.exit_interval and it % self.exit_interval == 0)
-            reason = self.stop()
-            if reason is None and at_exit_interval:
-                reason = f"exit interval {self.exit_interval}"
-            last_reason = reason or last_reason
-            self._queue_check(handle, reason)
-            # Settle the PREVIOUS iteration now that this one is queued behind it: the GPU stays busy
-            # while the host waits for its numbers and its agreed code (a one-step lag).
-            prev, pending = pending, (handle, it, lr)
-            stopping = False
-            if prev is not None:
-                code = self._settle(prev, win)
-                if code >= 2:
-                    self._diverged(prev)
-                stopping = code == 1  # a rank asked at it-1: everyone stops after `it`, already queued
             do_log = it % config.log_interval == 0 or it == n_iters
             do_eval = bool(config.eval_interval and it % config.eval_interval == 0 and self.eval_set)
             do_save = bool(config.save_interval and it % config.save_interval == 0)
-            if stopping or do_log or do_eval or do_save or at_exit_interval:
-                # log, eval, save or stop next: this iteration must be checked first
-                code = self._settle(pending, win)
-                pending = None
-                if code >= 2:
-                    self._diverged((handle, it, lr))
-                stopping = stopping or code == 1
-            if it == first + 3:
+            stopping = self._settle_due(loop, (handle, it, lr), do_log or do_eval or do_save or at_exit_interval)
+            if it == loop.first + 3:
                 # compile, CUDA-graph capture and the loaders are built by now: move their objects
                 # out of the collector's reach, so later GC passes stay short (a full collection
                 # over Dynamo's caches can stall the host for tens of ms, longer than the queued step)
                 gc.collect()
                 gc.freeze()
-            now = time.perf_counter()
-            self.on_step_time(now - t_iter)
-            if do_log:
-                self._log(win, now)
-                win = _Window()
-                now = time.perf_counter()
-            if do_eval:
-                self.evaluate()
-                now = time.perf_counter()  # eval and save time stay out of the step timing
-                win.t0 = now
-            if stopping and state.iteration < n_iters:  # a stop on the last step is just the end
-                reason = last_reason or "stop requested on another rank"
-                self.save()
-                self.metrics.write({"kind": "event", "what": "preempted", "iteration": state.iteration, "reason": reason})
-                self.metrics.print(f"saved iteration {state.iteration} and stopping ({reason}): resume me")
-                return Outcome("preempted", state.iteration, reason)
-            if do_save:
-                self.save()
-                now = time.perf_counter()
-                win.t0 = now
-            t_iter = now
+            outcome = self._after_iteration(loop, stopping, do_log, do_eval, do_save)
+            if outcome is not None:
+                return outcome
         if self._last_saved != state.iteration:
             self.save()
         self.wait_for_save()
         return Outcome("finished", state.iteration)
+
+    def _launch_iteration(self, batches: TrainBatches, loop: LoopState) -> tuple:
+        """Queue one iteration without a host sync: LR, the step, the next batches' prefetch, the
+        counters, and behind the step this rank's agreement code (with its stop reason, if any).
+        Returns (step handle, lr, whether this iteration is at the exit interval)."""
+        state, gbs = self.state, self.config.global_batch_size
+        lr = self.schedule.apply(self.optimizer)
+        try:
+            micro = next(batches)
+        except StopIteration:
+            raise RuntimeError(f"the training dataset ran out at iteration {state.iteration} "
+                               f"({state.consumed_train_samples} samples consumed)") from None
+        handle = self.step.launch(micro)
+        batches.prefetch()  # the next step's loads/copies overlap this step's GPU work
+        state.iteration += 1
+        state.consumed_train_samples += gbs
+        if not handle.skipped:  # known at launch: fp16 decides its skip inside launch()
+            self.schedule.step(gbs)
+        at_exit_interval = bool(self.exit_interval and state.iteration % self.exit_interval == 0)
+        reason = self.stop()
+        if reason is None and at_exit_interval:
+            reason = f"exit interval {self.exit_interval}"
+        loop.last_reason = reason or loop.last_reason
+        self._queue_check(handle, reason)
+        return handle, lr, at_exit_interval
+
+    def _settle_due(self, loop: LoopState, current: tuple, check_now: bool) -> bool:
+        """Settle the PREVIOUS iteration now that `current` (handle, iteration, lr) is queued behind
+        it: the GPU stays busy while the host waits for its numbers and its agreed code (a one-step
+        lag). `current` is settled too when check_now (a log, eval, save or exit interval comes next)
+        or a rank asked to stop. Raises TrainingDiverged; True when every rank stops after `current`."""
+        prev, loop.pending = loop.pending, current
+        stopping = False
+        if prev is not None:
+            code = self._settle(prev, loop.win)
+            if code >= 2:
+                self._diverged(prev)
+            stopping = code == 1  # a rank asked at it-1: everyone stops after `it`, already queued
+        if stopping or check_now:
+            # log, eval, save or stop next: this iteration must be checked first
+            code = self._settle(current, loop.win)
+            loop.pending = None
+            if code >= 2:
+                self._diverged(current)
+            stopping = stopping or code == 1
+        return stopping
+
+    def _after_iteration(self, loop: LoopState, stopping: bool, do_log: bool, do_eval: bool,
+                         do_save: bool) -> Outcome | None:
+        """Report the iteration's time, then log, evaluate, stop (save first: the Outcome) or save as
+        due; eval and save time stay out of the step timing."""
+        state = self.state
+        now = time.perf_counter()
+        self.on_step_time(now - loop.t_iter)
+        if do_log:
+            self._log(loop.win, now)
+            loop.win = LogWindow()
+            now = time.perf_counter()
+        if do_eval:
+            self.evaluate()
+            now = time.perf_counter()
+            loop.win.t0 = now
+        if stopping and state.iteration < self.config.train_iters:  # a stop on the last step is just the end
+            reason = loop.last_reason or "stop requested on another rank"
+            self.save()
+            self.metrics.write({"kind": "event", "what": "preempted", "iteration": state.iteration, "reason": reason})
+            self.metrics.print(f"saved iteration {state.iteration} and stopping ({reason}): resume me")
+            return Outcome("preempted", state.iteration, reason)
+        if do_save:
+            self.save()
+            now = time.perf_counter()
+            loop.win.t0 = now
+        loop.t_iter = now
+        return None
 
     def _queue_check(self, handle, reason: str | None) -> None:
         """Queue, behind the step just launched, this iteration's agreement code: 2 when this rank's
@@ -215,7 +237,7 @@ class Trainer:
         self.ctx.all_reduce_max_(code)
         handle.add_check(code)
 
-    def _settle(self, pending, win: "_Window") -> int:
+    def _settle(self, pending, win: LogWindow) -> int:
         """Wait for a queued iteration's loss, grad norm and agreed code (0 go on, 1 stop, 2 a rank
         diverged); add the numbers to the log window."""
         handle, _, lr = pending
@@ -232,7 +254,7 @@ class Trainer:
                                f"{self.config.precision}); stopping without saving. Lower train.lr, raise "
                                f"train.lr_warmup_iters or try train.precision=fp32 to debug")
 
-    def _log(self, win: "_Window", now: float) -> None:
+    def _log(self, win: LogWindow, now: float) -> None:
         # one small all-reduce per log interval: the loss is averaged over data-parallel ranks
         s = torch.tensor([win.loss_sum, float(win.n)], dtype=torch.float64,
                          device=self.ctx.device if self.ctx.backend == "nccl" else "cpu")
@@ -353,23 +375,3 @@ class Trainer:
             consumed_train_samples=int(data.get("consumed_train_samples", getattr(args, "consumed_train_samples", 0))),
             consumed_valid_samples=int(data.get("consumed_valid_samples", getattr(args, "consumed_valid_samples", 0))))
         self._last_saved = self.state.iteration
-
-
-class _Window:
-    """Per-log-interval accumulators (plain floats: TrainStep already returned host values)."""
-
-    def __init__(self, after_resume: bool = False):
-        self.after_resume = after_resume  # the first window of a run resumed from a checkpoint
-        self.t0 = time.perf_counter()
-        self.loss_sum, self.n, self.steps, self.skipped = 0.0, 0, 0, 0
-        self.lr = self.grad_norm = self.loss_scale = None
-
-    def add(self, res, lr: float) -> None:
-        if not res.skipped or math.isfinite(res.loss):  # an overflowed fp16 forward must not poison the mean
-            self.loss_sum += res.loss
-            self.n += 1
-        self.steps += 1
-        self.skipped += int(res.skipped)
-        self.lr, self.loss_scale = lr, res.loss_scale
-        if not res.skipped:
-            self.grad_norm = res.grad_norm
