@@ -1,6 +1,6 @@
 """The fused path on the GPU against its plain twins (tests/test_fused_ops.py is the CPU/fp32 side).
 
-Each op of hpcmeg/model/fused.py has one fast implementation and a plain PyTorch twin in
+Each op of hpcmeg/fused/ops.py has one fast implementation and a plain PyTorch twin in
 hpcmeg/model/ops.py; this checks them against each other where only a GPU runs the fast one.
 Parts (--parts, run in the order given; each part's rows are on disk as soon as it ends):
   ops       each fused op in bf16 on CUDA against its twin in fp64 on the upcast inputs
@@ -38,9 +38,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hpcmeg.model import fused, ops  # noqa: E402
+from hpcmeg.fused import ops as fused  # noqa: E402
+from hpcmeg.model import ops
 from hpcmeg.model.config import GPTConfig  # noqa: E402
-from hpcmeg.model.gpt import GPT  # noqa: E402
+from hpcmeg.fused.model import build_gpt  # noqa: E402
 from hpcmeg.train.optim import AdamWConfig, build_optimizer  # noqa: E402
 from hpcmeg.train.step import TrainStep  # noqa: E402
 
@@ -118,8 +119,8 @@ def op_checks(rows):
 def model_checks(rows):
     cfg = GPTConfig(4, 256, 4, 1024, 256, 1024, hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
-    plain = GPT(cfg).cuda()
-    fast = GPT(dataclasses.replace(cfg, fused=True)).cuda()
+    plain = build_gpt(cfg).cuda()
+    fast = build_gpt(dataclasses.replace(cfg, fused=True)).cuda()
     fast.load_state_dict(plain.state_dict())
     x = torch.randint(0, 1024, (8, 256), device="cuda")
     y = torch.randint(0, 1024, (8, 256), device="cuda")
@@ -135,7 +136,7 @@ def model_checks(rows):
     curves = {}
     for name, comp, mode in (("eager", False, None), ("compile", True, None), ("compile_cg", True, "reduce-overhead")):
         torch.manual_seed(0)
-        m = GPT(dataclasses.replace(cfg, fused=True)).cuda()
+        m = build_gpt(dataclasses.replace(cfg, fused=True)).cuda()
         buf, opt = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16)  # the trainer's bf16 path
         st = TrainStep(m, buf, opt, "bf16", 1.0, compile=comp, device="cuda", compile_mode=mode)
         g = torch.Generator(device="cuda").manual_seed(3)
@@ -208,7 +209,7 @@ def dropout_and_accumulation_checks(rows):
         c = dataclasses.replace(cfg, fused=fused_model)
         if not drop:
             c = dataclasses.replace(c, hidden_dropout=0.0, attention_dropout=0.0)
-        m = GPT(c).cuda()
+        m = build_gpt(c).cuda()
         buf, opt = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16, accumulate=accumulate)
         st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")  # default: CUDA graphs
         out = [(r.loss, r.grad_norm) for r in (st.run(mbs) for _ in range(4))]
@@ -233,7 +234,7 @@ def dropout_and_accumulation_checks(rows):
 
 
 def ce_checks(rows):
-    """The LM head's loss (hpcmeg/model/fused_ce.py): the grad-in-forward kernel
+    """The LM head's loss (hpcmeg/fused/linear_ce.py): the grad-in-forward kernel
     (triton_ce.ce_forward_grad_) against its twin at GPT-2's vocabulary; 'grad_in_forward' and
     'backward_in_forward' (its backward GEMMs run in the forward on the loss weights the caller will
     backpropagate) against the plain fp64 loss and gradients; and forward + backward time and peak
@@ -293,7 +294,7 @@ def ce_checks(rows):
 
 
 def wgrad_fusion_checks(rows):
-    """Gradient-accumulation fusion (hpcmeg/model/wgrad.py) through the compiled, CUDA-graphed step:
+    """Gradient-accumulation fusion (hpcmeg/fused/wgrad.py) through the compiled, CUDA-graphed step:
     bf16 parameters, fp32 main grads, 4 steps x 2 micro batches, sink on vs off (the GEMM's fp32
     accumulation vs a bf16 gradient added: they differ by bf16 rounding of each micro batch's
     weight gradient); and whether Inductor skipped CUDA graphs for it (a backward mutation). Then
@@ -308,7 +309,7 @@ def wgrad_fusion_checks(rows):
 
     def curve(fusion, ce="grad_in_forward"):
         torch.manual_seed(0)
-        m = GPT(dataclasses.replace(cfg, fused_ce=ce)).cuda()
+        m = build_gpt(dataclasses.replace(cfg, fused_ce=ce)).cuda()
         buf, opt = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16, grad_dtype=torch.float32,
                                    wgrad_fusion=fusion)
         st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")
@@ -346,7 +347,7 @@ def _graphed_curve(mbs, **cfg_kw):
     from torch._dynamo.utils import counters
     cfg = GPTConfig(4, 768, 12, 3072, 1024, 1024, fused=True, **cfg_kw)
     torch.manual_seed(0)
-    m = GPT(cfg).cuda()
+    m = build_gpt(cfg).cuda()
     buf, opt = build_optimizer(m, AdamWConfig(1e-3), param_dtype=torch.bfloat16, grad_dtype=torch.float32,
                                wgrad_fusion=True)
     st = TrainStep(m, buf, opt, "bf16", 1.0, compile=True, device="cuda")

@@ -27,6 +27,7 @@ sys.path.insert(0, ROOT)
 
 from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.model.config import GPTConfig  # noqa: E402
+from hpcmeg.fused.model import build_gpt  # noqa: E402
 from hpcmeg.model.gpt import GPT  # noqa: E402
 from hpcmeg.megatron.parallel_dims import ParallelDims  # noqa: E402
 from hpcmeg.parallel.context import ParallelContext  # noqa: E402
@@ -44,7 +45,7 @@ def model_for(size: str) -> GPT:
     cfg = GPTConfig(L, D, H, 4 * D, SEQ, pad_vocab_size(VOCAB), hidden_dropout=0.0, attention_dropout=0.0,
                     fused=True)
     with torch.device("cuda"):  # init on the GPU: seconds for 1.3B, where the CPU takes ~10 s per build
-        return GPT(cfg)
+        return build_gpt(cfg)
 
 
 def dp_rank0_layout(dp: int) -> ParallelContext:

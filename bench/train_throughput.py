@@ -41,7 +41,7 @@ import nano_anchor  # noqa: E402  (bench/: the nanoGPT anchor's vocabulary)
 from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.model.config import GPTConfig  # noqa: E402
 from hpcmeg.model.flops import flops_per_token, measure_bf16_peak  # noqa: E402
-from hpcmeg.model.gpt import GPT  # noqa: E402
+from hpcmeg.fused.model import build_gpt  # noqa: E402
 from hpcmeg.train.optim import AdamWConfig, build_optimizer  # noqa: E402
 from hpcmeg.train.step import TrainStep  # noqa: E402
 
@@ -211,7 +211,7 @@ def _step_variant(size: str, variant: str, mb: int, steps: int, warmup: int) -> 
                     attention_dropout=0.0, fused=True, attention_backend=v.get("attn", "auto"),
                     fused_ce=v.get("ce", "grad_in_forward"), fp32_residual_connection=v.get("fp32_res", False))
     torch.manual_seed(0)
-    model = GPT(cfg).cuda()
+    model = build_gpt(cfg).cuda()
     step, impl = _build_step(model, v)
     gen = torch.Generator(device="cuda").manual_seed(1)
     data = [torch.randint(0, VOCAB, (mb, SEQ + 1), device="cuda", generator=gen) for _ in range(4)]

@@ -36,6 +36,7 @@ from hpcmeg.checkpoint.store import save_checkpoint
 from hpcmeg.megatron.args import make_checkpoint_dict, make_megatron_args
 from hpcmeg.megatron.layout import pad_vocab_size, to_megatron_model
 from hpcmeg.model.config import GPTConfig
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.model.gpt import GPT
 from hpcmeg.recipe import load_recipe
 from hpcmeg.train.metrics import read_metrics
@@ -240,7 +241,7 @@ def tiny_model(seed: int = 0) -> GPT:
     cfg = GPTConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
                     max_position_embeddings=POS, padded_vocab_size=pad_vocab_size(VOCAB, 128, 1),
                     hidden_dropout=0.0, attention_dropout=0.0)
-    m = GPT(cfg)
+    m = build_gpt(cfg)
     with torch.no_grad():
         for n, p in m.named_parameters():
             if "layernorm" in n and n.endswith("weight"):

@@ -1,4 +1,4 @@
-"""fused_ce 'backward_in_forward' (hpcmeg/model/fused_ce.py): the LM head's backward GEMMs run in
+"""fused_ce 'backward_in_forward' (hpcmeg/fused/linear_ce.py): the LM head's backward GEMMs run in
 the forward, chunk by chunk, on the loss weights TrainStep passes. Checked against 'grad_in_forward'
 (same gradients), for what it keeps between forward and backward (no [tokens, vocab] tensor), for
 its promise check (a different upstream gradient is an error), and end to end through TrainStep
@@ -8,7 +8,7 @@ Tolerances: tests/TOLERANCES.md's cases, named at each comparison."""
 import pytest
 import torch
 
-from hpcmeg.model.fused_ce import linear_cross_entropy
+from hpcmeg.fused.linear_ce import linear_cross_entropy
 from hpcmeg.train.optim import AdamWConfig, build_optimizer
 from hpcmeg.train.step import TrainStep
 from test_wgrad import fused_gpt, micro_batches
@@ -152,11 +152,11 @@ def test_the_compiled_sunk_model_makes_no_copy_of_the_main_grad_buffer(kw):
     from torch._inductor.utils import run_and_get_code
 
     from hpcmeg.model.config import GPTConfig
-    from hpcmeg.model.gpt import GPT
+    from hpcmeg.fused.model import build_gpt
     from hpcmeg.train.optim import AdamWConfig, build_optimizer
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                     max_position_embeddings=64, padded_vocab_size=128, fused=True, **kw)
-    m = GPT(cfg, init_seed=3)
+    m = build_gpt(cfg, init_seed=3)
     buf, _ = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
     tok = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
@@ -179,7 +179,7 @@ def test_through_the_main_grad_sinks_as_grad_in_forward():
     """TrainStep with wgrad fusion: backward_in_forward's main grads (the tied weight's LM-head part
     summed over chunks in the forward, added in the backward) are grad_in_forward's."""
     from hpcmeg.model.config import GPTConfig
-    from hpcmeg.model.gpt import GPT
+    from hpcmeg.fused.model import build_gpt
     from hpcmeg.train.optim import AdamWConfig, build_optimizer
     from hpcmeg.train.step import TrainStep
     tok = torch.randint(0, 128, (2, 65), generator=torch.Generator().manual_seed(0))
@@ -189,7 +189,7 @@ def test_through_the_main_grad_sinks_as_grad_in_forward():
         cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                         max_position_embeddings=64, padded_vocab_size=128, fused=True, fused_ce=impl,
                         hidden_dropout=0.0, attention_dropout=0.0)
-        m = GPT(cfg, init_seed=3)
+        m = build_gpt(cfg, init_seed=3)
         buf, opt = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
         TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)
         main[impl] = buf.grad_data.clone()

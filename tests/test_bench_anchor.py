@@ -272,7 +272,7 @@ def _missing_names(path: str) -> list[str]:
     import ast
     import inspect
 
-    import hpcmeg.model.fused  # noqa: F401  (registers torch.ops.hpcmeg)
+    import hpcmeg.fused.ops  # noqa: F401  (registers torch.ops.hpcmeg)
     tree = ast.parse(open(path).read())
     aliases, funcs, bad = {}, {}, []
     for node in ast.walk(tree):

@@ -1,4 +1,4 @@
-"""Each fast op of hpcmeg/model/fused.py against its plain twin in hpcmeg/model/ops.py (fp32, CPU).
+"""Each fast op of hpcmeg/fused/ops.py against its plain twin in hpcmeg/model/ops.py (fp32, CPU).
 
 The GPU/bf16 side of the same check is bench/gpu_agreement.py (run on the H200).
 Tolerances: tests/TOLERANCES.md's cases, named at each comparison.
@@ -8,9 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from hpcmeg.model import fused, fused_ce, ops
+from hpcmeg.fused import linear_ce as fused_ce
+from hpcmeg.fused import ops as fused
+from hpcmeg.model import ops
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 
 # case 2 (fp32, reordered): fused/compiled ops against the plain ones, the same math with other
 # reduction orders (LayerNorm's row statistics, softmax sums, GEMMs) and tanh/exp implementations
@@ -209,8 +211,8 @@ def test_linear_cross_entropy(impl):
 
 def test_fused_model_equals_plain_model_fp32():
     cfg = GPTConfig(2, 64, 4, 256, 32, 128, hidden_dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0); plain = GPT(cfg)
-    fast = GPT(dataclasses.replace(cfg, fused=True)); fast.load_state_dict(plain.state_dict())
+    torch.manual_seed(0); plain = build_gpt(cfg)
+    fast = build_gpt(dataclasses.replace(cfg, fused=True)); fast.load_state_dict(plain.state_dict())
     x = torch.randint(0, 128, (2, 32)); y = torch.randint(0, 128, (2, 32))
     torch.testing.assert_close(fast(x), plain(x), **TOL)
     lp, lf = plain(x, y), fast(x, y)
@@ -224,8 +226,8 @@ def test_fused_model_equals_plain_model_fp32():
 def test_inductor_compiled_fused_model_on_cpu():
     """The real fast path (torch.compile + Inductor-generated kernels) against the plain model."""
     cfg = GPTConfig(1, 32, 2, 128, 16, 64, hidden_dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0); plain = GPT(cfg)
-    fast = GPT(dataclasses.replace(cfg, fused=True)); fast.load_state_dict(plain.state_dict())
+    torch.manual_seed(0); plain = build_gpt(cfg)
+    fast = build_gpt(dataclasses.replace(cfg, fused=True)); fast.load_state_dict(plain.state_dict())
     x = torch.randint(0, 64, (2, 16)); y = torch.randint(0, 64, (2, 16))
     lf = torch.compile(fast)(x, y)
     lp = plain(x, y)
@@ -240,7 +242,7 @@ def test_triton_dropout_path_inside_the_compiled_model(monkeypatch):
     runs its bit-exact twin there): the compiled GPT with a TrainStep of 2 micro batches traces it,
     reproduces its loss for a seed, and the loss moves with the seed; eager and compiled agree on
     the rule (a dropped element contributes nothing, kept ones are scaled by 1/(1-p))."""
-    from hpcmeg.model.gpt import GPT
+    from hpcmeg.fused.model import build_gpt
     from hpcmeg.model.config import GPTConfig
     from hpcmeg.train.optim import AdamWConfig, build_optimizer
     from hpcmeg.train.step import TrainStep
@@ -265,7 +267,7 @@ def test_triton_dropout_path_inside_the_compiled_model(monkeypatch):
 
     def losses(seed):
         torch.manual_seed(0)
-        m = GPT(cfg)
+        m = build_gpt(cfg)
         buf, opt = build_optimizer(m, AdamWConfig(1e-3))
         st = TrainStep(m, buf, opt, "fp32", compile=True, device="cpu")
         torch.manual_seed(seed)

@@ -19,6 +19,7 @@ import torch
 
 from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.model.config import GPTConfig
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.context import context_for
 from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer, main_grad_dtype
@@ -30,7 +31,7 @@ VOCAB = 128
 
 def tiny_gpt(seed: int = 0, layers: int = 2) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(layers, 32, 4, 128, 16, VOCAB, hidden_dropout=0.0, attention_dropout=0.0))
+    return build_gpt(GPTConfig(layers, 32, 4, 128, 16, VOCAB, hidden_dropout=0.0, attention_dropout=0.0))
 
 
 def batches(n_steps: int, rows: int, seed: int = 1, s: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:

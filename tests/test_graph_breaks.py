@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.train.optim import AdamWConfig, build_optimizer
 
 
@@ -21,7 +21,7 @@ def test_the_sunk_fused_model_has_no_graph_break(kw):
     from torch._dynamo.utils import counters
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                     max_position_embeddings=64, padded_vocab_size=128, fused=True, **kw)
-    m = GPT(cfg, init_seed=3)
+    m = build_gpt(cfg, init_seed=3)
     buf, _ = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
     assert buf.is_sunk(m.encoder.layers[0].mlp.dense_h_to_4h.weight)
     tok = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))

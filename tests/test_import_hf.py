@@ -13,7 +13,7 @@ from hpcmeg.cli import main as hpcmeg_main
 from hpcmeg.convert.hf_tokenizer import TokenizerSource, write_tokenizer_files
 from hpcmeg.convert.merge import load_full_checkpoint
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.checkpoint.store import load_checkpoint
 from hpcmeg.megatron.names import read_tracker
 from helpers import VOCAB, real_tokens, rel_err
@@ -94,7 +94,7 @@ def test_imported_model_computes_like_hf(hf):
                     max_position_embeddings=m["max_position_embeddings"], padded_vocab_size=full.args.padded_vocab_size,
                     hidden_dropout=m["hidden_dropout"], attention_dropout=m["attention_dropout"],
                     layernorm_epsilon=m["layernorm_epsilon"])
-    model = GPT(cfg).eval()
+    model = build_gpt(cfg).eval()
     model.load_state_dict(full.full, strict=True)
     tokens = real_tokens(2, 40)
     with torch.no_grad():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from hpcmeg.megatron.layout import pad_vocab_size
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 
 
 def tiny(**kw):
@@ -34,7 +34,7 @@ def test_config_rejects_bad_values():
 
 def test_state_dict_keys_and_shapes_are_megatron_legacy():
     cfg = tiny()
-    sd = GPT(cfg).state_dict()
+    sd = build_gpt(cfg).state_dict()
     h, f = 64, 256
     want = {"embedding.word_embeddings.weight": (128, h), "embedding.position_embeddings.weight": (32, h),
             "encoder.final_layernorm.weight": (h,), "encoder.final_layernorm.bias": (h,)}
@@ -48,12 +48,12 @@ def test_state_dict_keys_and_shapes_are_megatron_legacy():
                      p + "mlp.dense_h_to_4h.weight": (f, h), p + "mlp.dense_h_to_4h.bias": (f,),
                      p + "mlp.dense_4h_to_h.weight": (h, f), p + "mlp.dense_4h_to_h.bias": (h,)})
     assert {k: tuple(v.shape) for k, v in sd.items()} == want
-    assert list(GPT(cfg).buffers()) == []
+    assert list(build_gpt(cfg).buffers()) == []
 
 
 def test_gpt2_124m_parameter_count():
     with torch.device("meta"):
-        m = GPT(GPTConfig(12, 768, 12, 3072, 1024, pad_vocab_size(50257)))
+        m = build_gpt(GPTConfig(12, 768, 12, 3072, 1024, pad_vocab_size(50257)))
     # V*h + P*h + L*(12h^2 + 13h) + 2h, tied output matrix counted once
     assert m.num_params() == 50304 * 768 + 1024 * 768 + 12 * (12 * 768 ** 2 + 13 * 768) + 2 * 768 == 124_475_904
 
@@ -63,7 +63,7 @@ def test_qkv_rows_are_per_head_q_k_v(fused):
     """Hand-check: head h's q rows are [h*3*hd, h*3*hd+hd), then its k rows, then its v rows."""
     cfg = tiny(num_layers=1, hidden_dropout=0.0, attention_dropout=0.0, fused=fused)
     torch.manual_seed(0)
-    attn = GPT(cfg).encoder.layers[0].self_attention.eval()
+    attn = build_gpt(cfg).encoder.layers[0].self_attention.eval()
     with torch.no_grad():
         attn.query_key_value.bias.normal_()
     x = torch.randn(2, 9, 64)
@@ -85,8 +85,8 @@ def test_qkv_rows_are_per_head_q_k_v(fused):
 
 def test_init_is_megatron_and_deterministic():
     cfg = tiny(num_layers=4, hidden_size=256, ffn_hidden_size=1024, padded_vocab_size=512)
-    torch.manual_seed(1); a = GPT(cfg)
-    torch.manual_seed(1); b = GPT(cfg)
+    torch.manual_seed(1); a = build_gpt(cfg)
+    torch.manual_seed(1); b = build_gpt(cfg)
     for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), n
     sd = a.state_dict()
@@ -103,7 +103,7 @@ def test_init_is_megatron_and_deterministic():
 @pytest.mark.parametrize("fused", [False, True])
 def test_forward_shapes_tying_and_loss(fused):
     cfg = tiny(fused=fused)
-    torch.manual_seed(0); m = GPT(cfg).eval()
+    torch.manual_seed(0); m = build_gpt(cfg).eval()
     x = torch.randint(0, 100, (3, 20)); y = torch.randint(0, 128, (3, 20))
     logits = m(x)
     assert logits.shape == (3, 20, 128)
@@ -122,7 +122,7 @@ def test_forward_shapes_tying_and_loss(fused):
 
 
 def test_position_ids_and_too_long_input():
-    m = GPT(tiny(hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    m = build_gpt(tiny(hidden_dropout=0.0, attention_dropout=0.0)).eval()
     x = torch.randint(0, 128, (1, 8))
     torch.testing.assert_close(m(x, position_ids=torch.arange(8)[None]), m(x))  # the same positions: case 1
     assert not torch.allclose(m(x, position_ids=torch.arange(8, 16)[None]), m(x))
@@ -133,7 +133,7 @@ def test_position_ids_and_too_long_input():
 @pytest.mark.parametrize("fp32_res", [False, True])
 def test_residual_stream_dtype_under_autocast(fp32_res):
     """Megatron semantics: bf16 residual stream under bf16 autocast unless fp32_residual_connection."""
-    m = GPT(tiny(fused=True, fp32_residual_connection=fp32_res))
+    m = build_gpt(tiny(fused=True, fp32_residual_connection=fp32_res))
     seen = []
     m.encoder.layers[1].register_forward_hook(lambda mod, inp, out: seen.append((inp[0].dtype, out[0].dtype)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -160,13 +160,13 @@ def test_init_on_threads_is_the_serial_init(monkeypatch):
     monkeypatch.setattr(gpt_module.concurrent.futures, "ThreadPoolExecutor", Pool)
     monkeypatch.setattr(gpt_module.torch, "get_num_threads", lambda: 8)  # a CI machine may give 1
     cfg = tiny(num_layers=4, vocab_size=100)
-    threaded = GPT(cfg, init_seed=7)
+    threaded = build_gpt(cfg, init_seed=7)
     assert pools == [gpt_module.INIT_THREADS] and gpt_module.INIT_THREADS > 1
     for name, p in threaded.named_parameters():
         assert p.requires_grad and p.grad_fn is None, name
         assert torch.equal(p, init_value(name, p.shape, cfg, 7)), name
     monkeypatch.setattr(gpt_module, "INIT_THREADS", 1)
-    serial = GPT(cfg, init_seed=7).state_dict()
+    serial = build_gpt(cfg, init_seed=7).state_dict()
     for name, t in threaded.state_dict().items():
         assert torch.equal(t, serial[name]), name
 
@@ -176,23 +176,23 @@ def test_init_is_the_same_whatever_the_layout():
     its layers of the whole model, real vocabulary rows ignore the padding, the head copy of a last
     stage starts equal to the embedding."""
     cfg = tiny(num_layers=4, vocab_size=100)
-    full = GPT(cfg, init_seed=7).state_dict()
-    assert torch.equal(GPT(cfg, init_seed=7).state_dict()["encoder.layers.3.mlp.dense_4h_to_h.weight"],
+    full = build_gpt(cfg, init_seed=7).state_dict()
+    assert torch.equal(build_gpt(cfg, init_seed=7).state_dict()["encoder.layers.3.mlp.dense_4h_to_h.weight"],
                        full["encoder.layers.3.mlp.dense_4h_to_h.weight"])
-    assert not torch.equal(GPT(cfg, init_seed=8).state_dict()["encoder.layers.3.mlp.dense_4h_to_h.weight"],
+    assert not torch.equal(build_gpt(cfg, init_seed=8).state_dict()["encoder.layers.3.mlp.dense_4h_to_h.weight"],
                            full["encoder.layers.3.mlp.dense_4h_to_h.weight"])
-    last = GPT(cfg, layers=range(2, 4), pre_process=False, init_seed=7)
+    last = build_gpt(cfg, layers=range(2, 4), pre_process=False, init_seed=7)
     sd = last.state_dict()
     assert "embedding.word_embeddings.weight" not in sd and "encoder.final_layernorm.weight" in sd
     for k in ("self_attention.query_key_value.weight", "mlp.dense_h_to_4h.weight"):
         assert torch.equal(sd[f"encoder.layers.0.{k}"], full[f"encoder.layers.2.{k}"])
         assert torch.equal(sd[f"encoder.layers.1.{k}"], full[f"encoder.layers.3.{k}"])
     assert torch.equal(sd["word_embeddings_for_head.weight"], full["embedding.word_embeddings.weight"])
-    first = GPT(cfg, layers=range(0, 2), post_process=False, init_seed=7).state_dict()
+    first = build_gpt(cfg, layers=range(0, 2), post_process=False, init_seed=7).state_dict()
     assert "encoder.final_layernorm.weight" not in first and "word_embeddings_for_head.weight" not in first
-    wider = GPT(tiny(num_layers=4, vocab_size=100, padded_vocab_size=256), init_seed=7).state_dict()
+    wider = build_gpt(tiny(num_layers=4, vocab_size=100, padded_vocab_size=256), init_seed=7).state_dict()
     assert torch.equal(wider["embedding.word_embeddings.weight"][:100], full["embedding.word_embeddings.weight"][:100])
     # a chunk is single-device code too: hidden states in, hidden states out (no output layer)
-    mid = GPT(cfg, layers=range(1, 3), pre_process=False, post_process=False, init_seed=7)
+    mid = build_gpt(cfg, layers=range(1, 3), pre_process=False, post_process=False, init_seed=7)
     x = torch.randn(2, 5, 64)
     assert mid(hidden_states=x).shape == (2, 5, 64)

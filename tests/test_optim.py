@@ -13,7 +13,7 @@ import sys
 import torch
 
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.train.optim import AdamWConfig, BufferClass, Role, build_optimizer, param_roles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,14 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ONE_STEP = r"""
 import torch
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.train.optim import AdamWConfig, build_optimizer
 from hpcmeg.train.step import TrainStep
 
 def one_step(compiled):
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=96,
                     max_position_embeddings=32, padded_vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPT(cfg, init_seed=3)
+    model = build_gpt(cfg, init_seed=3)
     buf, opt = build_optimizer(model, AdamWConfig(1e-2, weight_decay=0.1), compiled=compiled)
     step = TrainStep(model, buf, opt, "fp32", grad_clip=0.05, device="cpu")
     start = opt.master.clone()
@@ -51,7 +51,7 @@ def test_roles_make_buffer_classes_in_role_order_with_their_reductions():
     """A role's parameters get a class of their own in each group where it has members (in Role's
     order, a PLAIN class always); partial and tied classes get an extra reduction; one process (tp
     rank 0, the first stage) counts every class in the norm."""
-    model = GPT(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+    model = build_gpt(GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                           max_position_embeddings=16, padded_vocab_size=64), init_seed=0)
     wte, wpe = model.embedding.word_embeddings.weight, model.embedding.position_embeddings.weight
     ln = model.encoder.layers[0].input_layernorm
@@ -66,7 +66,7 @@ def test_roles_make_buffer_classes_in_role_order_with_their_reductions():
     assert buf.extra_reductions == ((decay(Role.TIED), None), (no_decay(Role.PARTIAL), None))
     assert opt.norm_skip == frozenset() and opt.norm_groups == ()
     # no roles: one PLAIN class per group
-    buf, _ = build_optimizer(GPT(model.cfg, init_seed=0), AdamWConfig(1e-3))
+    buf, _ = build_optimizer(build_gpt(model.cfg, init_seed=0), AdamWConfig(1e-3))
     assert buf.classes == [decay(Role.PLAIN), no_decay(Role.PLAIN)]
 
 

@@ -18,7 +18,7 @@ import torch
 
 from helpers import random_batches
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.parallel.context import context_for
 from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.train.optim import AdamWConfig
@@ -86,7 +86,7 @@ def _case(rank, world, tp, pp, vpp, M, steps, lr, distributed):
 
 
 def reference(M: int, steps: int, lr: float):
-    m = GPT(CFG, init_seed=3)
+    m = build_gpt(CFG, init_seed=3)
     dims = ParallelDims(1)
     ctx = context_for(dims, 0, 0, "cpu")
     buf, opt = rank_optimizer(m, _empty_plan(), ctx, AdamWConfig(lr, weight_decay=0.1), param_dtype=torch.float32,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 
 TOKENS, FFN = 2 * 64, 256
 
@@ -27,7 +27,7 @@ def _tok():
 
 
 def _run(cfg, compiled=False):
-    m = GPT(cfg, init_seed=3)
+    m = build_gpt(cfg, init_seed=3)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
         loss = (torch.compile(m) if compiled else m)(_tok(), _tok()).mean()
@@ -72,7 +72,7 @@ def test_the_compiled_graph_saves_no_gelu_output():
         backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, ex: gm.forward,
                                partition_fn=min_cut_rematerialization_partition)
         torch._dynamo.reset()
-        m = GPT(_cfg(recompute_gelu_layers=k), init_seed=3)
+        m = build_gpt(_cfg(recompute_gelu_layers=k), init_seed=3)
         torch.compile(m, backend=backend)(_tok(), _tok()).mean().backward()
         # [tokens, ffn] or [b, s, ffn]: the GEMMs save 2-D views, the GELU function its 3-D input
         return sum(1 for sh in shapes if sh[-1] == FFN and torch.Size(sh).numel() == TOKENS * FFN)
@@ -89,7 +89,7 @@ def test_through_the_main_grad_sinks():
     mbs = [(tok[:, :-1].contiguous(), tok[:, 1:].contiguous())] * 2
     main = {}
     for k in (0, 2):
-        m = GPT(_cfg(recompute_gelu_layers=k), init_seed=3)
+        m = build_gpt(_cfg(recompute_gelu_layers=k), init_seed=3)
         buf, opt = build_optimizer(m, AdamWConfig(1e-3), bucket_numel=5000, wgrad_fusion=True)
         assert buf.is_sunk(m.encoder.layers[0].mlp.dense_4h_to_h.weight)
         TrainStep(m, buf, opt, "fp32", grad_clip=0.0, device="cpu").run(mbs)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.train.loss_scale import DynamicLossScaler
 from hpcmeg.train.optim import AdamWConfig, build_optimizer, param_groups
 from hpcmeg.train.step import TrainStep
@@ -15,7 +15,7 @@ from hpcmeg.train.step import TrainStep
 
 def tiny_model(fused=False, seed=0):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(2, 64, 4, 256, 32, 128, hidden_dropout=0.0, attention_dropout=0.0, fused=fused))
+    return build_gpt(GPTConfig(2, 64, 4, 256, 32, 128, hidden_dropout=0.0, attention_dropout=0.0, fused=fused))
 
 
 def batch(n=4, s=32, seed=1):

@@ -48,8 +48,25 @@ def test_recipe_files_are_bottom_layer():
     """The recipe's schema, YAML reader, checks and derived plan sit in the bottom layer with megatron/
     (the checker's table does not list these files by name): they import only each other and
     megatron/."""
-    for name in ("recipe_schema", "recipe_yaml", "recipe_checks", "recipe_plan"):
+    for name in ("recipe_schema", "recipe_choices", "recipe_yaml", "recipe_checks", "recipe_plan"):
         path = os.path.join(REPO, "hpcmeg", f"{name}.py")
         bad = [m for m in _hpcmeg_imports(path)
                if not (m.startswith("hpcmeg.megatron.") or m.startswith("hpcmeg.recipe_"))]
         assert bad == [], (name, bad)
+
+
+def test_fused_package_sits_beside_the_model():
+    """hpcmeg/fused/ (the fast path applied to the plain model from outside; the checker's table does
+    not list it) imports only itself, model/, kernels/ and the bottom layer; model/ and kernels/
+    never import it, so the plain model stands alone."""
+    below = ("hpcmeg.fused", "hpcmeg.model", "hpcmeg.kernels", "hpcmeg.megatron", "hpcmeg.recipe_")
+    fused_dir = os.path.join(REPO, "hpcmeg", "fused")
+    for name in sorted(os.listdir(fused_dir)):
+        if name.endswith(".py"):
+            bad = [m for m in _hpcmeg_imports(os.path.join(fused_dir, name)) if not m.startswith(below)]
+            assert bad == [], (name, bad)
+    for pkg in ("model", "kernels"):
+        for name in sorted(os.listdir(os.path.join(REPO, "hpcmeg", pkg))):
+            if name.endswith(".py"):
+                up = [m for m in _hpcmeg_imports(os.path.join(REPO, "hpcmeg", pkg, name)) if m.startswith("hpcmeg.fused")]
+                assert up == [], (pkg, name, up)

@@ -26,6 +26,7 @@ from helpers import random_batches
 from hpcmeg.convert.merge import split_tp
 from hpcmeg.megatron.layout import tp_split_dim
 from hpcmeg.model.config import GPTConfig
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.context import context_for
 from hpcmeg.megatron.parallel_dims import ParallelDims
@@ -41,7 +42,7 @@ CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=HEADS, ffn_hidden_s
 
 
 def model(seed: int = 3, fused: bool = False) -> GPT:
-    return GPT(GPTConfig(**CFG, fused=fused), init_seed=seed)
+    return build_gpt(GPTConfig(**CFG, fused=fused), init_seed=seed)
 
 
 def batches(n: int, rows: int, seed: int = 11):

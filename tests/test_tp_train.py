@@ -84,7 +84,7 @@ def _distributed_logits(rank, world, ckpt_dir, tokens):
     """The TP2 model's forward (no labels: the vocabulary gathered) from its own shard files."""
     from hpcmeg.megatron.layout import HEAD_KEY, from_megatron_model
     from hpcmeg.model.config import GPTConfig
-    from hpcmeg.model.gpt import GPT
+    from hpcmeg.fused.model import build_gpt
     from hpcmeg.parallel.context import context_for
     from hpcmeg.megatron.parallel_dims import ParallelDims
     from hpcmeg.parallel.tensor import parallelize_tensor
@@ -95,7 +95,7 @@ def _distributed_logits(rank, world, ckpt_dir, tokens):
     cfg = GPTConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                     ffn_hidden_size=a.ffn_hidden_size, max_position_embeddings=a.max_position_embeddings,
                     padded_vocab_size=a.padded_vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
-    m = GPT(cfg, init_seed=0)
+    m = build_gpt(cfg, init_seed=0)
     parallelize_tensor(m, ctx)
     flat = from_megatron_model(st["model"])
     flat.pop(HEAD_KEY, None)

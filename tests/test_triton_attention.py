@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from hpcmeg.kernels import attention as ta
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 from helpers import compile_for_hopper, run_in_triton_interpreter
 
 _INTERPRETER_CHECK = r"""
@@ -168,7 +168,7 @@ def test_custom_op_opcheck_and_supports():
 def _model(**kw):
     cfg = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                max_position_embeddings=128, padded_vocab_size=128, fused=True, hidden_dropout=0.0)
-    return GPT(GPTConfig(**cfg, **kw), init_seed=1)
+    return build_gpt(GPTConfig(**cfg, **kw), init_seed=1)
 
 
 def test_model_with_triton_backend_matches_default_and_compiles():

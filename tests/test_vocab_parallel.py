@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpcmeg.model import fused, ops
+from hpcmeg.fused import ops as fused
+from hpcmeg.model import ops
 from hpcmeg.parallel import comm
 from hpcmeg.parallel.vocab_ce import (vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_plain,
                                       vocab_parallel_linear_cross_entropy)

@@ -1,4 +1,4 @@
-"""Gradient-accumulation fusion (hpcmeg/model/wgrad.py + the buffer's sunk weights): the sink path
+"""Gradient-accumulation fusion (hpcmeg/fused/wgrad.py + the buffer's sunk weights): the sink path
 against the plain one, eager and compiled, one process and DP2 / the distributed optimizer on gloo.
 
 With fp32 operands (CPU) the sink computes the same mm as autograd's weight gradient and adds it
@@ -15,8 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpcmeg.megatron.parallel_dims import ParallelDims
-from hpcmeg.model import wgrad
+from hpcmeg.fused import wgrad
 from hpcmeg.model.config import GPTConfig
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.context import context_for
 from hpcmeg.parallel.grad_buffer import ParamAndGradBuffer
@@ -29,7 +30,7 @@ VOCAB = 128
 
 def fused_gpt(layers: int = 2, seed: int = 0, fused: bool = True, ce: str = "grad_in_forward") -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(layers, 32, 4, 128, 16, VOCAB, hidden_dropout=0.0, attention_dropout=0.0, fused=fused,
+    return build_gpt(GPTConfig(layers, 32, 4, 128, 16, VOCAB, hidden_dropout=0.0, attention_dropout=0.0, fused=fused,
                          fused_ce=ce))
 
 

@@ -22,15 +22,16 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from hpcmeg.model import fused, ops  # noqa: E402
+from hpcmeg.fused import ops as fused  # noqa: E402
+from hpcmeg.model import ops
 from hpcmeg.model.config import GPTConfig  # noqa: E402
-from hpcmeg.model.gpt import GPT  # noqa: E402
+from hpcmeg.fused.model import build_gpt  # noqa: E402
 
 
 def probe(tag, out):
     torch.manual_seed(0)
     cfg = GPTConfig(2, 768, 12, 3072, 1024, 50304, hidden_dropout=0.1, attention_dropout=0.1, fused=True)
-    m = GPT(cfg).cuda().to(torch.bfloat16)
+    m = build_gpt(cfg).cuda().to(torch.bfloat16)
     f = torch.compile(m)
     x = torch.randint(0, 50257, (12, 1024), device="cuda")
 

@@ -15,7 +15,7 @@ Contract
   `reference(logits, labels)` is the plain PyTorch twin (tests/test_fused_ops.py compares them
   with Triton's interpreter on CPU; bench/gpu_agreement.py on the GPU).
   ce_forward_grad_(logits, labels) -> loss [N] fp32, and logits overwritten IN PLACE by the loss
-  gradient softmax - onehot(label) (logits' dtype): the forward of fused.py's "grad_in_forward" CE,
+  gradient softmax - onehot(label) (logits' dtype): the forward of the fused "grad_in_forward" CE (hpcmeg/fused/linear_ce.py),
   whose backward then needs no pass over [N, V] at all. Custom op hpcmeg::cross_entropy_grad_
   (mutates logits); twin reference_grad_. `cross_entropy_lse` serves the vocabulary-parallel loss
   (hpcmeg/parallel/vocab_ce.py), `cross_entropy_grad_` the single-rank LM head.

@@ -28,7 +28,7 @@ Contract
     CUDA (bf16/fp16/fp32, triton importable), the twins elsewhere; hpcmeg::gelu_tanh_recompute(h)
     is gelu_tanh under another name (a backward's recomputation that torch.compile must not merge
     with the forward's call). No autograd is registered:
-    hpcmeg/model/fused.py wraps them in its autograd.Function.
+    hpcmeg/fused/ops.py wraps them in its autograd.Function.
   reference_forward(h) / reference_backward(dg, h): the plain twins (fp32 math, same outputs).
     gelu_grad(h) is the written-out derivative in h's dtype (tests/test_triton_gelu.py checks it
     against autograd of ops.bias_gelu and the kernels against the twins in Triton's interpreter;
@@ -295,7 +295,7 @@ def _(h: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("hpcmeg::gelu_tanh_recompute", mutates_args=())
 def gelu_tanh_recompute(h: torch.Tensor) -> torch.Tensor:
     """gelu_tanh under its own name, for a backward that recomputes the forward's GELU output
-    (fused._MLPRecomputeGelu): torch.compile's common-subexpression pass merges a second
+    (hpcmeg/fused/ops.py's _MLPRecomputeGelu): torch.compile's common-subexpression pass merges a second
     hpcmeg::gelu_tanh of the same h with the forward's, and then saves that output after all."""
     return gelu_forward(h) if _use_kernel(h) else reference_forward(h.contiguous())
 

@@ -75,7 +75,7 @@ class GPTConfig:
     recompute_gelu_layers: int = 0
     """Fused path only. The first this many layers of each pipeline stage keep their MLP's
     pre-activation but not its GELU output, which the backward recomputes with the same kernel
-    (fused._MLPRecomputeGelu): 2 x ffn
+    (hpcmeg/fused/ops.py's _MLPRecomputeGelu): 2 x ffn
     bytes per token less per layer (124M at micro batch 16: 100 MB a layer) for one GELU pass per
     layer in the backward. For a micro batch that would not fit otherwise. 0: none."""
 

@@ -1,10 +1,11 @@
-"""Plain PyTorch reference ops: the obviously-correct twins of hpcmeg/model/fused.py.
+"""Plain PyTorch reference ops: the obviously-correct twins of hpcmeg/fused/ops.py.
 
-Every function here has a same-named fast version in fused.py (cross_entropy_with_lse and
+Every function here has a same-named fast version in hpcmeg/fused/ops.py (cross_entropy_with_lse and
 cross_entropy_grad_: the Triton kernels of hpcmeg/kernels/cross_entropy.py; softmax_minus_onehot is their shared
 gradient formula); tests/test_fused_ops.py checks that each pair agrees (fp32 on CPU, the
 Triton one in its interpreter) and bench/gpu_agreement.py does so on the GPU in bf16.
-These are the ops the model uses when GPTConfig.fused is False (CPU, debugging).
+hpcmeg/model/gpt.py is written with torch's own modules (nn.LayerNorm, F.gelu, F.dropout) and
+calls the attention and loss here.
 
 Shapes: x [b, s, h] activations; q, k, v [b, s, heads, head_dim]; bias [h] or [ffn];
 labels [b, s] int64. Per-token losses are float32 [b, s].
@@ -45,7 +46,7 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """torch's dropout (fused.py's twin draws its mask from a Philox kernel on CUDA)."""
+    """torch's dropout (the fused twin draws its mask from a Philox kernel on CUDA)."""
     return F.dropout(x, p=p, training=training)
 
 
@@ -59,7 +60,7 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
 
 def bias_dropout_add_layer_norm(x, bias, residual, p, training, ln_weight, ln_bias, eps, out_grad: bool = True):
     """(new_residual, LayerNorm(new_residual)): the branch end fused with the next pre-LN. out_grad:
-    a hint for fused.py's version (autograd here needs none: an unused output costs nothing)."""
+    a hint for the fused version (autograd here needs none: an unused output costs nothing)."""
     out = bias_dropout_add(x, bias, residual, p, training)
     return out, layer_norm(out, ln_weight, ln_bias, eps)
 
@@ -78,7 +79,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
 def cross_entropy_with_lse(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token loss, logsumexp), both fp32, of logits [..., V] against labels [...]: the one
-    written-out formulation that fused.py's CE paths and hpcmeg/kernels/cross_entropy.py's twin share."""
+    written-out formulation that the fused CE paths and hpcmeg/kernels/cross_entropy.py's twin share."""
     lf = logits.float()
     lse = torch.logsumexp(lf, dim=-1)
     return lse - lf.gather(-1, labels.unsqueeze(-1)).squeeze(-1), lse
@@ -94,7 +95,7 @@ def softmax_minus_onehot(logits: torch.Tensor, labels: torch.Tensor, lse: torch.
 
 def cross_entropy_grad_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token loss fp32 [...], with the logits overwritten in place by softmax - onehot in their own
-    dtype: the plain twin of hpcmeg/kernels/cross_entropy.py's grad-in-forward kernel (fused.py's 'grad_in_forward' CE)."""
+    dtype: the plain twin of hpcmeg/kernels/cross_entropy.py's grad-in-forward kernel (the fused 'grad_in_forward' CE)."""
     loss, lse = cross_entropy_with_lse(logits, labels)
     logits.copy_(softmax_minus_onehot(logits, labels, lse).to(logits.dtype))
     return loss

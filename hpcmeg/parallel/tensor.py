@@ -85,10 +85,12 @@ def _shard_parameters(model: nn.Module, tp: int, rank: int) -> set[int]:
     return replicated
 
 
-def _forked(fn, rng):
+def _forked(module: nn.Module, method: str, rng):
+    """module.<method> on the TP RNG stream; the method is looked up on the module's class at each
+    call, so a class swap after this (hpcmeg/fused/model.py's fuse) is still honoured."""
     def run(*args, **kwargs):
         with rng.fork():
-            return fn(*args, **kwargs)
+            return getattr(type(module), method)(module, *args, **kwargs)
     return run
 
 
@@ -118,9 +120,9 @@ def parallelize_tensor(model: nn.Module, ctx, *, sequence_parallel: bool = False
             block.register_forward_pre_hook(enter)
             block.register_forward_hook(leave)
         if rng is not None and sp and dropout:  # every activation of the layer differs per rank
-            layer.forward = _forked(layer.forward, rng)
+            layer.forward = _forked(layer, "forward", rng)
         elif rng is not None and cfg.attention_dropout > 0:  # the rank's own heads
-            layer.self_attention.attend = _forked(layer.self_attention.attend, rng)
+            layer.self_attention.attend = _forked(layer.self_attention, "attend", rng)
     if model.head is not None:
         model.head = VocabParallelHead(group, sp, plain=not cfg.fused)
     partial = set()

@@ -23,7 +23,7 @@ Contract
 - Size-1 group: the single-device formula bit for bit (hpcmeg/model/ops.py), no communication.
 - "No fp32 logits" holds where it matters: on CUDA (the kernel forward, the backward compiled
   into one kernel for eager callers) and inside torch.compile (Inductor fuses the .float()); the
-  eager CPU path (tests) materialises fp32 temporaries, as fused_ce.py's does.
+  eager CPU path (tests) materialises fp32 temporaries, as hpcmeg/fused/linear_ce.py's does.
 
 How the forward combines the shards: each rank computes, per token, the fp32 logsumexp of its
 shard (on CUDA the one-pass Triton kernel torch.ops.hpcmeg.cross_entropy_lse of
@@ -42,7 +42,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from hpcmeg.model import fused_ce
+from hpcmeg.fused import linear_ce as fused_ce
 from hpcmeg.model.ops import cross_entropy_with_lse
 from hpcmeg.parallel import comm
 
@@ -73,7 +73,7 @@ def _grad_logits(logits, lse, local, in_shard, g):
 
 @functools.cache
 def _compiled_grad():
-    """Eager CUDA callers get the backward pass compiled into one kernel (as fused_ce.py does);
+    """Eager CUDA callers get the backward pass compiled into one kernel (as hpcmeg/fused/linear_ce.py does);
     built on first use so CPU runs never import Inductor for it."""
     return torch.compile(_grad_logits)
 

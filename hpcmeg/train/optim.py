@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from hpcmeg.megatron.parallel_dims import ParallelDims
-from hpcmeg.model import wgrad
+from hpcmeg.fused import wgrad
 from hpcmeg.parallel.context import ParallelContext, context_for
 from hpcmeg.parallel.grad_buffer import DEFAULT_BUCKET_NUMEL, ParamAndGradBuffer
 from hpcmeg.train.flat_adamw import FlatAdamW
@@ -110,7 +110,7 @@ def build_optimizer(model: nn.Module, hyper: AdamWConfig, ctx: ParallelContext |
     parameter PLAIN); each role gets buffer classes of its own, so each is a contiguous run of the
     buffer. `accumulate`: the buffer's gradient path, bucketed or its per_param twin (tests compare
     them). `wgrad_fusion`: every weight the model can sink (nn.Linear's; GPT.sinkable_weights) has
-    its GEMM accumulate into its main grad (hpcmeg/model/wgrad.py); the model must be a fused one."""
+    its GEMM accumulate into its main grad (hpcmeg/fused/wgrad.py); the model must be a fused one."""
     ctx = ctx or one_process(next(model.parameters()).device)
     roles = roles or {}
     groups = param_groups(model, hyper.weight_decay)

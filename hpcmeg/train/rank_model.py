@@ -1,7 +1,8 @@
 """One rank's model, gradient buffer, optimizer and step for any layout (TP x PP x DP), from plain values.
 
 Contract (build.py calls these with the recipe's values; the parallel tests call them directly):
-- `rank_model(config, dims, ctx, init_seed, device) -> (model, plan, rng)`: at PP 1 the GPT, at PP > 1
+- `rank_model(config, dims, ctx, init_seed, device) -> (model, plan, rng)`: at PP 1 the GPT (fused
+  when config.fused: hpcmeg/fused/model.py), at PP > 1
   a StageModel of this pipeline rank's chunks (hpcmeg/parallel/pipeline/stages.py); built whole on
   the CPU with the name-keyed init (every layout starts from the same weights), cut into this rank's
   tensor-parallel shards (hpcmeg/parallel/tensor.py; `plan` says which parameters are replicated,
@@ -20,7 +21,7 @@ import torch
 
 from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.model.config import GPTConfig
-from hpcmeg.model.gpt import GPT
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.parallel.tensor import TensorParallelPlan, parallelize_tensor
 
 
@@ -30,7 +31,7 @@ def rank_model(config: GPTConfig, dims: ParallelDims, ctx, init_seed: int, devic
 
     rng = RNGStreams(init_seed, ctx.tp_rank, device) if dims.tp > 1 else None
     if dims.pp == 1:
-        model = GPT(config, init_seed=init_seed)
+        model = build_gpt(config, init_seed=init_seed)
         plan = parallelize_tensor(model, ctx, sequence_parallel=dims.sequence_parallel, rng=rng)
         return model.to(device), plan, rng
     chunks = build_chunks(config, dims.pp, dims.vpp, ctx.pp_rank, init_seed)

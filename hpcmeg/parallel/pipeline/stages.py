@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from hpcmeg.megatron.layout import HEAD_KEY, from_megatron_model, to_megatron_model
 from hpcmeg.model.config import GPTConfig
+from hpcmeg.fused.model import build_gpt
 from hpcmeg.model.gpt import GPT
 from hpcmeg.parallel.pipeline.schedule import chunk_layers
 
@@ -38,8 +39,8 @@ def build_chunks(cfg: GPTConfig, pp: int, vpp: int, pp_rank: int, init_seed: int
     out = []
     for v in range(vpp):
         layers = chunk_layers(cfg.num_layers, pp, vpp, pp_rank, v)
-        out.append(GPT(cfg, layers=layers, pre_process=pp_rank == 0 and v == 0,
-                       post_process=pp_rank == pp - 1 and v == vpp - 1, init_seed=init_seed))
+        out.append(build_gpt(cfg, layers=layers, pre_process=pp_rank == 0 and v == 0,
+                             post_process=pp_rank == pp - 1 and v == vpp - 1, init_seed=init_seed))
     return out
 
 

@@ -15,12 +15,12 @@ What "fused" means here, op by op:
     kernels (F.layer_norm), which Inductor fuses under torch.compile with the neighbouring residual
     adds, dropout scaling and casts. Their backward is ONE pass of hpcmeg/kernels/layernorm.py
     per LayerNorm: dx with the residual-gradient add and the dropout mask, and the partial sums of
-    dw, db and the branch bias gradient (gpt.py ends both residual branches of a layer with
+    dw, db and the branch bias gradient (model.py ends both residual branches of a layer with
     bias_dropout_add_layer_norm: the MLP's with the next layer's input LayerNorm or the final one,
     so the only plain layer_norm is layer 0's), where Inductor ran a fused kernel and then column
     reductions re-reading its inputs (in CUDA-graph replays on the H200 at 124M's shape: 37.9 vs
     70.8 us; bench/results/layernorm_probe_h200_s9b.json).
-  * linear layers (here and in gpt.py) go through hpcmeg/model/wgrad.py's `linear`: F.linear, or
+  * linear layers (here and in model.py) go through hpcmeg/fused/wgrad.py's `linear`: F.linear, or
     with a main-grad sink attached from outside (gradient-accumulation fusion) a linear whose
     weight-gradient GEMM accumulates into the fp32 main grad itself.
   * linear_bias_gelu: the bias goes INTO the matmul (the GEMM's bias epilogue), then tanh-GELU.
@@ -31,7 +31,7 @@ What "fused" means here, op by op:
     45.6 + 80.1 us at 124M, bench/results/gelu_probe_h200_s9b.json).
   * With the LayerNorm and GELU kernels against Inductor's (bench/results/user_path_s9b_124M_kernels.md,
     124M user path, one call): 494.6K vs 482.7K tokens/s (+2.5 %).
-  * linear_cross_entropy: hpcmeg/model/fused_ce.py (never builds fp32 logits for the whole batch).
+  * linear_cross_entropy: hpcmeg/fused/linear_ce.py (never builds fp32 logits for the whole batch).
 
 Everything here also runs on CPU in fp32 (tests compare it against ops.py within 1e-5).
 """
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hpcmeg.model import wgrad
-from hpcmeg.model.fused_ce import HAVE_TRITON_CE, autocast_cast, linear_cross_entropy  # noqa: F401  (the op set)
+from hpcmeg.fused import wgrad
+from hpcmeg.fused.linear_ce import HAVE_TRITON_CE, autocast_cast, linear_cross_entropy  # noqa: F401  (the op set)
 
 # the custom ops these register (torch.ops.hpcmeg.flash_attention, .layer_norm_backward,
 # .gelu_tanh(_backward), .dropout_keep_mask/_bits) must exist before
@@ -102,7 +102,7 @@ class _LinearBiasGelu(torch.autograd.Function):
     pass (exp2-based, memory-bound), and the backward's dGELU and bias gradient in one pass over
     [tokens, ffn] (Inductor: a pointwise kernel, then a reduction that re-reads both inputs).
     Saves x, W and the pre-activation h, as linear + GELU do. `flat`/`offset`: the weight's
-    main-grad sink (hpcmeg/model/wgrad.py) or None; on ctx, as in wgrad._LinearSink."""
+    main-grad sink (hpcmeg/fused/wgrad.py) or None; on ctx, as in wgrad._LinearSink."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, flat, offset):
@@ -125,7 +125,7 @@ class _LinearBiasGelu(torch.autograd.Function):
 
 
 def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, sink=None) -> torch.Tensor:
-    """tanh-GELU(x W^T + b). sink: the weight's main-grad sink (hpcmeg/model/wgrad.py), or None.
+    """tanh-GELU(x W^T + b). sink: the weight's main-grad sink (hpcmeg/fused/wgrad.py), or None.
     With grad: _LinearBiasGelu (the Triton GELU kernels); without (evaluation): F.gelu."""
     if torch.is_grad_enabled():
         x, weight, bias = autocast_cast(x, weight, bias)
@@ -140,7 +140,7 @@ class _MLPRecomputeGelu(torch.autograd.Function):
     (hpcmeg::gelu_tanh, the same bits). Per layer it saves 2 * ffn bytes per token less (bf16; 100 MB
     at 124M, micro batch 16) for one more GELU pass in the backward. GPTConfig.recompute_gelu_layers
     picks the layers. x [M, K] (2-D; mlp() flattens); flat/offset pairs: the weights' main-grad sinks
-    (hpcmeg/model/wgrad.py) or None, as in wgrad._LinearSink."""
+    (hpcmeg/fused/wgrad.py) or None, as in wgrad._LinearSink."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, flat1, off1, flat2, off2, shared):
@@ -245,7 +245,7 @@ class _BiasDropoutAddLayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, dy):
         out, weight, keep = ctx.saved_tensors
-        if dy is None:  # y unused (not in gpt.py): its gradient is zero
+        if dy is None:  # y unused (not in model.py): its gradient is zero
             dy = torch.zeros_like(out)
         if not ctx.out_grad:  # decided in forward, so a compiled backward never sees a zero d_out
             d_out = None

@@ -16,11 +16,11 @@ Contract:
   embedding(ids [..], weight [V, h], sink) -> weight[ids], as F.embedding; with a sink its backward
     ADDS each dy row into row ids[i] of the main grad (index_add_, fp32) and returns None as the
     weight's gradient: no dense [V, h] gradient, no zero-fill, no later add into the main grad
-    (with the tied output layer's GEMM accumulating into the same main grad, fused.py's
+    (with the tied output layer's GEMM accumulating into the same main grad, ops.py's
     linear_cross_entropy with a sink, the word embedding is a sunk weight too).
   attach_sinks(model, sink_of) gives each nn.Linear and nn.Embedding its sink from outside (the
     trainer: sink_of = ParamAndGradBuffer.sink_of of the sunk weights); layer_sink(layer) reads it
-    back (gpt.py's layers pass it to linear / embedding).
+    back (the fused modules of model.py pass it to linear / embedding).
   torch.ops.hpcmeg.embedding_grad_accumulate_(flat, dy [.., h], ids [..], offset, rows) -> None: the
     embedding's accumulation (index_add_ on CUDA and CPU alike; on CUDA its fp32 atomic adds order
     repeated ids' rows as they come, as Inductor's embedding backward already did).

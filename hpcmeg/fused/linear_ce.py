@@ -1,5 +1,5 @@
 """The LM head's loss, fused: per-token cross-entropy of hidden @ weight^T that never builds fp32
-logits for the whole batch (fused.py's linear_cross_entropy, the fast twin of ops.py's).
+logits for the whole batch (hpcmeg/fused/ops.py's linear_cross_entropy, the fast twin of ops.py's).
 
 Implementations (GPTConfig.fused_ce):
   * 'grad_in_forward' (the default): bf16 logits, which the forward's kernel (hpcmeg/kernels/cross_entropy.py's
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hpcmeg.model import ops
-from hpcmeg.model import wgrad  # noqa: F401  (registers hpcmeg::wgrad_accumulate_ and main_grad_add_)
+from hpcmeg.fused import wgrad  # noqa: F401  (registers hpcmeg::wgrad_accumulate_ and main_grad_add_)
 
 # Import-time fact, never mutated: whether Triton imports (then hpcmeg/kernels/cross_entropy.py registers
 # torch.ops.hpcmeg.cross_entropy_lse / cross_entropy_grad_, the one-pass CE kernels used on CUDA;
