@@ -15,6 +15,10 @@ Where it writes: a duplicate of the file descriptor pytest's terminal writes to,
 configures (output capture is suspended then), so a line reaches the terminal (or CI's log) even
 while the test's own output is being captured. A daemon thread does the waiting; the hooks only
 replace one tuple (atomic under the GIL) and only the thread keeps what it printed, so no lock is needed.
+
+Under pytest-xdist (`-n 2`, the README's command) it runs in the controller only, which is told of
+every test's start and end by the workers (a worker's stdout is /dev/null): several tests run at
+once there, each gets its own lines.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import time
 import pytest
 
 ENV = "HPCMEG_TEST_HEARTBEAT"
+COLLECTING = "collecting the tests"
 DEFAULT = (30.0, 60.0)
 
 
@@ -51,62 +56,78 @@ def _duration(s: float) -> str:
     return f"{s // 60} min {s % 60} s" if s >= 60 else f"{s} s"
 
 
+def _label(nodeid: str) -> str:
+    """The test's id as pytest takes it on the command line: without the "@GROUP" that pytest-xdist's
+    --dist loadgroup appends (after the parameters' "]", if any)."""
+    head, at, group = nodeid.rpartition("@")
+    return head if at and "]" not in group and "::" not in group else nodeid
+
+
 class Heartbeat:
-    """The plugin object: what runs now (label, since when) and the thread that reports it."""
+    """The plugin object: what runs now (labels, since when) and the thread that reports it."""
 
     def __init__(self, fd: int, first: float, every: float):
         self.fd = fd
         self.first = first
         self.every = every
         self.suite_start = time.monotonic()
-        self.current: tuple[str, float] | None = None  # (label, started): set by the hooks, read by the thread
+        # ((label, started), ...) in start order: replaced whole by the hooks, read by the thread
+        self.running: tuple[tuple[str, float], ...] = ()
+        self.ended = 0  # tests ended so far (set by the hooks): pytest printed a dot for each since
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="pytest-heartbeat", daemon=True)
 
     def _run(self):
         tick = max(0.05, min(self.first, self.every, 5.0) / 4)
-        printed_for, printed_at = None, 0.0  # the thread's own: which `current` it last reported, when
+        printed: dict[tuple[str, float], float] = {}  # the thread's own: entry of `running` -> last line's time
+        ended_at_last_line = None  # self.ended when the thread last wrote: no dot since if unchanged
         while not self.stop.wait(tick):
-            cur = self.current
-            if cur is None:
-                continue
-            label, started = cur
+            running = self.running
+            printed = {e: t for e, t in printed.items() if e in running}
             now = time.monotonic()
-            if printed_for is cur:  # reported already: again every EVERY seconds
-                due = printed_at + self.every
-            else:
-                due = started + self.first
-            if now < due:
-                continue
-            # the first line for a test ends pytest's line of dots; the next ones follow it
-            lead = "" if printed_for is cur else "\n"
-            printed_for, printed_at = cur, now
-            line = (f"{lead}[heartbeat] still running: {label} ({_duration(now - started)}; "
-                    f"suite {_duration(now - self.suite_start)})\n")
-            try:
-                os.write(self.fd, line.encode())
-            except OSError:  # the terminal went away: nothing to tell
-                return
+            for entry in running:
+                label, started = entry
+                due = printed[entry] + self.every if entry in printed else started + self.first
+                if now < due:
+                    continue
+                # our line starts on a fresh one: after a dot pytest printed, end its line of dots first
+                lead = "" if self.ended == ended_at_last_line else "\n"
+                ended_at_last_line = self.ended
+                printed[entry] = now
+                line = (f"{lead}[heartbeat] still running: {label} ({_duration(now - started)}; "
+                        f"suite {_duration(now - self.suite_start)})\n")
+                try:
+                    os.write(self.fd, line.encode())
+                except OSError:  # the terminal went away: nothing to tell
+                    return
 
     def _begin(self, label: str):
-        self.current = (label, time.monotonic())
+        self.running = (*self.running, (label, time.monotonic()))
+
+    def _drop(self, label: str):
+        self.running = tuple(e for e in self.running if e[0] != label)
+
+    def _end(self, label: str):
+        self._drop(label)
+        self.ended += 1
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session):
-        self._begin("collecting the tests")
+        self._begin(COLLECTING)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session):
-        self.current = None
+        self._drop(COLLECTING)
 
     def pytest_runtest_logstart(self, nodeid, location):
-        self._begin(nodeid)
+        self._drop(COLLECTING)  # xdist's controller collects nothing itself: its workers' first test ends it
+        self._begin(_label(nodeid))
 
     def pytest_runtest_logfinish(self, nodeid, location):
-        self.current = None
+        self._end(_label(nodeid))
 
     def pytest_unconfigure(self, config):
-        self.current = None
+        self.running = ()
         self.stop.set()
         self.thread.join(timeout=5)
         os.close(self.fd)
@@ -115,8 +136,8 @@ class Heartbeat:
 def register(config: pytest.Config) -> None:
     """Start the heartbeat for this pytest run, unless HPCMEG_TEST_HEARTBEAT=0 (or it is registered already)."""
     timing = parse(os.environ.get(ENV))
-    if timing is None or config.pluginmanager.has_plugin("hpcmeg-heartbeat"):
-        return
+    if timing is None or config.pluginmanager.has_plugin("hpcmeg-heartbeat") or hasattr(config, "workerinput"):
+        return  # off, registered already, or a pytest-xdist worker (the controller reports its tests)
     try:
         fd = os.dup(sys.stdout.fileno())
     except (AttributeError, OSError, ValueError):  # stdout is no file (an embedding runner): no heartbeat

@@ -49,7 +49,9 @@ def _validate(capsys, tmp_path, *sets, profile=None):
     return _run(capsys, *argv)
 
 
-@pytest.mark.parametrize("profile", ["local", "local-slurm"])
+# local-slurm needs the cluster (marker slurm: `-m "not slurm"` leaves it out, and xdist runs it in the
+# cluster's group, tests/conftest.py)
+@pytest.mark.parametrize("profile", ["local", pytest.param("local-slurm", marks=pytest.mark.slurm)])
 def test_validate_is_submits_check(capsys, tmp_path, data, profile, request):
     if profile == "local-slurm":  # the node-local path checks pass because the nodes are this host
         request.getfixturevalue("slurm_cluster")
