@@ -295,7 +295,8 @@ def main() -> None:
     if not torch.cuda.is_available():  # the rows time CUDA training; on a CPU they would only fail one by one
         raise SystemExit("user_path: no CUDA GPU here; run it on the GPU machine (bash bench/lease.sh uall ...)")
     t_start = time.time()
-    vocab, merge = tt.gpt2_files(a.tok)
+    # absolute: a tree= row's `hpcmeg train` runs in that tree's directory
+    vocab, merge = (os.path.abspath(f) for f in tt.gpt2_files(a.tok))
     prefix = tt.stdlib_dataset(a.data, vocab, merge)
     data = dict(out=a.data, prefix=prefix, vocab=vocab, merge=merge)
     torch.backends.cuda.matmul.allow_tf32 = True
