@@ -138,6 +138,17 @@ def _rank0_log(run_dir: Path, stage: str, job_id: str) -> Optional[Path]:
     return logs[0][1] if tag == job_id or tag.startswith(job_id + "_") else None
 
 
+def _show_new_log_lines(root: Path, st: dict, started: dict[str, float], followers: dict, tick: Ticker) -> None:
+    """The new lines worth showing of every stage that has run (rank 0 / task 0's log)."""
+    for stage in started:
+        log = _rank0_log(root, stage, str(st["stages"].get(stage, {}).get("job_id", "")))
+        if log is not None:
+            f = followers.setdefault(log, LogFollower(log))
+            for line in f.new_lines():
+                if shown(line):
+                    tick.say(f"{stage}: {line}")
+
+
 def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: float = 10.0,
               out: Optional[TextIO] = None, prog: str = "hpcmeg submit", tick_s: float = 1.0) -> int:
     """See the module docstring. Slurm is asked every ``poll_s`` (squeue/scontrol: cheap, but not to be
@@ -171,13 +182,7 @@ def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: floa
                 done = all(s["state"] in FINAL for s in st["stages"].values())
             else:
                 done = False
-            for stage in started:  # the logs of every stage that has run, rank 0 / task 0
-                log = _rank0_log(root, stage, str(st["stages"].get(stage, {}).get("job_id", "")))
-                if log is not None:
-                    f = followers.setdefault(log, LogFollower(log))
-                    for line in f.new_lines():
-                        if shown(line):
-                            tick.say(f"{stage}: {line}")
+            _show_new_log_lines(root, st, started, followers, tick)
             if done:
                 break
             if tick.quiet_for() >= heartbeat_s:
