@@ -34,7 +34,7 @@ import torch
 
 from hpcmeg.convert.hf_tokenizer import TokenizerError, TokenizerSource, source_from_dir, write_tokenizer_files
 from hpcmeg.convert.merge import (CheckpointReadError, OutputDirError, atomic_output_dir, check_output_dir,
-                                  committed_iterations, load_full_checkpoint)
+                                  load_full_checkpoint, readable_iterations)
 from hpcmeg.megatron.layout import WORD_EMB
 from hpcmeg.errors import one_line
 from hpcmeg.fsutil import atomic_path
@@ -227,7 +227,7 @@ def convert_checkpoint(ckpt_dir: str, out_dir: str, iteration: int | str | None 
 
 def convert_all(ckpt_dir: str, out_dir: str, **kw: Any) -> list[str]:
     """Every committed iteration (and release) into out_dir/<iter_XXXXXXX|release>."""
-    its = committed_iterations(ckpt_dir)
+    its = readable_iterations(ckpt_dir)
     if not its:
         raise CheckpointReadError(f"{ckpt_dir}: no committed checkpoint to convert")
     out_dir = os.path.abspath(out_dir)

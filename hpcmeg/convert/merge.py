@@ -46,7 +46,8 @@ from hpcmeg.checkpoint.store import CheckpointWarning, load_checkpoint
 from hpcmeg.megatron.args import checkpoint_models
 from hpcmeg.megatron.layout import (HEAD_KEY, WORD_EMB, from_megatron_model, full_state_from_stages,
                                     stage_state_from_full, to_megatron_model, tp_split_dim)
-from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, TRACKER_FILENAME, checkpoint_path, iter_dirname,
+from hpcmeg.megatron.names import (MANIFEST_FILENAME, RELEASE_DIRNAME, TRACKER_FILENAME, checkpoint_path,
+                                   committed_iterations, iter_dirname,
                                    parse_iter_dirname, parse_shard_dirname, read_tracker)
 
 def merge_tp(shards: list[dict[str, torch.Tensor]], where: str = "checkpoint") -> dict[str, torch.Tensor]:
@@ -194,24 +195,27 @@ def _tracker(ckpt_dir: str) -> int | str | None:
         raise CheckpointReadError(f"{os.path.join(ckpt_dir, TRACKER_FILENAME)}: cannot read it ({e.strerror})") from None
 
 
-def committed_iterations(ckpt_dir: str) -> list[int | str]:
-    """Iterations a reader may use: iteration dirs up to the tracker's (newer ones are uncommitted
-    saves), plus 'release' when that dir exists. Ascending, release first."""
+def readable_iterations(ckpt_dir: str) -> list[int | str]:
+    """Iterations a reader may use: 'release' when that dir exists, then the committed iterations
+    (hpcmeg/megatron/names.committed_iterations: dirs up to the tracker's; newer ones are uncommitted
+    saves), or every iteration dir under a 'release' tracker. Ascending, release first. Unlike the
+    resume's list, a missing directory or an unreadable tracker is an error naming the fix."""
     if not os.path.isdir(ckpt_dir):
         what = "is not a directory" if os.path.exists(ckpt_dir) else "does not exist"
         raise CheckpointReadError(f"{ckpt_dir}: checkpoint directory {what}; give the directory that holds "
                                   f"{TRACKER_FILENAME}")
     tracker = _tracker(ckpt_dir)
-    found = sorted(i for i in map(parse_iter_dirname, os.listdir(ckpt_dir)) if i is not None)
     if isinstance(tracker, int):
-        found = [i for i in found if i <= tracker]
+        found: list[int] = committed_iterations(ckpt_dir)
+    else:
+        found = sorted(i for i in map(parse_iter_dirname, os.listdir(ckpt_dir)) if i is not None)
     out: list[int | str] = [RELEASE_DIRNAME] if os.path.isdir(os.path.join(ckpt_dir, RELEASE_DIRNAME)) else []
     return out + found
 
 
 def resolve_iteration(ckpt_dir: str, iteration: int | str | None) -> int | str:
     """The iteration to read: the given one (must exist) or the tracker's."""
-    available = committed_iterations(ckpt_dir)
+    available = readable_iterations(ckpt_dir)
     if iteration is None:
         iteration = _tracker(ckpt_dir)
         if iteration is None:
