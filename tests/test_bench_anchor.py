@@ -330,8 +330,9 @@ def test_bench_tools_name_only_what_hpcmeg_has(tmp_path):
     assert not bad, bad
     # the check itself: a script naming what the fused path lost is caught, each name once
     removed = tmp_path / "removed.py"
-    removed.write_text("from hpcmeg.kernels import attention as ta\nfrom hpcmeg.model import fused, cublaslt\n"
-                       "ta.DEFAULT_BLOCKS\nfused.bias_dropout_add_layer_norm(1, 2, 3, 4, 5, 6, 7, 8, dropout_impl=0)\n"
+    removed.write_text("from hpcmeg.kernels import attention as ta\nfrom hpcmeg.fused import ops\n"
+                       "from hpcmeg.model import cublaslt\n"
+                       "ta.DEFAULT_BLOCKS\nops.bias_dropout_add_layer_norm(1, 2, 3, 4, 5, 6, 7, 8, dropout_impl=0)\n"
                        "torch.ops.hpcmeg.bda_layer_norm\n")
     found = _missing_names(str(removed))
     assert len(found) == 4 and all(any(w in m for m in found)
