@@ -42,7 +42,9 @@ Contract
   ``sink_of(weight)``). They get no hook and buckets of their own (a bucket never mixes sunk and
   other parameters), ``start_step`` zeroes their main grads, and their buckets (with every bucket
   after them: launches stay in index order) reduce in ``finish_grads``, when the backward that
-  wrote them is over. A sunk weight that still gets a ``.grad`` is an error there.
+  wrote them is over, unless ``expect_sunk_reports()`` was called: then the backward reports each
+  sunk weight's micro batch as done (``sunk_done(params)``, hpcmeg/parallel/overlap.py) and its
+  bucket starts like any other. A sunk weight that still gets a ``.grad`` is an error there.
 - Shards: with sharding this rank owns slice ``dp_rank`` of every bucket, without it everything.
   ``shard_numel`` counts the owned elements; "shard coordinates" number them contiguously in bucket
   order (the optimizer's fp32 state lives there). ``update_pieces(cls)`` lists a class's owned
@@ -62,7 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hpcmeg.parallel.grad_layout import Bucket, bucket_gaps, plan_layout, sunk_ranges
+from hpcmeg.parallel.grad_layout import Bucket, bucket_gaps, main_grad_dtype, plan_layout, sunk_ranges  # noqa: F401
 
 DEFAULT_BUCKET_NUMEL = 10_000_000  # 40 MB of fp32 gradients: Megatron's default bucket size
 ACCUMULATE = ("bucketed", "per_param")
@@ -121,6 +123,7 @@ class ParamAndGradBuffer:
     def _init_step_state(self, params: list[nn.Parameter]) -> None:
         """The per-step counters and queues the gradient hooks use, and the hooks themselves."""
         self._bucket_of = {id(p): i for i, bk in enumerate(self.buckets) for p in bk.params}
+        self._sunk_reported = False  # expect_sunk_reports: the backward says when sunk weights are done
         self._sunk_ranges = sunk_ranges(self.buckets)  # zeroed at each step's start (GEMMs only add)
         self._left = self._fresh_left()
         self._count = {id(p): 0 for p in params}
@@ -147,10 +150,29 @@ class ParamAndGradBuffer:
     # --------------------------------------------------------------------------- gradients
 
     def _fresh_left(self) -> list[int]:
-        """Per bucket, the parameters still to get this step's last gradient; a sunk bucket gets 1
-        that no hook takes away (its GEMMs write it during the backward: only finish_grads knows
-        they are done), so it and every bucket after it start their reduction in finish_grads."""
+        """Per bucket, the parameters still to get this step's last gradient. A sunk bucket's GEMMs
+        write it during the backward: unless the backward reports when they are done
+        (report_sunk_done), it gets 1 that nothing takes away, so it and every bucket after it start
+        their reduction in finish_grads."""
+        if self._sunk_reported:
+            return [len(bk.params) for bk in self.buckets]
         return [1 if bk.sunk else len(bk.params) for bk in self.buckets]
+
+    def expect_sunk_reports(self) -> None:
+        """From the next step on, the backward calls sunk_done for every sunk weight once per micro
+        batch, after its last GEMM of that micro batch (hpcmeg/parallel/overlap.py's markers), so a
+        sunk bucket's reduction starts as soon as its layers' backward is over."""
+        if self._handles or self._next_launch:
+            raise RuntimeError("ParamAndGradBuffer.expect_sunk_reports: call it between steps")
+        self._sunk_reported = True
+        self._left = self._fresh_left()
+
+    def sunk_done(self, params: list[torch.Tensor]) -> None:
+        """These sunk weights' GEMMs of this micro batch have all been issued (called from the backward)."""
+        for p in params:
+            if id(p) not in self._sunk:
+                raise ValueError("ParamAndGradBuffer.sunk_done: a parameter that is not sunk")
+            self._counted(id(p))
 
     def is_sunk(self, p: torch.Tensor) -> bool:
         return id(p) in self._sunk
@@ -376,12 +398,3 @@ class ParamAndGradBuffer:
             h.remove()
         self._hooks = []
 
-
-def main_grad_dtype(param_dtype: torch.dtype, dp_size: int, grad_accum: int) -> torch.dtype:
-    """fp32 whenever gradients are summed (over micro batches or over ranks), Megatron's bf16 rule;
-    fp16 parameters always get fp32 gradients (loss scaling); the parameters' dtype only when there
-    is nothing to sum (one micro batch, one rank): the gradient is then exactly what backward made,
-    and keeping it in bf16 saves 2 bytes/param of traffic in the copy, the norm and the update."""
-    if param_dtype == torch.float16 or dp_size > 1 or grad_accum > 1:
-        return torch.float32
-    return param_dtype

@@ -9,6 +9,7 @@ sits in its flat buffers: pure arithmetic on parameter sizes, no storage, no col
   each bucket has the same length. Padding stays zero in both buffers.
 - A bucket never mixes sunk parameters (weights whose GEMMs write their own main grads,
   hpcmeg/fused/wgrad.py) with others.
+- `main_grad_dtype(param_dtype, dp_size, grad_accum)`: the main grads' dtype rule.
 - With sharding each rank owns one slice of every bucket; "shard coordinates" number the owned
   elements contiguously in bucket order (``Bucket.shard_start``, ``Layout.shard_numel``).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 
@@ -108,3 +110,13 @@ def sunk_ranges(buckets: list[Bucket]) -> list[list[int]]:
             else:
                 out.append([bk.start, bk.end])
     return out
+
+
+def main_grad_dtype(param_dtype: torch.dtype, dp_size: int, grad_accum: int) -> torch.dtype:
+    """fp32 whenever gradients are summed (over micro batches or over ranks), Megatron's bf16 rule;
+    fp16 parameters always get fp32 gradients (loss scaling); the parameters' dtype only when there
+    is nothing to sum (one micro batch, one rank): the gradient is then exactly what backward made,
+    and keeping it in bf16 saves 2 bytes/param of traffic in the copy, the norm and the update."""
+    if param_dtype == torch.float16 or dp_size > 1 or grad_accum > 1:
+        return torch.float32
+    return param_dtype

@@ -14,6 +14,8 @@ Contract (build.py calls these with the recipe's values; the parallel tests call
   and PP and counting every parameter once.
 - `rank_step(model, buffer, optimizer, dims, ctx, *, micro_batch, seq_length, act_dtype, **kw)`: a
   TrainStep at PP 1, else a PipelineTrainStep with its P2P sized [micro_batch, seq(/tp under SP), h].
+  At PP 1 with DP > 1 the step compiles layer by layer and the backward reports the sunk weights
+  (hpcmeg/parallel/overlap.py), so the data-parallel reduction overlaps the backward.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.fused.model import build_gpt
+from hpcmeg.parallel.overlap import report_sunk_weights
 from hpcmeg.parallel.tensor import TensorParallelPlan, parallelize_tensor
 
 
@@ -60,7 +63,13 @@ def rank_step(model, buffer, optimizer, dims: ParallelDims, ctx, *, micro_batch:
     from hpcmeg.train.step import TrainStep
 
     if dims.pp == 1:
-        return TrainStep(model, buffer, optimizer, dp_size=dims.dp, **kw)
+        # data parallelism: each layer compiled on its own and the sunk weights reported from the
+        # backward, so the buckets' reductions overlap it (hpcmeg/parallel/overlap.py; one process
+        # keeps the whole-model compile and its CUDA graphs)
+        per_layer = dims.dp > 1
+        if per_layer:
+            report_sunk_weights(model, buffer)
+        return TrainStep(model, buffer, optimizer, dp_size=dims.dp, compile_layers=per_layer, **kw)
     from hpcmeg.parallel.pipeline.p2p import PipelineP2P
     from hpcmeg.train.pipeline_step import PipelineTrainStep
 

@@ -3,7 +3,7 @@
 Contract:
   TrainStep(model, buffer, optimizer, precision="bf16"|"fp16"|"fp32", grad_clip=1.0,
             loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", dp_size=1,
-            compile_mode=None, compile_options=None)
+            compile_mode=None, compile_options=None, compile_layers=False)
     buffer: the ParamAndGradBuffer that owns the model's parameters and gradients
     (hpcmeg/parallel/grad_buffer.py); optimizer: the FlatAdamW over it (hpcmeg/train/flat_adamw.py).
   .launch(micro_batches) -> PendingStep: queues the whole step on the device and returns without a
@@ -23,6 +23,10 @@ Contract:
   The LR schedule is the caller's: set param_group["lr"] before launch(). NaN handling is the
   caller's too: the result holds the loss as computed. The trainer keeps one step in flight
   (it checks step k's numbers after queueing step k+1) so the GPU never waits for the host.
+compile_layers: each transformer layer compiled on its own instead of the whole model
+(hpcmeg/parallel/overlap.py: the data-parallel reduction then overlaps the backward); its CUDA
+default is default_cuda_compile_options() without CUDA graphs (the buffer's collectives run between
+the layers' regions).
 compile_mode / compile_options go to torch.compile; with neither given on CUDA the default is
 default_cuda_compile_options() (CUDA graphs: the buffer's gradient hooks run in eager autograd after
 the graphed backward and copy the gradients out of the graph's memory; Inductor's mix-order
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from hpcmeg.parallel import overlap
 from hpcmeg.train.loss_scale import DynamicLossScaler
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -135,7 +140,8 @@ class TrainStep:
     def __init__(self, model: nn.Module, buffer, optimizer, precision: str = "bf16",
                  grad_clip: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
                  compile: bool = False, device: str | torch.device = "cuda", dp_size: int = 1,
-                 compile_mode: str | None = None, compile_options: dict | None = None):
+                 compile_mode: str | None = None, compile_options: dict | None = None,
+                 compile_layers: bool = False):
         if precision not in _AUTOCAST:
             raise ValueError(f"TrainStep: precision={precision!r}; use one of {list(_AUTOCAST)}")
         if precision == "fp16" and loss_scaler is None:
@@ -152,6 +158,9 @@ class TrainStep:
             raise ValueError("TrainStep: give compile_mode or compile_options, not both (torch.compile's rule)")
         if compile and not compile_mode and compile_options is None and self.device.type == "cuda":
             compile_options = default_cuda_compile_options()
+            if compile_layers:
+                compile_options.pop("triton.cudagraphs")
+        self.compile_layers = compile and compile_layers
         self.compile, self.compile_mode, self.compile_options = compile, compile_mode, compile_options
         self.cudagraphs = compile and bool((compile_mode and "overhead" in compile_mode)
                                            or (compile_options or {}).get("triton.cudagraphs"))
@@ -166,7 +175,11 @@ class TrainStep:
             return self.model
         if self._compiled is None:
             kw = {"mode": self.compile_mode} if self.compile_mode else {"options": self.compile_options}
-            self._compiled = torch.compile(self.model, **kw)
+            if self.compile_layers:
+                overlap.compile_layers(self.model, **kw)
+                self._compiled = self.model
+            else:
+                self._compiled = torch.compile(self.model, **kw)
         return self._compiled
 
     def autocast(self):
