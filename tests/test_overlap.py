@@ -95,3 +95,22 @@ def test_reported_launches_give_the_same_dp2_gradients_bit_for_bit(dist_pool):
     for a, b in zip(plain, reported):
         assert a["hist"] == b["hist"]
         assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+
+
+def test_a_layer_forked_by_tensor_parallelism_stays_on_the_tp_stream_when_compiled_alone():
+    """Sequence parallelism runs each layer's dropout on the TP RNG stream (hpcmeg/parallel/tensor.py
+    enters it around every call of the layer); compiling the layer alone (compile_layers replaces
+    its forward) keeps that: the default stream does not move, the TP stream does."""
+    from hpcmeg.parallel.random import RNGStreams
+    from hpcmeg.parallel.tensor import _fork_around_calls
+
+    m = fused_gpt(layers=1)
+    m.encoder.layers[0].dropout.p = 0.5
+    rng = RNGStreams(7, 1, "cpu")
+    _fork_around_calls(m.encoder.layers[0], rng)
+    overlap.compile_layers(m, backend="eager")
+    x = torch.randn(2, 16, 32)
+    default, tp = torch.get_rng_state(), rng.state_dict()["model-parallel-rng"]
+    m.encoder(x)
+    assert torch.equal(torch.get_rng_state(), default)
+    assert not torch.equal(rng.state_dict()["model-parallel-rng"], tp)

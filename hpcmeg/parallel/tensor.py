@@ -16,8 +16,10 @@ GPT (or a pipeline chunk of one) in place for this rank of the TP group `ctx.tp_
 - the word embedding becomes a VocabParallelEmbedding over its row shard, and the output layer a
   vocabulary-parallel head (vocab_parallel_linear_cross_entropy: no logits gathered, no fp32 logits;
   logits for evaluation without labels are gathered);
-- RNG (hpcmeg/parallel/random.py): attention dropout of the rank's own heads runs on the TP stream;
-  with sequence parallelism every dropout of a layer does (its activations differ per rank).
+- RNG (hpcmeg/parallel/random.py): attention dropout of the rank's own heads runs on the TP stream
+  (`attend` wrapped); with sequence parallelism every dropout of a layer does (its activations
+  differ per rank): the stream is entered in a forward pre-hook of the layer and left in a forward
+  hook, so it holds around whatever runs the layer's forward (compiled per layer or not).
 The plan names the parameters every TP rank holds whole (`replicated`: LayerNorms, row-parallel
 biases, position embeddings: counted once in the gradient norm) and those among them whose
 gradients are partial sums under sequence parallelism (`partial_grads`: LayerNorms and row-parallel
@@ -85,6 +87,24 @@ def _shard_parameters(model: nn.Module, tp: int, rank: int) -> set[int]:
     return replicated
 
 
+def _fork_around_calls(module: nn.Module, rng) -> None:
+    """Every call of `module` (its forward and whatever wraps that forward, e.g. a compiled one:
+    hpcmeg/parallel/overlap.py) runs on the TP RNG stream: entered in a forward pre-hook, left in
+    a forward hook."""
+    entered = []
+
+    def enter(m, args):
+        fork = rng.fork()
+        fork.__enter__()
+        entered.append(fork)
+
+    def leave(m, args, out):
+        entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave)
+
+
 def _forked(module: nn.Module, method: str, rng):
     """module.<method> on the TP RNG stream; the method is looked up on the module's class at each
     call, so a class swap after this (hpcmeg/fused/model.py's fuse) is still honoured."""
@@ -120,7 +140,7 @@ def parallelize_tensor(model: nn.Module, ctx, *, sequence_parallel: bool = False
             block.register_forward_pre_hook(enter)
             block.register_forward_hook(leave)
         if rng is not None and sp and dropout:  # every activation of the layer differs per rank
-            layer.forward = _forked(layer, "forward", rng)
+            _fork_around_calls(layer, rng)
         elif rng is not None and cfg.attention_dropout > 0:  # the rank's own heads
             layer.self_attention.attend = _forked(layer.self_attention, "attend", rng)
     if model.head is not None:
