@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from hpcmeg.launch import scripts as S
+from hpcmeg.launch import scripts
 from hpcmeg.launch.causes import failure_cause
 from hpcmeg.launch.container import ContainerError, local_wrap
 from hpcmeg.launch.stage_args import (container_spec, dataset_outputs, hpcmeg_argv, preprocess_flags, shard_groups,
@@ -82,15 +82,15 @@ def _plan(prep) -> list[tuple[str, Optional[int], list[str], dict]]:
 
 def describe(prep) -> list[str]:
     recipe, derived = prep.recipe, prep.derived
-    lines = [f"[{st}{'' if t is None else ' ' + str(t)}] " + S.q(argv) for st, t, argv, _ in _plan(prep)]
+    lines = [f"[{st}{'' if t is None else ' ' + str(t)}] " + scripts.q(argv) for st, t, argv, _ in _plan(prep)]
     if prep.skip_preprocess:
         lines.append(f"[preprocess] skipped: {derived.data_prefix} matches its inputs")
     if "train" in prep.stages:
         world = recipe.cluster.world_size()
         lines.append(f"[train] {world} process(es) with RANK=0..{world - 1}: "
-                     + S.q(_cmd(prep, "train", str(prep.run.recipe))))
+                     + scripts.q(_cmd(prep, "train", str(prep.run.recipe))))
     if "convert" in prep.stages and recipe.convert.enabled:
-        lines.append("[convert] " + S.q(_cmd(prep, "convert", derived.checkpoint_dir, "<out_dir>/iter_N", "--iteration",
+        lines.append("[convert] " + scripts.q(_cmd(prep, "convert", derived.checkpoint_dir, "<out_dir>/iter_N", "--iteration",
                                              "N", "--dtype", recipe.convert.dtype)))
     return lines
 
@@ -153,7 +153,7 @@ def _new_lines_of(log: Path) -> LogFollower:
 def _simple(fw, run: RunDir, stage: str, task: Optional[int], argv: list[str], env: dict, tick: Ticker) -> None:
     tag = "local" if task is None else f"local_{task}"
     write_marker(run, stage, "started", task=task)
-    tick.say(f"{stage}{'' if task is None else ' ' + str(task)}: running {S.q(argv)}")
+    tick.say(f"{stage}{'' if task is None else ' ' + str(task)}: running {scripts.q(argv)}")
     log = run.logs(stage) / f"{stage}.{tag}.r0.0.log"
     follower = _new_lines_of(log)
     rc = _wait_all(fw, [_launch(fw, argv, log, env)], (stage, follower), tick)
@@ -182,7 +182,7 @@ def _train(fw, prep, env: dict, tick: Ticker) -> None:
         write_marker(run, "train", "started", start_iteration=start_it, restart=restart)
         port = r.cluster.master_port or _free_port()
         argv = _cmd(prep, "train", str(run.recipe))
-        tick.say(f"train: {world} rank(s) x {S.q(argv)}" + (f" (restart {restart})" if restart else ""))
+        tick.say(f"train: {world} rank(s) x {scripts.q(argv)}" + (f" (restart {restart})" if restart else ""))
         procs = []
         attempt_start = time.time()
         rank0 = run.logs("train") / f"train.local.r{restart}.0.log"
@@ -222,11 +222,11 @@ def run_chain(prep, heartbeat_s: float = 10.0) -> int:
     try:
         plan = _plan(prep)
         env = {"PYTHONUNBUFFERED": "1", **{k: str(v) for k, v in recipe.cluster.env.items()}}
-        S.env_exports(recipe.cluster.env)  # same name check as on Slurm
-    except (ContainerError, S.ScriptError) as e:
+        scripts.env_exports(recipe.cluster.env)  # same name check as on Slurm
+    except (ContainerError, scripts.ScriptError) as e:
         raise RecipeError([str(e)]) from None
     write_resolved(recipe, run.recipe)
-    n_convert = (S.convert_task_count(recipe, derived.train_iters)
+    n_convert = (scripts.convert_task_count(recipe, derived.train_iters)
                  if "convert" in prep.stages and recipe.convert.enabled else 0)
     _write_jobs(prep, plan, n_convert)
     tick = Ticker(sys.stdout, heartbeat_s)
@@ -254,7 +254,7 @@ def run_chain(prep, heartbeat_s: float = 10.0) -> int:
         return 128 + int(fw.signal)
     except RuntimeError as e:
         sys.stdout.flush()
-        print(f"hpcmeg submit: {e}; more: hpcmeg logs {S.q([str(run.root)])}", file=sys.stderr)
+        print(f"hpcmeg submit: {e}; more: hpcmeg logs {scripts.q([str(run.root)])}", file=sys.stderr)
         return 1
     finally:
         for s, h in old.items():

@@ -18,17 +18,17 @@ import subprocess
 import time
 from typing import Iterator, Optional
 
-from hpcmeg.launch import scripts as S
+from hpcmeg.launch import scripts
 from hpcmeg.launch.rundir import RunDir, read_json, write_atomic, write_jobs
 
 
-def _previous_stage(plan: S.Plan, stage: str) -> Optional[str]:
+def _previous_stage(plan: scripts.Plan, stage: str) -> Optional[str]:
     stages = [job.stage for job in plan.jobs]
     i = stages.index(stage)
     return stages[i - 1] if i > 0 else None
 
 
-def placeholder_dependency(plan: S.Plan, stage: str) -> Optional[str]:
+def placeholder_dependency(plan: scripts.Plan, stage: str) -> Optional[str]:
     prev = _previous_stage(plan, stage)
     return f"afterok:<{prev} job id>" if prev else None
 
@@ -65,9 +65,9 @@ def submit_plan(prep) -> dict[str, str]:
         folder = run.submitit(job.stage)
         # the script as submitted, dependency included (submitit keeps its own copy in the folder too)
         write_atomic(run.sbatch_script(job.stage),
-                     S.render_sbatch(job, str(folder), shlex.quote(prep.host_python), dep))
+                     scripts.render_sbatch(job, str(folder), shlex.quote(prep.host_python), dep))
         ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=shlex.quote(prep.host_python))
-        ex.update_parameters(**S.with_dependency(job.params, dep))
+        ex.update_parameters(**scripts.with_dependency(job.params, dep))
         if job.array:
             jobs = ex.map_array(run_task, job.tasks)
             jid = str(jobs[0].job_id).split("_")[0]

@@ -245,7 +245,7 @@ def _smoke(args, rep: Reporter) -> int:
 
 def _watch(args, rep: Reporter, prep, ids: dict) -> int:
     """From the submitted jobs to the verdict (Stopped may come from any line: the caller cancels)."""
-    from hpcmeg.launch import status as ST
+    from hpcmeg.launch import status as launch_status
     from hpcmeg.launch.job_states import BAD
     from hpcmeg.launch.provenance import describe, fingerprint
     from hpcmeg.launch.rundir import read_markers
@@ -262,7 +262,7 @@ def _watch(args, rep: Reporter, prep, ids: dict) -> int:
         markers = read_markers(run)
         now = time.time()
         if now - last_status >= 2.0 or not status["stages"]:
-            status = ST.run_status(run.root)
+            status = launch_status.run_status(run.root)
             last_status = now
         states = {s: v["state"] for s, v in status["stages"].items()}
         _progress(rep, prep, markers, states, mine, describe)

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from hpcmeg.fsutil import executable_mode
 from hpcmeg import jobenv
 from hpcmeg.launch import checks
-from hpcmeg.launch import scripts as S
+from hpcmeg.launch import scripts
 from hpcmeg.launch.container import ContainerError
 from hpcmeg.launch.preflight import preflight, slurm_refusals
 from hpcmeg.launch.provenance import write_record
@@ -60,7 +60,7 @@ class Prepared:
     files: list[str]
     skip_preprocess: bool
     stages: tuple[str, ...]
-    plan: Optional[S.Plan] = None
+    plan: Optional[scripts.Plan] = None
     host_python: str = sys.executable
     """The interpreter on the compute nodes (cluster.python, default the submitting one)."""
 
@@ -230,7 +230,7 @@ def _add_plan(prep: Prepared, notes: list[str], probe: bool, where: Where) -> No
     try:
         if recipe.cluster.executor == "slurm":
             warnings = unbound_paths(recipe, derived, prep.files)
-            prep.plan = S.build_plan(recipe, derived, prep.files, prep.host_python, prep.stages,
+            prep.plan = scripts.build_plan(recipe, derived, prep.files, prep.host_python, prep.stages,
                                      skip_preprocess=prep.skip_preprocess, probe=probe)
             source = "cluster.python" if recipe.cluster.python else "this submit's, as cluster.python is unset"
             prep.plan.notes.append(f"compute-node interpreter: {prep.host_python} ({source}; it runs each job's "
@@ -240,8 +240,8 @@ def _add_plan(prep: Prepared, notes: list[str], probe: bool, where: Where) -> No
             from hpcmeg.launch import local
 
             local.describe(prep)  # the local executor's own refusals (pyxis needs srun)
-            S.env_exports(recipe.cluster.env)
-    except (S.ScriptError, ContainerError) as e:
+            scripts.env_exports(recipe.cluster.env)
+    except (scripts.ScriptError, ContainerError) as e:
         raise RecipeError([where.attribute(str(e))]) from None
 
 
@@ -272,7 +272,7 @@ def run_files(prep: Prepared, dependencies: Optional[dict[str, str]] = None) -> 
         out.append((run.step_script(job.stage), job.step_script, True))
         dep = (dependencies or {}).get(job.stage, placeholder_dependency(prep.plan, job.stage))
         out.append((run.sbatch_script(job.stage),
-                    S.render_sbatch(job, str(run.submitit(job.stage)), shlex.quote(prep.host_python), dep), False))
+                    scripts.render_sbatch(job, str(run.submitit(job.stage)), shlex.quote(prep.host_python), dep), False))
     return out
 
 
