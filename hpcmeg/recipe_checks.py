@@ -3,7 +3,8 @@
 Owns the range checks (the schema's ``ranged`` fields), the choice lists (recipe_choices.CHOICES) and
 every check that spans fields, one function per concern, run in a fixed order: ranges, choices,
 names, the model's shape, the parallel layout (hpcmeg/megatron/parallel_dims.py holds its rules; the
-train job checks the running processes with the same object), the schedule, the data, the cluster
+train job checks the running processes with the same object), the activation recompute (its rules,
+recompute_problem, are also hpcmeg/parallel/recompute.py's), the schedule, the data, the cluster
 and container, convert. Each problem is one line naming the key, where it was set and the fix; a
 problem spanning several keys is blamed on the one set most directly (``--set``, then the recipe,
 then the profile). Pure: reads no file and no environment.
@@ -98,7 +99,7 @@ def _check_ranges(found: _Findings) -> None:
 def _check_choices(found: _Findings) -> None:
     for (sec, key), allowed in CHOICES.items():
         val = getattr(getattr(found.recipe, sec), key)
-        if found.ok(f"{sec}.{key}") and val not in allowed:
+        if found.ok(f"{sec}.{key}") and val is not None and val not in allowed:  # None: a null default
             guess = difflib.get_close_matches(str(val), allowed, n=1)
             hint = f"; did you mean '{guess[0]}'?" if guess else ""
             found.refuse(f"{sec}.{key}", f"{val!r} is not one of {', '.join(allowed)}{hint}")
@@ -131,6 +132,52 @@ def _check_model(found: _Findings) -> None:
     if found.ok("data.seq_length", "model.max_position_embeddings") and seq_length > model.max_position_embeddings:
         found.refuse("data.seq_length", f"{seq_length} exceeds model.max_position_embeddings="
                      f"{model.max_position_embeddings}", also=("model.max_position_embeddings",))
+
+
+def recompute_problem(granularity: str | None, method: str | None, num_layers: int | None,
+                      stage_layers: int | None) -> tuple[str, str] | None:
+    """Megatron's rules for its recompute flags, as (the key to blame, one line with the fix), or None.
+    stage_layers: the layers of each pipeline stage (virtual stage under interleaving), which
+    recompute_num_layers counts in; None: not known (the layout was refused), not checked."""
+    if granularity != "full":
+        for key, val in (("model.recompute_method", method), ("model.recompute_num_layers", num_layers)):
+            if val is not None and granularity == "selective":
+                return key, (f"{val}: selective recompute (every layer's attention core) takes no {key}; leave "
+                             f"it null, or use model.recompute_granularity: full")
+            if val is not None:
+                return key, f"{val} needs model.recompute_granularity: full (it is null); set that or leave {key} null"
+        return None
+    if method is None:
+        return "model.recompute_method", "recompute_granularity full needs recompute_method: uniform or block"
+    if num_layers is None:
+        return "model.recompute_num_layers", ("recompute_granularity full needs recompute_num_layers (the group "
+                                              "size for uniform, the layers recomputed per stage for block)")
+    if stage_layers is not None and num_layers > stage_layers:
+        return "model.recompute_num_layers", (f"{num_layers} exceeds the {stage_layers} layers of each pipeline "
+                                              f"stage; use at most {stage_layers}")
+    if stage_layers is not None and method == "uniform" and stage_layers % num_layers:
+        divisors = [d for d in range(1, stage_layers + 1) if stage_layers % d == 0]
+        return "model.recompute_num_layers", (f"{num_layers} does not divide the {stage_layers} layers of each "
+                                              f"pipeline stage (recompute_method uniform recomputes them in groups "
+                                              f"of this size); use one of {divisors}")
+    return None
+
+
+def _check_recompute(found: _Findings) -> None:
+    """Megatron's recompute flags: a method and a count with full only, the count within a stage."""
+    model, par = found.recipe.model, found.recipe.parallel
+    keys = ("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers")
+    if not found.ok(*keys):
+        return
+    stages = par.pipeline * (par.virtual_pipeline or 1)
+    known = found.ok("model.num_layers", *_LAYOUT_KEYS) and model.num_layers % stages == 0
+    problem = recompute_problem(model.recompute_granularity, model.recompute_method, model.recompute_num_layers,
+                                model.num_layers // stages if known else None)
+    if problem:
+        # a count against the stage's layers: the layout keys may be what was just changed
+        within = problem[0] == "model.recompute_num_layers" and model.recompute_num_layers is not None
+        spans = ("model.num_layers", "parallel.pipeline", "parallel.virtual_pipeline") if within else ()
+        found.refuse(problem[0], problem[1], also=keys[:1] + spans)
 
 
 def _check_layout(found: _Findings) -> None:
@@ -223,8 +270,8 @@ def _check_convert(found: _Findings) -> None:
             found.refuse("convert.iterations", f"{its!r} must be last, all, or a comma list of iterations (100,200)")
 
 
-_CHECKS = (_check_ranges, _check_choices, _check_names, _check_model, _check_layout, _check_schedule, _check_data,
-           _check_cluster, _check_convert)
+_CHECKS = (_check_ranges, _check_choices, _check_names, _check_model, _check_layout, _check_recompute,
+           _check_schedule, _check_data, _check_cluster, _check_convert)
 
 
 def validate(recipe: Recipe, where=lambda k: k, failed: set[str] | frozenset = frozenset(),

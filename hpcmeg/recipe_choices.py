@@ -28,6 +28,9 @@ CHOICES = {
     ("model", "fused"): ("auto", "on", "off"),
     ("model", "attention_backend"): ("auto", "triton", "cudnn", "flash", "flash_attn", "efficient", "math"),
     ("model", "cross_entropy"): ("grad_in_forward", "backward_in_forward"),
+    # null (the default) is also allowed for these two: no recompute
+    ("model", "recompute_granularity"): ("full", "selective"),
+    ("model", "recompute_method"): ("uniform", "block"),
     ("train", "lr_decay_style"): ("cosine", "linear", "constant"),
     ("train", "precision"): ("bf16", "fp16", "fp32"),
     ("train", "compile"): ("auto", "on", "off"),

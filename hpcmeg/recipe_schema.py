@@ -148,6 +148,13 @@ class ModelConfig:
     pre-activation but not its GELU output, which the backward recomputes (the Triton GELU in those
     layers): 2 x ffn bytes per token less per layer (124M at micro batch 16: 100 MB a layer) for one
     GELU pass each in the backward; for a micro batch that would not fit otherwise. At most num_layers."""
+    recompute_granularity: Optional[str] = None
+    """Activation recompute (``--recompute-granularity``): null, full (whole layers as the two keys below
+    pick: their input kept, their forward run again in the backward) or selective (each attention core)."""
+    recompute_method: Optional[str] = None
+    """full: uniform (each stage's layers in groups of recompute_num_layers) or block (its first ones)."""
+    recompute_num_layers: Optional[int] = ranged(None, ge=1)
+    """full: the group size (uniform: divides a stage's layers) or the layers per stage (block)."""
     cross_entropy: str = "grad_in_forward"
     """Fused path: the LM head's loss (GPTConfig.fused_ce): grad_in_forward (bf16 logits, which the
     forward's Triton kernel turns into their gradient in place: no fp32 [tokens, vocab] tensor, no

@@ -25,6 +25,7 @@ _ARGS_DEFAULTS: dict[str, Any] = dict(
     group_query_attention=False, num_query_groups=None, attention_dropout=0.1, hidden_dropout=0.1,
     consumed_train_samples=0, consumed_valid_samples=0, iteration=0, micro_batch_size=None,
     global_batch_size=None, fp16=False, bf16=False, seed=1234, ckpt_format="torch",
+    recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
 )
 _ARGS_REQUIRED = ("padded_vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_position_embeddings")
 _PLAIN = (type(None), bool, int, float, str)

@@ -1,9 +1,10 @@
 """GPT model configuration: the one dataclass the model is built from, plus vocabulary padding.
 
 Owns: `GPTConfig` (architecture hyper-parameters, dropout, init, and the fused path's few choices:
-the attention backend, the LM-head loss, the GELU layers recomputed); the vocabulary padding rule
-is hpcmeg.megatron.layout.pad_vocab_size, the choice lists are the recipe schema's. No torch
-import: the launcher can read this file on a host without a GPU build of torch.
+the attention backend, the LM-head loss, the GELU layers recomputed; the activation recompute that
+hpcmeg/parallel/recompute.py applies); the vocabulary padding rule is
+hpcmeg.megatron.layout.pad_vocab_size, the choice lists are the recipe schema's. No torch import: the
+launcher can read this file on a host without a GPU build of torch.
 
 Names follow Megatron-LM's flags (`--num-layers`, `--hidden-size`, `--ffn-hidden-size`,
 `--max-position-embeddings`, `--init-method-std`, ...) so a recipe maps onto them 1:1.
@@ -16,6 +17,8 @@ from hpcmeg.recipe_choices import CHOICES
 
 ATTENTION_BACKENDS = CHOICES[("model", "attention_backend")]
 CE_IMPLS = CHOICES[("model", "cross_entropy")]
+RECOMPUTE_GRANULARITIES = CHOICES[("model", "recompute_granularity")]
+RECOMPUTE_METHODS = CHOICES[("model", "recompute_method")]
 
 
 @dataclass
@@ -78,6 +81,15 @@ class GPTConfig:
     (hpcmeg/fused/ops.py's _MLPRecomputeGelu): 2 x ffn
     bytes per token less per layer (124M at micro batch 16: 100 MB a layer) for one GELU pass per
     layer in the backward. For a micro batch that would not fit otherwise. 0: none."""
+    recompute_granularity: str | None = None
+    """Activation recompute (Megatron's --recompute-granularity), applied from outside by
+    hpcmeg/parallel/recompute.py: None, 'full' (whole layers, per recompute_method and
+    recompute_num_layers) or 'selective' (every layer's attention core)."""
+    recompute_method: str | None = None
+    """'full' only: 'uniform' (each stage's layers in groups of recompute_num_layers, one checkpoint
+    a group) or 'block' (the first recompute_num_layers layers of each stage, one checkpoint each)."""
+    recompute_num_layers: int | None = None
+    """'full' only: the group size (uniform) or the number of layers (block) per pipeline stage."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -96,6 +108,12 @@ class GPTConfig:
         if not 0 <= self.recompute_gelu_layers <= self.num_layers:
             raise ValueError(f"GPTConfig.recompute_gelu_layers={self.recompute_gelu_layers} must be in "
                              f"[0, num_layers={self.num_layers}]")
+        if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
+            raise ValueError(f"GPTConfig.recompute_granularity={self.recompute_granularity!r}: use None or one "
+                             f"of {RECOMPUTE_GRANULARITIES}")
+        if self.recompute_method not in (None, *RECOMPUTE_METHODS):
+            raise ValueError(f"GPTConfig.recompute_method={self.recompute_method!r}: use None or one of "
+                             f"{RECOMPUTE_METHODS}")
         if self.fused_ce not in CE_IMPLS:
             raise ValueError(f"GPTConfig.fused_ce={self.fused_ce!r}: use one of {CE_IMPLS}")
 

@@ -105,7 +105,9 @@ def gpt_config(recipe: Recipe, derived: Derived, device: torch.device):
                      vocab_size=derived.orig_vocab_size, fused_ce=model_cfg.cross_entropy,
                      attention_backend=attention_backend_for(model_cfg.attention_backend, device,
                                                              recipe.train.precision),
-                     recompute_gelu_layers=model_cfg.recompute_gelu_layers)
+                     recompute_gelu_layers=model_cfg.recompute_gelu_layers,
+                     recompute_granularity=model_cfg.recompute_granularity,
+                     recompute_method=model_cfg.recompute_method, recompute_num_layers=model_cfg.recompute_num_layers)
 
 
 def param_dtype_for(precision: str, device: torch.device) -> torch.dtype:
@@ -177,6 +179,8 @@ def megatron_args_fn(recipe: Recipe, derived: Derived, dims: ParallelDims):
             lr_decay_style=train.lr_decay_style, weight_decay=train.weight_decay, clip_grad=train.clip_grad,
             adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps, train_iters=derived.train_iters,
             train_samples=derived.train_samples, consumed_train_samples=state.consumed_train_samples,
+            recompute_granularity=model_cfg.recompute_granularity, recompute_method=model_cfg.recompute_method,
+            recompute_num_layers=model_cfg.recompute_num_layers,
             consumed_valid_samples=state.consumed_valid_samples, iteration=state.iteration)
     return build
 
@@ -302,8 +306,11 @@ def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, pla
               resumed: str) -> None:
     """The start record (metrics.jsonl) and the start line: layout, device, sizes, what computes."""
     ctx, model, step, optimizer, train = trainer.ctx, trainer.model, trainer.step, trainer.optimizer, recipe.train
-    dev = ctx.device
+    from hpcmeg.parallel.recompute import describe_recompute
+
+    dev, cfg = ctx.device, model.cfg
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    recompute = describe_recompute(cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers)
     trainer.metrics.write({
         "kind": "start", "iteration": trainer.state.iteration, "world_size": ctx.world_size,
         "data_parallel_size": ctx.dp_size, "tensor_parallel_size": ctx.tp_size,
@@ -312,7 +319,7 @@ def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, pla
         "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
         "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
         "fused": model.cfg.fused, "kernels": kernels_of(model.cfg, dev), "compile": step.compile,
-        "compile_scope": compile_scope(step), "optimizer": optimizer.name,
+        "compile_scope": compile_scope(step), "recompute": recompute, "optimizer": optimizer.name,
         "n_params": flops.n_params, "flops_per_token": flops.per_token,
         "peak_tflops": flops.peak / 1e12 if flops.peak else None, "torch": torch.__version__,
         "recipe": recipe.source, "start": resumed})
@@ -324,7 +331,8 @@ def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, pla
         f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
         f"{flops.n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused}"
         f"{' (' + kernels_of(model.cfg, dev) + ')' if model.cfg.fused else ''} | "
-        f"compile {step.compile}{' (' + compile_scope(step) + ')' if step.compile else ''} | {optimizer.name} | "
+        f"compile {step.compile}{' (' + compile_scope(step) + ')' if step.compile else ''} | "
+        f"{recompute + ' | ' if cfg.recompute_granularity else ''}{optimizer.name} | "
         f"{resumed}")
 
 

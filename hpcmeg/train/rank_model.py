@@ -6,7 +6,8 @@ Contract (build.py calls these with the recipe's values; the parallel tests call
   a StageModel of this pipeline rank's chunks (hpcmeg/parallel/pipeline/stages.py); built whole on
   the CPU with the name-keyed init (every layout starts from the same weights), cut into this rank's
   tensor-parallel shards (hpcmeg/parallel/tensor.py; `plan` says which parameters are replicated,
-  which have partial gradients), moved to `device`. `rng`: the TP RNG stream (None at TP 1).
+  which have partial gradients), given the config's activation recompute (hpcmeg/parallel/recompute.py),
+  moved to `device`. `rng`: the TP RNG stream (None at TP 1).
 - `rank_optimizer(model, plan, ctx, hyper, ...) -> (buffer, optimizer)`: ParamAndGradBuffer +
   FlatAdamW with this rank's groups (hpcmeg/train/optim.py's build_optimizer): DP (all-reduce or,
   with the distributed optimizer, reduce-scatter), the parameter roles from the TP plan and the
@@ -25,6 +26,7 @@ from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.model.config import GPTConfig
 from hpcmeg.fused.model import build_gpt
 from hpcmeg.parallel.overlap import report_sunk_weights
+from hpcmeg.parallel.recompute import apply_recompute
 from hpcmeg.parallel.tensor import TensorParallelPlan, parallelize_tensor
 
 
@@ -36,12 +38,16 @@ def rank_model(config: GPTConfig, dims: ParallelDims, ctx, init_seed: int, devic
     if dims.pp == 1:
         model = build_gpt(config, init_seed=init_seed)
         plan = parallelize_tensor(model, ctx, sequence_parallel=dims.sequence_parallel, rng=rng)
+        # after TP: its hooks, collectives and TP-stream dropout run again in the recompute
+        apply_recompute(model, config.recompute_granularity, config.recompute_method, config.recompute_num_layers, rng)
         return model.to(device), plan, rng
     chunks = build_chunks(config, dims.pp, dims.vpp, ctx.pp_rank, init_seed)
     plans = [parallelize_tensor(c, ctx, sequence_parallel=dims.sequence_parallel, rng=rng) for c in chunks]
     plan = TensorParallelPlan(dims.tp, dims.sequence_parallel, frozenset().union(*(p.replicated for p in plans)),
                               frozenset().union(*(p.partial_grads for p in plans)))
-    return StageModel(chunks, ctx.pp_rank, dims.pp).to(device), plan, rng
+    model = StageModel(chunks, ctx.pp_rank, dims.pp)
+    apply_recompute(model, config.recompute_granularity, config.recompute_method, config.recompute_num_layers, rng)
+    return model.to(device), plan, rng
 
 
 def rank_optimizer(model, plan: TensorParallelPlan, ctx, hyper, *, param_dtype: torch.dtype,
