@@ -45,9 +45,15 @@
 #           launch is tuned at head dim 64, 1.3B's head dim 128 was checked against few variants),
 #           then bench/dev/gelu_probe.py and bench/dev/layernorm_probe.py (agreement with their
 #           twins and time against Inductor's kernels) as far as the budget goes.
+#   layouts every parallel layout with its ranks sharing the one GPU over gloo (bench/layouts_gpu.py: DP2 +
+#           distributed optimizer, TP2, TP2 + SP, PP2, PP2 x V2, TP2 x PP2, NCCL world of one), 20 steps
+#           of a 4 x 768 GPT at seq 1024 against one rank: in bf16 (with the fp32 noise floor), then in
+#           fp32, each dtype one tool run under what is left of the budget (the tool skips a layout
+#           that would not fit, and writes its table first). LAYOUTS_DTYPES (default "bf16 fp32") and
+#           LAYOUTS (default all) choose; a run cut short goes on with LAYOUTS_DTYPES=fp32 in a second call.
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device like .oldtree), LEASE_SIZES (uall,
-# accept), OLD_TREE (default .oldtree), ACCEPT_KEYS, UALL_EXTRA.
+# accept), OLD_TREE (default .oldtree), ACCEPT_KEYS, UALL_EXTRA, LAYOUTS_DTYPES, LAYOUTS.
 # Why one script: a lease is ~30 device-minutes with a start of minutes, and a start can be refused
 # or a machine taken back without notice, so each call answers as much as it can and leaves what it
 # measured on disk even when a step is cut short. Inductor's and Triton's caches (/tmp, ~/.triton)
@@ -60,7 +66,7 @@ TOK=${TOK:-.tok}
 BUDGET=${LEASE_BUDGET_S:-570}
 OLD_TREE=${OLD_TREE:-.oldtree}
 SIZES=${LEASE_SIZES:-124M 355M 1.3B}
-STAGES="uall u124 u355 u1.3B accept loss checks p124 p355 p1.3B probes"
+STAGES="uall u124 u355 u1.3B accept loss checks p124 p355 p1.3B probes layouts"
 BIF=model.cross_entropy=backward_in_forward  # the LM head's backward GEMMs in its forward: no [tokens, vocab] gradient kept
 RG1=model.recompute_gelu_layers=1  # the first layer's GELU output recomputed in the backward (100 MB less at 124M, micro 16)
 START=$SECONDS
@@ -131,6 +137,14 @@ for stage in "$@"; do  # every stage checked before any runs
             }
         done
     fi
+    if [[ $stage == layouts ]]; then
+        for dt in ${LAYOUTS_DTYPES:-bf16 fp32}; do
+            [[ $dt == bf16 || $dt == fp32 ]] || {
+                echo "bench/lease.sh: LAYOUTS_DTYPES holds '$dt' (want some of: bf16 fp32)" >&2
+                exit 2
+            }
+        done
+    fi
     if [[ $stage == accept && ! -f $OLD_TREE/hpcmeg/cli.py ]]; then
         echo "bench/lease.sh: accept needs the earlier tree at $OLD_TREE (OLD_TREE): mkdir -p .oldtree &&" \
              "git archive REF | tar -x -C .oldtree && echo REF > .oldtree/COMMIT, then carry it" >&2
@@ -181,6 +195,12 @@ hpcmeg:mb=16,set=$RG1 hpcmeg:mb=16,set=$BIF" ;;
                 --bwd "default dkv_m=16+dq_n=16 dkv_n=128+bwd_warps=8 bwd_stages=2"
             step gelu_probe 90 python bench/dev/gelu_probe.py --out "$OUT" --budget 40
             step layernorm_probe 90 python bench/dev/layernorm_probe.py --out "$OUT" --budget 35 ;;
+        layouts)
+            for dt in ${LAYOUTS_DTYPES:-bf16 fp32}; do
+                l=$(left)  # the tool's own budget ends 20 s before step()'s timeout, so its table is written
+                step "layouts_$dt" "$l" python bench/layouts_gpu.py --dtype "$dt" --out "$OUT" \
+                    --budget-s $((l - 25)) --timeout-s 240 ${LAYOUTS:+--layouts "$LAYOUTS"}
+            done ;;
     esac
 done
 echo "== done after $((SECONDS - START)) s; results in $OUT/lease.tgz" | tee -a "$OUT/lease.log"
