@@ -224,7 +224,8 @@ def _compile_counts() -> dict:
     from torch._dynamo.utils import counters
 
     return {"graph_breaks": sum(counters["graph_break"].values()), "frames": counters["frames"]["total"],
-            "unique_graphs": counters["stats"]["unique_graphs"]}
+            "unique_graphs": counters["stats"]["unique_graphs"],
+            "reasons": {k[:300]: v for k, v in counters["graph_break"].items()}}
 
 
 def _worker(rank: int, name: str, args: dict, port: int, out_dir: str) -> None:
@@ -323,7 +324,7 @@ def _train_rank(rank: int, name: str, args: dict, port: int) -> dict:
         "graph_breaks_total": end["graph_breaks"], "frames_total": end["frames"],
         "graph_breaks_after_warmup": end["graph_breaks"] - after_warmup["graph_breaks"],
         "recompiles_after_warmup": end["frames"] - after_warmup["frames"],
-        "unique_graphs": end["unique_graphs"],
+        "unique_graphs": end["unique_graphs"], "graph_break_reasons": end["reasons"],
     }
 
 
@@ -463,7 +464,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--global-batch", type=int, default=16, help="4 micro batches at DP1 (PP x V2 needs a multiple of 2)")
+    ap.add_argument("--global-batch", type=int, default=16,
+                    help="4 micro batches of the single rank (PP x V2 needs a multiple of 2 per pipeline)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="auto: on CUDA, as the product")
@@ -555,7 +557,8 @@ def main(argv=None) -> int:
     report["wall_s"] = time.perf_counter() - t0
     report["all_agree"] = ref["ok"] and all(report["layouts"][n].get("compare", {}).get("agree") for n in names)
     os.makedirs(a.out, exist_ok=True)
-    tag = a.tag or f"{'cpu' if a.device == 'cpu' else dev_name.split()[-1].lower()}_{a.dtype}"
+    gpu = next((g for g in ("h100", "h200", "a100", "b200") if g in dev_name.lower()), "gpu")
+    tag = a.tag or f"{'cpu' if a.device == 'cpu' else gpu}_{a.dtype}"
     base = os.path.join(a.out, f"layouts_{tag}")
     with open(base + ".json", "w") as f:
         json.dump(report, f, indent=1)

@@ -25,8 +25,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 pytestmark = pytest.mark.dist
 
-TINY = ["--device", "cpu", "--dtype", "fp32", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32",
-        "--vocab", "512", "--micro", "2", "--global-batch", "8", "--steps", "3", "--warmup", "1", "--threads", "1"]
+TINY = ["--device", "cpu", "--dtype", "fp32", "--fused", "on", "--layers", "4", "--hidden", "64", "--heads", "4",
+        "--seq", "32", "--vocab", "512", "--micro", "2", "--global-batch", "8", "--steps", "3", "--warmup", "1",
+        "--threads", "1"]
 
 
 def test_layouts_follow_one_rank_through_the_staged_collectives(tmp_path):
