@@ -14,7 +14,9 @@ on the same device.
 
 Layouts (LAYOUTS): dp2_do (DP2 + distributed optimizer), tp2, tp2_sp (+ sequence parallel), pp2
 (1F1B), pp2_v2 (interleaved, 2 chunks per rank), tp2_pp2, nccl1 (TP1 with NCCL started as a world of
-one; CUDA only), and ref, the single-rank run every other is compared with (always run first).
+one; CUDA only: the product's context_for gives a one-process world no backend and no groups, so
+the step is ref's with an NCCL process group alive beside it), and ref, the single-rank run every
+other is compared with (always run first).
 
 The model is built by the product's own functions, in build.py's order (hpcmeg/train/build.py's
 build_trainer): seed_everything(seed + 100 * pp_rank), rank_model, rank_optimizer with
@@ -430,7 +432,7 @@ def markdown(report: dict) -> str:
         c = row.get("compare", {})
         r0 = row["ranks"][0]
         losses, _ = layout_curve(row)
-        comp = r0["compile_scope"] + (", CUDA graphs" if r0["cudagraphs"] else "")
+        comp = r0["compile_scope"]  # build.compile_scope's words ("whole model, CUDA graphs", ...)
         steps = " / ".join(f"{s:.3f}" for s in (c.get("step_s_median") or [r["step_s_median"] for r in row["ranks"]]))
         mem = " / ".join("-" if m is None else f"{m:.2f}" for m in (r["peak_mem_gb"] for r in row["ranks"]))
         agree = "ref" if name == "ref" else ("yes" if c.get("agree") else "NO")

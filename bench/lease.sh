@@ -50,10 +50,12 @@
 #           of a 4 x 768 GPT at seq 1024 against one rank: in bf16 (with the fp32 noise floor), then in
 #           fp32, each dtype one tool run under what is left of the budget (the tool skips a layout
 #           that would not fit, and writes its table first). LAYOUTS_DTYPES (default "bf16 fp32") and
-#           LAYOUTS (default all) choose; a run cut short goes on with LAYOUTS_DTYPES=fp32 in a second call.
+#           LAYOUTS (default all) choose, LAYOUTS_ARGS adds the tool's flags (e.g. "--stage all" if gloo
+#           refuses a CUDA tensor the default staging passes through); a run cut short goes on with
+#           LAYOUTS (the skipped ones) or LAYOUTS_DTYPES=fp32 in a second call.
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device like .oldtree), LEASE_SIZES (uall,
-# accept), OLD_TREE (default .oldtree), ACCEPT_KEYS, UALL_EXTRA, LAYOUTS_DTYPES, LAYOUTS.
+# accept), OLD_TREE (default .oldtree), ACCEPT_KEYS, UALL_EXTRA, LAYOUTS_DTYPES, LAYOUTS, LAYOUTS_ARGS.
 # Why one script: a lease is ~30 device-minutes with a start of minutes, and a start can be refused
 # or a machine taken back without notice, so each call answers as much as it can and leaves what it
 # measured on disk even when a step is cut short. Inductor's and Triton's caches (/tmp, ~/.triton)
@@ -199,7 +201,7 @@ hpcmeg:mb=16,set=$RG1 hpcmeg:mb=16,set=$BIF" ;;
             for dt in ${LAYOUTS_DTYPES:-bf16 fp32}; do
                 l=$(left)  # the tool's own budget ends 20 s before step()'s timeout, so its table is written
                 step "layouts_$dt" "$l" python bench/layouts_gpu.py --dtype "$dt" --out "$OUT" \
-                    --budget-s $((l - 25)) --timeout-s 240 ${LAYOUTS:+--layouts "$LAYOUTS"}
+                    --budget-s $((l - 25)) --timeout-s 240 ${LAYOUTS:+--layouts "$LAYOUTS"} ${LAYOUTS_ARGS:-}
             done ;;
     esac
 done

@@ -95,12 +95,14 @@ def test_bad_layout_and_lease_stage(tmp_path, capsys):
     lease = ["bash", os.path.join(ROOT, "bench", "lease.sh"), "layouts"]
     r = subprocess.run(lease, capture_output=True, text=True, timeout=60, env={**env, "LAYOUTS_DTYPES": "bf16 fp16"})
     assert r.returncode == 2 and "LAYOUTS_DTYPES holds 'fp16'" in r.stderr and not out.exists(), r.stderr
-    r = subprocess.run(lease, capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
+    r = subprocess.run(lease, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                       env={**env, "LAYOUTS": "tp2,pp2", "LAYOUTS_ARGS": "--stage all"})
     assert r.returncode == 0, r.stderr
     with tarfile.open(out / "lease.tgz") as t:
         logged = t.extractfile("lease.log").read().decode()
         logs = {n: t.extractfile(n).read().decode() for n in t.getnames() if n.startswith("layouts")}
     assert "--dtype bf16" in logged and "--dtype fp32" in logged, logged
+    assert logged.count("--layouts tp2,pp2 --stage all") == 2, logged
     assert sorted(logs) == ["layouts_bf16.log", "layouts_fp32.log"], sorted(logs)
     for log in logs.values():  # past argparse: it stops at the missing GPU
         assert "torch sees no CUDA device" in log, log
