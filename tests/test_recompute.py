@@ -39,6 +39,17 @@ SETTINGS = [("full", "uniform", 2), ("full", "block", 1), ("selective", None, No
 ONE_PROCESS = SETTINGS + [("full", "uniform", 1), ("full", "uniform", 4), ("full", "block", 3)]
 
 
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """One thread, as each gloo rank runs: on the 2 shared cores torch's two threads made a step of
+    this tiny model ~20x slower, and the train job's data workers see OMP_NUM_THREADS=1."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _with(cfg: GPTConfig, setting) -> GPTConfig:
     g, m, n = setting or (None, None, None)
     return dataclasses.replace(cfg, recompute_granularity=g, recompute_method=m, recompute_num_layers=n)
@@ -212,30 +223,24 @@ def data(tmp_path_factory):
     return stdlib_dataset(tmp_path_factory.mktemp("data")), tmp_path_factory.mktemp("runs")
 
 
-def test_train_resume_with_recompute_is_exact(data, monkeypatch):
+def test_train_resume_with_recompute_is_exact(data):
     from hpcmeg.checkpoint.store import load_checkpoint
     from hpcmeg.megatron.names import EXIT_OK, EXIT_REQUEUE
     from hpcmeg.train.entry import train
     from hpcmeg.train.metrics import read_metrics
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     prefix, out = data
     keys = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.train_iters=6", "train.eval_interval=3"]
     full = ["model.recompute_granularity=full", "model.recompute_method=uniform", "model.recompute_num_layers=2"]
-    try:
-        runs = {}
-        for name, sets in (("plain", keys), ("straight", keys + full)):
-            r = small_recipe(out, prefix, *sets, name=name)
-            assert train(r) == EXIT_OK
-            runs[name] = run_dir(r)
-        r = small_recipe(out, prefix, *keys, *full, "checkpoint.save_interval=2", name="resumed")
-        assert train(r, exit_interval=3) == EXIT_REQUEUE
+    runs = {}
+    for name, sets in (("plain", keys), ("straight", keys + full)):
+        r = small_recipe(out, prefix, *sets, name=name)
         assert train(r) == EXIT_OK
-        runs["resumed"] = run_dir(r)
-    finally:
-        torch.set_num_threads(threads)
+        runs[name] = run_dir(r)
+    r = small_recipe(out, prefix, *keys, *full, "checkpoint.save_interval=2", name="resumed")
+    assert train(r, exit_interval=3) == EXIT_REQUEUE
+    assert train(r) == EXIT_OK
+    runs["resumed"] = run_dir(r)
     m = {k: read_metrics(os.path.join(rd, "metrics.jsonl")) for k, rd in runs.items()}
     curve = {k: [(x["loss"], x["grad_norm"]) for x in v["train"]] + [x["val_loss"] for x in v["eval"]]
              for k, v in m.items()}
