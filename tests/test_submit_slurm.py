@@ -137,6 +137,12 @@ def test_cancel_stops_the_whole_chain(slurm_cluster, tmp_path, tiny_dataset):
     again = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local-slurm",
                    *sets(over), cwd=tmp_path, check=False)
     assert again.returncode == 1 and "still has jobs in the queue" in again.stderr
+    # Slurm says RUNNING as soon as the batch shell starts; the supervisor's banner follows once its
+    # Python is up (seconds on a loaded machine): cancel only after it, so `logs -f` has it to show
+    deadline = time.time() + 60
+    while not any("===== hpcmeg train" in p.read_text(errors="replace")
+                  for p in (run / "logs" / "train").glob("*.batch.log")) and time.time() < deadline:
+        time.sleep(0.5)
     follow = subprocess.Popen([*hpcmeg_cmd(), "logs", str(run), "-f", "--stage", "train"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(REPO)))
