@@ -299,7 +299,7 @@ def compile_scope(step) -> str:
         return "per layer, the DP reduction overlapping the backward; no CUDA graphs"
     if getattr(step, "cudagraphs", False):
         return "whole model, CUDA graphs"
-    return "per pipeline chunk" if hasattr(step, "p2p") else "whole model"
+    return "per pipeline chunk; no CUDA graphs" if hasattr(step, "p2p") else "whole model; no CUDA graphs"
 
 
 def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, plan, buffer, flops: _Flops,

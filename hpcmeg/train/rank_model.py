@@ -75,7 +75,10 @@ def rank_step(model, buffer, optimizer, dims: ParallelDims, ctx, *, micro_batch:
         per_layer = dims.dp > 1
         if per_layer:
             report_sunk_weights(model, buffer)
-        return TrainStep(model, buffer, optimizer, dp_size=dims.dp, compile_layers=per_layer, **kw)
+        # CUDA graphs only where no collective runs inside the compiled model (one process): the
+        # tensor-parallel collectives were never captured and timed in a graph
+        return TrainStep(model, buffer, optimizer, dp_size=dims.dp, compile_layers=per_layer,
+                         cuda_graphs=dims.world == 1, **kw)
     from hpcmeg.parallel.pipeline.p2p import PipelineP2P
     from hpcmeg.train.pipeline_step import PipelineTrainStep
 

@@ -3,7 +3,7 @@
 Contract:
   TrainStep(model, buffer, optimizer, precision="bf16"|"fp16"|"fp32", grad_clip=1.0,
             loss_scaler=DynamicLossScaler|None, compile=False, device="cuda", dp_size=1,
-            compile_mode=None, compile_options=None, compile_layers=False)
+            compile_mode=None, compile_options=None, compile_layers=False, cuda_graphs=True)
     buffer: the ParamAndGradBuffer that owns the model's parameters and gradients
     (hpcmeg/parallel/grad_buffer.py); optimizer: the FlatAdamW over it (hpcmeg/train/flat_adamw.py).
   .launch(micro_batches) -> PendingStep: queues the whole step on the device and returns without a
@@ -26,7 +26,8 @@ Contract:
 compile_layers: each transformer layer compiled on its own instead of the whole model
 (hpcmeg/parallel/overlap.py: the data-parallel reduction then overlaps the backward); its CUDA
 default is default_cuda_compile_options() without CUDA graphs (the buffer's collectives run between
-the layers' regions).
+the layers' regions). cuda_graphs False: the same default without CUDA graphs (rank_step's choice
+wherever collectives run inside the compiled model: tensor parallelism).
 compile_mode / compile_options go to torch.compile; with neither given on CUDA the default is
 default_cuda_compile_options() (CUDA graphs: the buffer's gradient hooks run in eager autograd after
 the graphed backward and copy the gradients out of the graph's memory; Inductor's mix-order
@@ -141,7 +142,7 @@ class TrainStep:
                  grad_clip: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
                  compile: bool = False, device: str | torch.device = "cuda", dp_size: int = 1,
                  compile_mode: str | None = None, compile_options: dict | None = None,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, cuda_graphs: bool = True):
         if precision not in _AUTOCAST:
             raise ValueError(f"TrainStep: precision={precision!r}; use one of {list(_AUTOCAST)}")
         if precision == "fp16" and loss_scaler is None:
@@ -158,7 +159,7 @@ class TrainStep:
             raise ValueError("TrainStep: give compile_mode or compile_options, not both (torch.compile's rule)")
         if compile and not compile_mode and compile_options is None and self.device.type == "cuda":
             compile_options = default_cuda_compile_options()
-            if compile_layers:
+            if compile_layers or not cuda_graphs:
                 compile_options.pop("triton.cudagraphs")
         self.compile_layers = compile and compile_layers
         self.compile, self.compile_mode, self.compile_options = compile, compile_mode, compile_options
