@@ -350,7 +350,7 @@ def run_layout(name: str, args: dict, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         # CUDA needs fresh processes (spawn); on CPU fork skips each rank's imports (seconds on a small box)
-        method = "spawn" if args["device"] == "cuda" else "fork"
+        method = args.get("start_method") or ("spawn" if args["device"] == "cuda" else "fork")
         pc = mp.start_processes(_worker, args=(name, args, _free_port(), tmp), nprocs=world, join=False,
                                 start_method=method)
         error = None
@@ -427,7 +427,7 @@ def markdown(report: dict) -> str:
     for name, row in report["layouts"].items():
         if not row["ok"]:
             err = row["error"].strip().splitlines()[-1][:160].replace("|", "/")
-            lines.append(f"| {name} | FAILED | | | | | | | {err} |")
+            lines.append(f"| {name} | {'skipped' if err.startswith('skipped') else 'FAILED'} | | | | | | | {err} |")
             continue
         c = row.get("compare", {})
         r0 = row["ranks"][0]
@@ -477,6 +477,8 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", choices=("auto", "on", "off"), default="auto",
                     help="run ref once more in fp32 for the bf16 noise floor (auto: with --dtype bf16)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
+    ap.add_argument("--start-method", choices=("spawn", "fork"), default=None,
+                    help="how the ranks start (default: spawn on CUDA, fork on CPU)")
     ap.add_argument("--timeout-s", type=float, default=600, help="per layout")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="the whole run's seconds (0: none): a layout is not started when the longest one so far "
@@ -510,7 +512,7 @@ def main(argv=None) -> int:
             return 2
     args = {k: getattr(a, k) for k in ("device", "dtype", "steps", "warmup", "layers", "hidden", "heads", "seq",
                                        "vocab", "micro", "global_batch", "lr", "seed", "compile", "fused", "stage",
-                                       "threads")}
+                                       "threads", "start_method")}
     tol = TOLERANCE[a.dtype]
     cmd = "python bench/layouts_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     dev_name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
