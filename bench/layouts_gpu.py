@@ -57,6 +57,7 @@ Agreement (per step, over every step):
   noise floor next to it: --floor runs the reference once more in fp32, and the table shows how
   far bf16 itself is from fp32 on the same device; a layout should differ from the bf16 reference
   by no more than that order.
+Every rank must also report the same grad norm, and the ranks of one data-parallel rank the same loss.
 Also per layout: graph breaks and compiled frames counted after the warm-up steps
 (torch._dynamo.utils.counters: a frame compiled after warm-up is a recompile), per-rank step time
 (median after warm-up) and peak memory (max_memory_allocated, reset before the first step).
@@ -394,13 +395,29 @@ def max_rel(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
 
 
+def ranks_consistent(res: dict) -> bool:
+    """Every rank reports the same global grad norm (FlatAdamW sums the squares over every group), and
+    the ranks of one data-parallel rank the same loss (TP ranks compute it whole, PP all-reduces it):
+    up to the rounding of the last all-reduce (the sums arrive in another order on each rank)."""
+    ranks = res["ranks"]
+    norms = ranks[0]["grad_norms"]
+    if any(max_rel(r["grad_norms"], norms) > 1e-6 for r in ranks):
+        return False
+    by_dp = {}
+    for r in ranks:
+        by_dp.setdefault(r["coords"]["dp"], []).append(r["losses"])
+    return all(max_rel(other, group[0]) <= 1e-6 for group in by_dp.values() for other in group)
+
+
 def compare(res: dict, ref: dict, tol: dict) -> dict:
     la, ga = layout_curve(res)
     lr, gr = layout_curve(ref)
     loss_rel, norm_rel = max_rel(la, lr), max_rel(ga, gr)
     ranks = res["ranks"]
-    return {"loss_rel": loss_rel, "grad_norm_rel": norm_rel,
-            "agree": loss_rel <= tol["loss"] and norm_rel <= tol["grad_norm"] and all(map(math.isfinite, la + ga)),
+    consistent = ranks_consistent(res)
+    return {"loss_rel": loss_rel, "grad_norm_rel": norm_rel, "ranks_consistent": consistent,
+            "agree": (loss_rel <= tol["loss"] and norm_rel <= tol["grad_norm"] and consistent
+                      and all(map(math.isfinite, la + ga))),
             "graph_breaks_after_warmup": max(r["graph_breaks_after_warmup"] for r in ranks),
             "recompiles_after_warmup": max(r["recompiles_after_warmup"] for r in ranks),
             "step_s_median": [r["step_s_median"] for r in ranks],

@@ -44,6 +44,7 @@ def test_layouts_follow_one_rank_through_the_staged_collectives(tmp_path):
         row = report["layouts"][name]
         c = row["compare"]
         assert row["ok"] and c["agree"] and c["loss_rel"] <= 1e-4 and c["grad_norm_rel"] <= 1e-3, (name, c)
+        assert c["ranks_consistent"]
         assert c["graph_breaks_after_warmup"] == 0 and c["recompiles_after_warmup"] == 0
         assert len(row["ranks"]) == 2 and all(x["backend"] == "gloo" for x in row["ranks"])
         calls[name] = {k: sum(x["staged_calls"][k] for x in row["ranks"]) for k in row["ranks"][0]["staged_calls"]}
@@ -75,6 +76,9 @@ def test_a_curve_off_by_more_than_the_tolerance_disagrees():
     assert not layouts_gpu.compare(res([6.0, 5.0, 4.0], [1.0, 0.9, 0.81]), ref, tol)["agree"]
     assert not layouts_gpu.compare(res([6.0, 5.0, float("nan")], [1.0, 0.9, 0.8]), ref, tol)["agree"]
     assert not layouts_gpu.compare(res([6.0, 5.0], [1.0, 0.9]), ref, tol)["agree"]  # a short curve
+    split = res([6.0, 5.0, 4.0], [1.0, 0.9, 0.8], dp=2)
+    split["ranks"][1]["grad_norms"] = [1.0, 0.9, 0.79]  # the ranks disagree on the global norm
+    assert not layouts_gpu.compare(split, ref, tol)["ranks_consistent"]
 
 
 def test_bad_layout_and_lease_stage(tmp_path, capsys):
