@@ -13,7 +13,8 @@ on the same device.
         --vocab 512 --micro 2 --steps 3 --layouts tp2,pp2        # the CPU test's run
 
 Layouts (LAYOUTS): dp2_do (DP2 + distributed optimizer), tp2, tp2_sp (+ sequence parallel), pp2
-(1F1B), pp2_v2 (interleaved, 2 chunks per rank), tp2_pp2, nccl1 (TP1 with NCCL started as a world of
+(1F1B), pp2_v2 (interleaved, 2 chunks per rank), tp2_pp2, tp2_dp2_do (only when named: TP's collectives
+inside the per-layer compile of DP > 1), nccl1 (TP1 with NCCL started as a world of
 one; CUDA only: the product's context_for gives a one-process world no backend and no groups, so
 the step is ref's with an NCCL process group alive beside it), and ref, the single-rank run every
 other is compared with (always run first).
@@ -93,7 +94,11 @@ LAYOUTS = {
     "pp2_v2": (2, 1, 2, 2, False, False, "gloo"),
     "tp2_pp2": (4, 2, 2, 1, False, False, "gloo"),
     "nccl1": (1, 1, 1, 1, False, False, "nccl"),
+    "tp2_dp2_do": (4, 2, 1, 1, False, True, "gloo"),
 }
+# run unless --layouts names others: the seven (tp2_dp2_do, TP inside the per-layer compile of
+# DP > 1, only when named)
+DEFAULT = ("dp2_do", "tp2", "tp2_sp", "pp2", "pp2_v2", "tp2_pp2", "nccl1")
 TOLERANCE = {"fp32": {"loss": 1e-4, "grad_norm": 1e-3}, "bf16": {"loss": 1e-2, "grad_norm": 5e-2}}
 
 
@@ -471,8 +476,9 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layouts", default=",".join(n for n in LAYOUTS if n != "ref"),
-                    help=f"comma list of {', '.join(n for n in LAYOUTS if n != 'ref')} (ref always runs)")
+    ap.add_argument("--layouts", default=None,
+                    help=f"comma list of {', '.join(n for n in LAYOUTS if n != 'ref')} (ref always runs; "
+                         f"default: {','.join(DEFAULT)}, without nccl1 on CPU)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--steps", type=int, default=20)
@@ -504,7 +510,8 @@ def main(argv=None) -> int:
                                                                             "results"))
     ap.add_argument("--tag", default=None)
     a = ap.parse_args(argv)
-    names = [n.strip() for n in a.layouts.split(",") if n.strip() and n.strip() != "ref"]
+    chosen = a.layouts or ",".join(n for n in DEFAULT if a.device == "cuda" or n != "nccl1")
+    names = [n.strip() for n in chosen.split(",") if n.strip() and n.strip() != "ref"]
     bad = [n for n in names if n not in LAYOUTS]
     if bad:
         print(f"layouts_gpu: unknown layout(s) {bad} in --layouts; use some of {list(LAYOUTS)}", file=sys.stderr)
