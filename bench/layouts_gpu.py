@@ -36,11 +36,10 @@ reduce-scatter of hpcmeg/parallel/comm.py that the TP regions call through the f
 collectives) so that CUDA tensors go through a host copy; --stage all stages every collective
 (the CPU test uses it, so the wrappers run without a GPU). The product's code is unchanged.
 
-What gloo on one GPU cannot show, and the harness says so in its results: CUDA graphs with the
-collectives inside (gloo's CUDA work synchronizes the host, which a capture forbids), so a step the
-product would graph at TP > 1 runs compiled without CUDA graphs here ("cudagraphs" in the JSON);
-and the step time, which is that of ranks competing for one GPU plus host staging, not a multi-GPU
-time. The NCCL run of issue 26 checks both.
+CUDA graphs are rank_step's choice, as the product runs: only for a world of one (ref, nccl1), so no
+collective is ever captured (gloo's CUDA work synchronizes the host, which a capture would forbid).
+What gloo on one GPU cannot show, and the results say so: the step time, which is that of ranks
+competing for one GPU plus host staging, not a multi-GPU time (the NCCL run of issue 26 measures it).
 
 Agreement (per step, over every step):
 - fp32 (--dtype fp32): loss within rel 1e-4 and grad norm within rel 1e-3 of the reference. One
@@ -261,7 +260,6 @@ def _train_rank(rank: int, name: str, args: dict, port: int) -> dict:
         wgrad_fusion
     from hpcmeg.train.optim import AdamWConfig
     from hpcmeg.train.rank_model import rank_model, rank_optimizer, rank_step
-    from hpcmeg.train.step import default_cuda_compile_options
 
     world, tp, pp, vpp, sp, dist_opt, backend = LAYOUTS[name]
     dev = torch.device("cuda", 0) if args["device"] == "cuda" else torch.device("cpu")
@@ -291,16 +289,12 @@ def _train_rank(rank: int, name: str, args: dict, port: int) -> dict:
                                        grad_dtype=main_grad_dtype(pdt, dims.dp, summed),
                                        wgrad_fusion=wgrad_fusion(model, pdt))
     compile_ = args["compile"] == "on" or (args["compile"] == "auto" and dev.type == "cuda")
-    kw = {}
-    graph_note = None
-    if compile_ and dev.type == "cuda" and backend == "gloo" and pp == 1 and dims.dp == 1:
-        # the product graphs this step (whole-model compile, CUDA graphs); gloo's CUDA collectives
-        # synchronize the host, which a capture forbids: the same compile without the graphs
-        kw["compile_options"] = {k: v for k, v in default_cuda_compile_options().items() if k != "triton.cudagraphs"}
-        graph_note = "product graphs this step; off here (gloo collectives cannot be captured)"
+    # compile options and CUDA graphs are rank_step's choice: graphs only for a world of one (gloo's
+    # CUDA collectives synchronize the host, which a capture forbids, so that choice is also what
+    # lets gloo run here; a step that graphed its collectives would need NCCL)
     step = rank_step(model, buffer, optimizer, dims, ctx, micro_batch=args["micro"], seq_length=args["seq"],
                      act_dtype=activation_dtype(precision, buffer.param_dtype, cfg.fp32_residual_connection),
-                     precision=precision, grad_clip=1.0, compile=compile_, device=dev, **kw)
+                     precision=precision, grad_clip=1.0, compile=compile_, device=dev)
     data = global_batches(args["steps"], args["global_batch"], args["seq"], args["vocab"])
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -326,7 +320,7 @@ def _train_rank(rank: int, name: str, args: dict, port: int) -> dict:
         "step_s_median": statistics.median(timed),
         "peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
         "compile": compile_, "compile_scope": _scope(step), "cudagraphs": bool(getattr(step, "cudagraphs", False)),
-        "cudagraph_note": graph_note, "fused": fused, "attention_backend": cfg.attention_backend,
+        "fused": fused, "attention_backend": cfg.attention_backend,
         "param_dtype": str(buffer.param_dtype), "grad_dtype": str(buffer.grad_dtype), "sharded": buffer.sharded,
         "backend": ctx.backend, "staged_calls": staged,
         "graph_breaks_total": end["graph_breaks"], "frames_total": end["frames"],
@@ -462,11 +456,9 @@ def markdown(report: dict) -> str:
                      f"{max(r['graph_breaks_after_warmup'] for r in row['ranks'])} / "
                      f"{max(r['recompiles_after_warmup'] for r in row['ranks'])} | {comp} | {steps} | {mem} | "
                      f"{losses[0]:.4f} / {losses[-1]:.4f} |")
-    notes = sorted({r["cudagraph_note"] for row in report["layouts"].values() if row["ok"] for r in row["ranks"]
-                    if r.get("cudagraph_note")})
     staged = sorted({k for row in report["layouts"].values() if row["ok"] for r in row["ranks"]
                      for k, n in r["staged_calls"].items() if n})
-    lines += [""] + [f"- CUDA graphs: {n}" for n in notes]
+    lines += ["", "- CUDA graphs: rank_step's choice, only for a world of one (ref, nccl1)"]
     if staged:
         lines.append(f"- staged through the host (called at least once): {', '.join(staged)}")
     lines.append("- step times: ranks share one device, so they compete for it (and stage through the host); "
