@@ -227,6 +227,17 @@ def rank_micro_batches(batch: torch.Tensor, micro: int, dp: int, dp_rank: int) -
 
 # ------------------------------------------------------------------------------ one rank
 
+def recompute_kw(spec: str) -> dict:
+    """--recompute 'selective' | 'full:uniform:N' | 'full:block:N' -> GPTConfig's recompute fields
+    (Megatron's --recompute-granularity, --recompute-method, --recompute-num-layers); '' -> none."""
+    if not spec:
+        return {}
+    gran, _, rest = spec.partition(":")
+    method, _, n = rest.partition(":")
+    return {"recompute_granularity": gran, "recompute_method": method or None,
+            "recompute_num_layers": int(n) if n.isdigit() else (None if not n else n)}
+
+
 def _compile_counts() -> dict:
     from torch._dynamo.utils import counters
 
@@ -280,7 +291,8 @@ def _train_rank(rank: int, name: str, args: dict, port: int) -> dict:
     cfg = GPTConfig(num_layers=args["layers"], hidden_size=args["hidden"], num_attention_heads=args["heads"],
                     ffn_hidden_size=4 * args["hidden"], max_position_embeddings=args["seq"],
                     padded_vocab_size=args["vocab"], hidden_dropout=0.0, attention_dropout=0.0, fused=fused,
-                    attention_backend=attention_backend_for("auto", dev, precision))
+                    attention_backend=attention_backend_for("auto", dev, precision),
+                    **recompute_kw(args["recompute"]))
     model, plan, _ = rank_model(cfg, dims, ctx, seed, dev)
     pdt = param_dtype_for(precision, dev)
     accum = dims.grad_accum(args["global_batch"], args["micro"])
@@ -491,6 +503,9 @@ def main(argv=None) -> int:
                     help="auto: stage through the host what gloo refuses for CUDA tensors; all: every collective")
     ap.add_argument("--floor", choices=("auto", "on", "off"), default="auto",
                     help="run ref once more in fp32 for the bf16 noise floor (auto: with --dtype bf16)")
+    ap.add_argument("--recompute", default="",
+                    help="activation recompute of every run, ref included: 'selective', or 'full:uniform:N' / "
+                         "'full:block:N' (Megatron's granularity:method:num_layers); default none")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: torch's default)")
     ap.add_argument("--start-method", choices=("spawn", "fork"), default=None,
                     help="how the ranks start (default: spawn on CUDA, fork on CPU)")
@@ -515,7 +530,14 @@ def main(argv=None) -> int:
         print("layouts_gpu: nccl1 needs --device cuda (NCCL has no CPU path); drop it from --layouts", file=sys.stderr)
         return 2
     from hpcmeg.megatron.parallel_dims import ParallelDims
+    from hpcmeg.model.config import GPTConfig
 
+    try:  # GPTConfig's own checks of the recompute settings, before anything starts
+        GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads, ffn_hidden_size=4 * a.hidden,
+                  max_position_embeddings=a.seq, padded_vocab_size=a.vocab, **recompute_kw(a.recompute))
+    except (ValueError, TypeError) as e:
+        print(f"layouts_gpu: --recompute {a.recompute!r} / the model flags: {e}", file=sys.stderr)
+        return 2
     for n in names:  # the product's own layout checks, before anything starts
         world, tp, pp, vpp, sp, do, _ = LAYOUTS[n]
         d = ParallelDims(world, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, distributed_optimizer=do)
@@ -528,7 +550,7 @@ def main(argv=None) -> int:
             return 2
     args = {k: getattr(a, k) for k in ("device", "dtype", "steps", "warmup", "layers", "hidden", "heads", "seq",
                                        "vocab", "micro", "global_batch", "lr", "seed", "compile", "fused", "stage",
-                                       "threads", "start_method")}
+                                       "threads", "start_method", "recompute")}
     tol = TOLERANCE[a.dtype]
     cmd = "python bench/layouts_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     dev_name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
@@ -536,7 +558,7 @@ def main(argv=None) -> int:
     report = {"command": cmd, "torch": torch.__version__, "device_name": dev_name, "commit": commit,
               "dtype": a.dtype, "steps": a.steps, "warmup": a.warmup, "stage": a.stage, "tolerance": tol,
               "model": f"{a.layers} x {a.hidden} ({a.heads} heads), seq {a.seq}, vocab {a.vocab}, micro {a.micro}, "
-                       f"global {a.global_batch}", "args": args, "layouts": {}}
+                       f"global {a.global_batch}, recompute {a.recompute or 'none'}", "args": args, "layouts": {}}
     if a.device == "cpu":  # imported once here, inherited by the forked ranks
         import hpcmeg.train.build  # noqa: F401
         import hpcmeg.train.rank_model  # noqa: F401

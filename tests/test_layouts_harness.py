@@ -88,7 +88,8 @@ def test_bad_layout_and_lease_stage(tmp_path, capsys):
 
     for extra, msg in ((["--layouts", "tp3"], "unknown layout(s) ['tp3']"),
                        (["--layouts", "pp2_v2", "--layers", "2"], "pp2_v2: model.num_layers"),
-                       (["--layouts", "nccl1"], "nccl1 needs --device cuda")):
+                       (["--layouts", "nccl1"], "nccl1 needs --device cuda"),
+                       (["--recompute", "full:sideways:1"], "recompute_method='sideways'")):
         assert layouts_gpu.main([*TINY, *extra, "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, err
