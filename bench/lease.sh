@@ -53,9 +53,16 @@
 #           LAYOUTS (default all) choose, LAYOUTS_ARGS adds the tool's flags (e.g. "--stage all" if gloo
 #           refuses a CUDA tensor the default staging passes through); a run cut short goes on with
 #           LAYOUTS (the skipped ones) or LAYOUTS_DTYPES=fp32 in a second call.
+#   recompute
+#           activation recompute on one GPU (bench/recompute_memory.py): none, selective and full at
+#           1.3B and 2.7B at seq 2048 (micro 4), peak memory and tokens/s per row (each row's JSON in
+#           the log as it finishes; the table at the end). RECOMPUTE_ARGS replaces the tool's flags.
+#   largest the largest size each recompute setting trains at seq 2048, micro 1 (recompute_memory.py
+#           --largest: 2.7B, 3.3B, 4.1B, 5.2B in order until one runs out of memory).
 # Environment: OUT (results; default /tmp/hpcmeg-lease), LEASE_BUDGET_S (default 570), TOK (GPT-2
 # encoder.json + vocab.bpe; default .tok, carried to the device like .oldtree), LEASE_SIZES (uall,
-# accept), OLD_TREE (default .oldtree), ACCEPT_KEYS, UALL_EXTRA, LAYOUTS_DTYPES, LAYOUTS, LAYOUTS_ARGS.
+# accept), OLD_TREE (default .oldtree), ACCEPT_KEYS, UALL_EXTRA, LAYOUTS_DTYPES, LAYOUTS, LAYOUTS_ARGS,
+# RECOMPUTE_ARGS.
 # Why one script: a lease is ~30 device-minutes with a start of minutes, and a start can be refused
 # or a machine taken back without notice, so each call answers as much as it can and leaves what it
 # measured on disk even when a step is cut short. Inductor's and Triton's caches (/tmp, ~/.triton)
@@ -68,7 +75,7 @@ TOK=${TOK:-.tok}
 BUDGET=${LEASE_BUDGET_S:-570}
 OLD_TREE=${OLD_TREE:-.oldtree}
 SIZES=${LEASE_SIZES:-124M 355M 1.3B}
-STAGES="uall u124 u355 u1.3B accept loss checks p124 p355 p1.3B probes layouts"
+STAGES="uall u124 u355 u1.3B accept loss checks p124 p355 p1.3B probes layouts recompute largest"
 BIF=model.cross_entropy=backward_in_forward  # the LM head's backward GEMMs in its forward: no [tokens, vocab] gradient kept
 RG1=model.recompute_gelu_layers=1  # the first layer's GELU output recomputed in the backward (100 MB less at 124M, micro 16)
 START=$SECONDS
@@ -203,6 +210,10 @@ hpcmeg:mb=16,set=$RG1 hpcmeg:mb=16,set=$BIF" ;;
                 step "layouts_$dt" "$l" python bench/layouts_gpu.py --dtype "$dt" --out "$OUT" \
                     --budget-s $((l - 25)) --timeout-s 240 ${LAYOUTS:+--layouts "$LAYOUTS"} ${LAYOUTS_ARGS:-}
             done ;;
+        recompute) step recompute_memory 560 python bench/recompute_memory.py --out "$OUT" --tag lease \
+            ${RECOMPUTE_ARGS:---sizes 1.3B,2.7B --seq 2048 --mb 4 --accum 1 --steps 3 --warm 2} ;;
+        largest) step recompute_largest 560 python bench/recompute_memory.py --out "$OUT" --tag lease_largest \
+            --largest --seq 2048 --mb 1 --accum 1 --steps 2 --warm 1 ;;
     esac
 done
 echo "== done after $((SECONDS - START)) s; results in $OUT/lease.tgz" | tee -a "$OUT/lease.log"
