@@ -311,13 +311,19 @@ def _train_rank(rank: int, name: str, args: dict, port: int) -> dict:
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
+    events = _record_reductions(buffer)
     losses, norms, times, after_warmup = [], [], [], None
     for i in range(args["steps"]):
         if i == args["warmup"]:
             after_warmup = _compile_counts()
         mbs = rank_micro_batches(data[i], args["micro"], dims.dp, ctx.dp_rank)
+        last = i == args["steps"] - 1
+        events.clear()
         t0 = time.perf_counter()
-        r = step.run(mbs)
+        if last and args.get("profile") and rank == 0 and dims.dp > 1:
+            r = _profiled(step, mbs, args["profile"], name)
+        else:
+            r = step.run(mbs)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -339,7 +345,46 @@ def _train_rank(rank: int, name: str, args: dict, port: int) -> dict:
         "graph_breaks_after_warmup": end["graph_breaks"] - after_warmup["graph_breaks"],
         "recompiles_after_warmup": end["frames"] - after_warmup["frames"],
         "unique_graphs": end["unique_graphs"], "graph_break_reasons": end["reasons"],
+        "reductions": _overlap_summary(events, len(buffer.buckets)),
     }
+
+
+def _record_reductions(buffer) -> list:
+    """(what, host time) as the grad buffer sees the last step: 'launch' = a bucket's reduction
+    started, 'finish' = finish_grads called, right after the step's last backward returned."""
+    events = []
+    launch, finish = buffer._launch, buffer.finish_grads
+    buffer._launch = lambda b: (events.append(("launch", time.perf_counter())), launch(b))[1]
+    buffer.finish_grads = lambda: (events.append(("finish", time.perf_counter())), finish())[1]
+    return events
+
+
+def _overlap_summary(events: list, n_buckets: int) -> dict:
+    """How many buckets' reductions started inside the backward (before finish_grads, which the step
+    calls when its last backward has returned), and how long before its end the first one did (ms),
+    in the last step. hpcmeg/parallel/overlap.py is what makes them start early under compile."""
+    ends = [t for what, t in events if what == "finish"]
+    launches = [t for what, t in events if what == "launch"]
+    if not ends or not launches:
+        return {"buckets": n_buckets, "launched_before_backward_end": 0, "first_launch_ms_before_end": None}
+    early = [t for t in launches if t < ends[0]]
+    return {"buckets": n_buckets, "launched_before_backward_end": len(early),
+            "first_launch_ms_before_end": round(1e3 * (ends[0] - min(early)), 2) if early else None}
+
+
+def _profiled(step, mbs, out_dir: str, name: str):
+    """One step under torch.profiler (CPU and CUDA activity), its Chrome trace written to
+    out_dir/trace_<layout>_rank0.json.gz: the bucket collectives beside the backward's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        r = step.run(mbs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    os.makedirs(out_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(out_dir, f"trace_{name}_rank0.json.gz"))
+    return r
 
 
 def _scope(step) -> str:
@@ -468,6 +513,13 @@ def markdown(report: dict) -> str:
                      f"{max(r['graph_breaks_after_warmup'] for r in row['ranks'])} / "
                      f"{max(r['recompiles_after_warmup'] for r in row['ranks'])} | {comp} | {steps} | {mem} | "
                      f"{losses[0]:.4f} / {losses[-1]:.4f} |")
+    for name, row in report["layouts"].items():
+        red = row["ok"] and row["ranks"][0]["dp"] > 1 and row["ranks"][0].get("reductions") or {}
+        if red.get("launched_before_backward_end"):
+            lines.append(f"- {name}: {red['launched_before_backward_end']} of {red['buckets']} buckets' reductions "
+                         f"started inside the backward (before its last micro batch's backward returned), the first "
+                         f"{red['first_launch_ms_before_end']} ms before it returned (rank 0, last step, host clock; with "
+                         f"--profile its Chrome trace shows the collectives beside the backward's kernels)")
     staged = sorted({k for row in report["layouts"].values() if row["ok"] for r in row["ranks"]
                      for k, n in r["staged_calls"].items() if n})
     lines += ["", "- CUDA graphs: rank_step's choice, only for a world of one (ref, nccl1)"]
@@ -516,6 +568,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                             "results"))
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="rank 0 of each DP > 1 layout writes a Chrome trace of its last step into --out")
     a = ap.parse_args(argv)
     chosen = a.layouts or ",".join(n for n in DEFAULT if a.device == "cuda" or n != "nccl1")
     names = [n.strip() for n in chosen.split(",") if n.strip() and n.strip() != "ref"]
@@ -551,6 +605,7 @@ def main(argv=None) -> int:
     args = {k: getattr(a, k) for k in ("device", "dtype", "steps", "warmup", "layers", "hidden", "heads", "seq",
                                        "vocab", "micro", "global_batch", "lr", "seed", "compile", "fused", "stage",
                                        "threads", "start_method", "recompute")}
+    args["profile"] = a.out if a.profile else ""
     tol = TOLERANCE[a.dtype]
     cmd = "python bench/layouts_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     dev_name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"

@@ -207,7 +207,7 @@ hpcmeg:mb=16,set=$RG1 hpcmeg:mb=16,set=$BIF" ;;
         layouts)
             for dt in ${LAYOUTS_DTYPES:-bf16 fp32}; do
                 l=$(left)  # the tool's own budget ends 20 s before step()'s timeout, so its table is written
-                step "layouts_$dt" "$l" python bench/layouts_gpu.py --dtype "$dt" --out "$OUT" \
+                step "layouts_$dt" "$l" python bench/layouts_gpu.py --dtype "$dt" --out "$OUT" --profile \
                     --budget-s $((l - 25)) --timeout-s 240 ${LAYOUTS:+--layouts "$LAYOUTS"} ${LAYOUTS_ARGS:-}
             done ;;
         recompute) step recompute_memory 560 python bench/recompute_memory.py --out "$OUT" --tag lease \
