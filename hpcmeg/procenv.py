@@ -28,7 +28,9 @@ from datetime import datetime
 from typing import Mapping
 
 DEFAULT_PORT = 29500
-PORT_BASE, PORT_SPAN = 15000, 20000  # job-id ports land in [15000, 35000): below the ephemeral range
+# job-id ports land in [20000, 32000): below Linux's ephemeral range (32768-60999, what a bind to port 0
+# gets) and above the ports daemons commonly take (slurmd 6818; the local test cluster's nodes 17001..)
+PORT_BASE, PORT_SPAN = 20000, 12000
 
 
 @dataclass(frozen=True)

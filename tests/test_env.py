@@ -45,7 +45,9 @@ def test_slurm_step_env():
     e = dist_env(env)
     assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.source) == (5, 8, 1, 4, "slurm")
     assert e.master_addr == "gpu08"  # first host of the STEP, not of the job
-    assert e.master_port == port_from_job_id(123456) and 15000 <= e.master_port < 35000
+    assert e.master_port == port_from_job_id(123456) and 20000 <= e.master_port < 32000
+    # never the local test cluster's slurmd ports (17001..) nor an ephemeral port, whatever the job id
+    assert all(20000 <= port_from_job_id(j) < 32000 for j in (2001, 2002, 12768, 31999, 10 ** 7 + 1))
     assert dist_env({**env, "MASTER_ADDR": "x", "MASTER_PORT": "999"}).master_port == 999
 
 
