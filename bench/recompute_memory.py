@@ -28,6 +28,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from hpcmeg.fsutil import atomic_path  # noqa: E402
 from hpcmeg.megatron.parallel_dims import ParallelDims  # noqa: E402
 from hpcmeg.model.config import GPTConfig  # noqa: E402
 from hpcmeg.parallel.context import context_for  # noqa: E402
@@ -140,13 +141,10 @@ def main() -> None:
                     break
     os.makedirs(a.out, exist_ok=True)
     base = os.path.join(a.out, f"recompute_memory_{a.tag}")
-    with open(base + ".json.tmp", "w") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(base + ".json.tmp", base + ".json")
     md = f"# Activation recompute on one GPU\n\n`python bench/recompute_memory.py {' '.join(sys.argv[1:])}`\n\n{table(rows)}\n"
-    with open(base + ".md.tmp", "w") as f:
-        f.write(md)
-    os.replace(base + ".md.tmp", base + ".md")
+    for path, text in ((base + ".json", json.dumps(rows, indent=1)), (base + ".md", md)):
+        with atomic_path(path) as tmp, open(tmp, "w") as f:
+            f.write(text)
     print(table(rows))
 
 
