@@ -99,13 +99,19 @@ class FusedTransformerLayer(gpt.TransformerLayer):
 
 class FusedEncoder(gpt.Encoder):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(*self.run_layers(x, None, 0, len(self.layers)))
+
+    def run_layers(self, x: torch.Tensor, h, start: int, stop: int):
         # each layer ends with the LayerNorm that follows it, so it hands on both the residual
-        # stream x and that LayerNorm's output h
-        h = None
-        for i, layer in enumerate(self.layers):
-            last = i + 1 == len(self.layers)
-            x, h = layer(x, h, self.final_layernorm if last else self.layers[i + 1].input_layernorm,
-                         stream_used=not last)
+        # stream x and that LayerNorm's output h (the final LayerNorm's after the last layer)
+        n = len(self.layers)
+        for i in range(start, stop):
+            last = i + 1 == n
+            x, h = self.layers[i](x, h, self.final_layernorm if last else self.layers[i + 1].input_layernorm,
+                                  stream_used=not last)
+        return x, h
+
+    def finish(self, x: torch.Tensor, h) -> torch.Tensor:
         ln = self.final_layernorm
         if ln is None:
             return x

@@ -133,6 +133,16 @@ class Encoder(nn.Module):
             x = layer(x)
         return x if self.final_layernorm is None else self.final_layernorm(x)
 
+    # forward in pieces, for a caller that wraps a run of layers (full recompute's groups): h is what a
+    # layer hands the next besides the stream x (None here; the fused encoder's next LayerNorm output)
+    def run_layers(self, x: torch.Tensor, h, start: int, stop: int):
+        for layer in self.layers[start:stop]:
+            x = layer(x)
+        return x, h
+
+    def finish(self, x: torch.Tensor, h) -> torch.Tensor:
+        return x if self.final_layernorm is None else self.final_layernorm(x)
+
 
 class LMHead(nn.Module):
     """The output layer: logits, or the per-token loss, of the final hidden state against the (tied)

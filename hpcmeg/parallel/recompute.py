@@ -19,9 +19,9 @@ layers, so a per-layer compile sees one class) whose `__call__` runs the module'
 included, under torch.utils.checkpoint (non-reentrant); the parameters, state_dict keys and
 `type(layer).forward` stay as they are. A uniform group of more than one layer needs one checkpoint
 around several layer calls, so the encoder's class is swapped for a subclass whose forward runs the
-groups (the plain and the fused encoder each pass their own values between layers). 'selective'
-replaces `attend` on the instance by a checkpointed call of whatever `attend` was there (TP's forked
-one, or the class's).
+groups through the encoder's run_layers and finish (the plain and the fused encoder each pass their own
+values between layers). 'selective' replaces `attend` on the instance by a checkpointed call of
+whatever `attend` was there (TP's forked one, or the class's).
 RNG: the recompute draws the same dropout masks as the forward. torch's default stream (CPU and the
 inputs' CUDA devices) is put back by checkpoint's preserve_rng_state; the TP stream (`rng`, a
 hpcmeg/parallel/random.RNGStreams, None at TP 1) is recorded when the forward enters a region and set
@@ -38,7 +38,6 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn, set_checkpoint_early_stop
 
-from hpcmeg.fused.model import FusedEncoder
 from hpcmeg.parallel.overlap import transformer_layers
 from hpcmeg.recipe_checks import recompute_problem
 from hpcmeg.recipe_choices import CHOICES
@@ -87,36 +86,12 @@ def _recomputed_layer_class(base: type, rng) -> type:
 
 def _grouped_encoder_class(base: type, group: int, rng) -> type:
     """type(encoder) whose forward checkpoints the layers `group` at a time."""
-    fused = issubclass(base, FusedEncoder)
-
-    def plain_group(layers, x):
-        for layer in layers:
-            x = layer(x)
-        return x
-
-    def fused_group(encoder, start, x, h):
-        # FusedEncoder.forward's loop over layers start..start+group-1: each hands on the stream x and
-        # the next LayerNorm's output h (the final LayerNorm after the chunk's last layer)
-        n = len(encoder.layers)
-        for i in range(start, start + group):
-            last = i + 1 == n
-            x, h = encoder.layers[i](x, h, encoder.final_layernorm if last else encoder.layers[i + 1].input_layernorm,
-                                     stream_used=not last)
-        return x, h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = len(self.layers)
-        if not fused:
-            for start in range(0, n, group):
-                x = _checkpointed(plain_group, rng, self.layers[start:start + group], x)
-            return x if self.final_layernorm is None else self.final_layernorm(x)
-        h = None
-        for start in range(0, n, group):
-            x, h = _checkpointed(fused_group, rng, self, start, x, h)
-        ln = self.final_layernorm
-        if ln is None:
-            return x
-        return h  # the chunk's last layer computed the final LayerNorm
+        h = None  # what a layer hands the next besides x (Encoder.run_layers)
+        for start in range(0, len(self.layers), group):
+            x, h = _checkpointed(self.run_layers, rng, x, h, start, start + group)
+        return self.finish(x, h)
 
     return type(f"Grouped{base.__name__}", (base,), {"forward": forward})
 
