@@ -337,7 +337,7 @@ def _train_rank(rank: int, name: str, args: dict, port: int) -> dict:
         "accum": accum, "losses": losses, "grad_norms": norms, "step_s": times,
         "step_s_median": statistics.median(timed),
         "peak_mem_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None,
-        "compile": compile_, "compile_scope": _scope(step), "cudagraphs": bool(getattr(step, "cudagraphs", False)),
+        "compile": compile_, "compile_scope": step.compile_scope(), "cudagraphs": bool(getattr(step, "cudagraphs", False)),
         "fused": fused, "attention_backend": cfg.attention_backend,
         "param_dtype": str(buffer.param_dtype), "grad_dtype": str(buffer.grad_dtype), "sharded": buffer.sharded,
         "backend": ctx.backend, "staged_calls": staged,
@@ -385,12 +385,6 @@ def _profiled(step, mbs, out_dir: str, name: str):
     os.makedirs(out_dir, exist_ok=True)
     prof.export_chrome_trace(os.path.join(out_dir, f"trace_{name}_rank0.json.gz"))
     return r
-
-
-def _scope(step) -> str:
-    from hpcmeg.train.build import compile_scope
-
-    return compile_scope(step) if step.compile else "eager"
 
 
 # ------------------------------------------------------------------------------ one layout
@@ -505,7 +499,7 @@ def markdown(report: dict) -> str:
         c = row.get("compare", {})
         r0 = row["ranks"][0]
         losses, _ = layout_curve(row)
-        comp = r0["compile_scope"]  # build.compile_scope's words ("whole model, CUDA graphs", ...)
+        comp = r0["compile_scope"]  # TrainStep.compile_scope's words ("whole model, CUDA graphs", ...)
         steps = " / ".join(f"{s:.3f}" for s in (c.get("step_s_median") or [r["step_s_median"] for r in row["ranks"]]))
         mem = " / ".join("-" if m is None else f"{m:.2f}" for m in (r["peak_mem_gb"] for r in row["ranks"]))
         agree = "ref" if name == "ref" else ("yes" if c.get("agree") else "NO")

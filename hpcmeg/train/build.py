@@ -293,15 +293,6 @@ def _lr_schedule(recipe: Recipe, derived: Derived):
                            f"lengthen the decay"]) from None
 
 
-def compile_scope(step) -> str:
-    """What the step compiles, as the start line says it."""
-    if getattr(step, "compile_layers", False):
-        return "per layer, the DP reduction overlapping the backward; no CUDA graphs"
-    if getattr(step, "cudagraphs", False):
-        return "whole model, CUDA graphs"
-    return "per pipeline chunk; no CUDA graphs" if hasattr(step, "p2p") else "whole model; no CUDA graphs"
-
-
 def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, plan, buffer, flops: _Flops,
               resumed: str) -> None:
     """The start record (metrics.jsonl) and the start line: layout, device, sizes, what computes."""
@@ -319,7 +310,7 @@ def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, pla
         "device": name, "precision": train.precision, "param_dtype": str(buffer.param_dtype),
         "grad_dtype": str(buffer.grad_dtype), "distributed_optimizer": buffer.sharded,
         "fused": model.cfg.fused, "kernels": kernels_of(model.cfg, dev), "compile": step.compile,
-        "compile_scope": compile_scope(step), "recompute": recompute, "optimizer": optimizer.name,
+        "compile_scope": step.compile_scope(), "recompute": recompute, "optimizer": optimizer.name,
         "n_params": flops.n_params, "flops_per_token": flops.per_token,
         "peak_tflops": flops.peak / 1e12 if flops.peak else None, "torch": torch.__version__,
         "recipe": recipe.source, "start": resumed})
@@ -331,7 +322,7 @@ def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, pla
         f"micro {train.micro_batch_size} x accum {derived.grad_accum_steps} = global {train.global_batch_size} | "
         f"{flops.n_params / 1e6:.1f} M params | {train.precision} | fused {model.cfg.fused}"
         f"{' (' + kernels_of(model.cfg, dev) + ')' if model.cfg.fused else ''} | "
-        f"compile {step.compile}{' (' + compile_scope(step) + ')' if step.compile else ''} | "
+        f"compile {step.compile}{' (' + step.compile_scope() + ')' if step.compile else ''} | "
         f"{recompute + ' | ' if cfg.recompute_granularity else ''}{optimizer.name} | "
         f"{resumed}")
 

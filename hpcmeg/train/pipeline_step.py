@@ -36,6 +36,9 @@ class PipelineTrainStep(TrainStep):
             self._fns = [torch.compile(f) for f in self._fns]
         self.bubble: tuple[float, float] | None = None
 
+    def compile_scope(self) -> str:
+        return "per pipeline chunk; no CUDA graphs" if self.compile else "eager"
+
     def _forward_backward(self, micro_batches: list, factor) -> torch.Tensor:
         pp, M = self.ctx.pp_size, len(micro_batches)
         actions = make_schedule(pp, self.ctx.pp_rank, M, self.vpp)

@@ -183,6 +183,14 @@ class TrainStep:
                 self._compiled = torch.compile(self.model, **kw)
         return self._compiled
 
+    def compile_scope(self) -> str:
+        """What this step compiles, in the start line's words."""
+        if not self.compile:
+            return "eager"
+        if self.compile_layers:
+            return "per layer, the DP reduction overlapping the backward; no CUDA graphs"
+        return "whole model, CUDA graphs" if self.cudagraphs else "whole model; no CUDA graphs"
+
     def autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
