@@ -17,7 +17,8 @@ Contract
       phase            one of PHASES,
       since            epoch seconds when this phase (at this iteration) was entered,
       beat             epoch seconds when this record was written,
-      step_s           this rank's median wall time of its last STEP_WINDOW completed iterations, or null.
+      step_s           this rank's median wall time of its last STEP_WINDOW completed iterations, or null,
+      crc              CRC-32 of the record's JSON without this field (read_beats checks and drops it).
   A fresh `beat` with an old `since` is a rank that is alive but stuck in that phase (the writer is
   a thread: it beats while the main thread waits in a collective or a read); a stale `beat` is a
   rank that stopped (SIGSTOP, a dead node) or exited (phase "done" on a clean exit).
@@ -36,7 +37,10 @@ Why in place: a record is rewritten with os.pwrite at offset 0 of a file descrip
 server operations; thousands of ranks doing two every few seconds load the one server every job on
 the cluster shares, while an in-place write of one block goes to the data servers only. The price is
 that a reader may see a record half written (POSIX does not make a write and a concurrent read
-atomic across clients): `read_beats` skips a record that does not parse, and the next beat fixes it.
+atomic across clients): the new record's start over the old one's end. Records of one rank differ
+in a few digits and usually have the same length, so such a mix often still parses as JSON; the
+crc tells it apart. `read_beats` skips a record that does not parse or check, and the next beat
+fixes it.
 The fixed size makes every write cover the whole previous record, so no truncation is needed.
 
 Why the main thread's reports need no lock: the thread reads one tuple that at() replaces whole (one
@@ -52,6 +56,7 @@ import statistics
 import sys
 import threading
 import time
+import zlib
 from typing import Mapping
 
 PHASES = ("init", "data", "forward-backward", "optimizer", "sync", "eval", "checkpoint", "done")
@@ -69,9 +74,14 @@ def beat_path(directory: str | os.PathLike, rank: int) -> str:
     return os.path.join(os.fspath(directory), f"rank{rank:05d}.json")
 
 
+def _json(record: dict) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
 def encode(record: dict) -> bytes:
-    """One record as written: compact JSON, padded with spaces to RECORD_BYTES, the last byte a newline."""
-    data = json.dumps(record, separators=(",", ":")).encode()
+    """One record as written: compact JSON with its crc, padded with spaces to RECORD_BYTES, the last
+    byte a newline."""
+    data = _json({**record, "crc": zlib.crc32(_json(record))})
     if len(data) > RECORD_BYTES - 1:
         raise ValueError(f"heartbeat record of {len(data)} bytes does not fit {RECORD_BYTES}: {data[:80]!r}...")
     return data + b" " * (RECORD_BYTES - 1 - len(data)) + b"\n"
@@ -213,6 +223,10 @@ def read_beats(directory: str | os.PathLike) -> list[dict]:
                 rec = json.loads(f.read(RECORD_BYTES).decode())
         except (OSError, ValueError):  # gone meanwhile, or torn (UnicodeDecodeError is a ValueError)
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("rank"), int) and rec.get("phase") in PHASES:
+        if not isinstance(rec, dict):
+            continue
+        crc = rec.pop("crc", None)
+        # json keeps the key order and Python's floats round-trip, so the writer's bytes come back
+        if crc == zlib.crc32(_json(rec)) and isinstance(rec.get("rank"), int) and rec.get("phase") in PHASES:
             out.append(rec)
     return sorted(out, key=lambda r: r["rank"])

@@ -13,6 +13,9 @@ Contract
   parallelism creates no extra communicator.
 - `ctx.all_reduce_max(int) -> int`: every rank gets the maximum; used for "did any rank get the
   exit signal / see a bad checkpoint" agreement. Single process: returns the value unchanged.
+- `ctx.set_timeout(seconds)`: the timeout of every later collective on the default group and on each
+  group this context created (the trainer shortens the start's 30 minutes once steps are timed, so a
+  rank that stopped makes the others fail in minutes). Single process: nothing to change.
 """
 from __future__ import annotations
 
@@ -86,6 +89,17 @@ class ParallelContext:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
             t /= self.dp_size
         return t
+
+    def set_timeout(self, seconds: float) -> None:
+        """Timeout of later collectives on the default group and this context's groups. torch sets a
+        group's timeout in each member process separately: every rank calls it, with the same value."""
+        if not self.distributed:
+            return
+        timeout = datetime.timedelta(seconds=float(seconds))
+        # None is the default group; a subgroup that spans the world is the default group too (context_for)
+        own = {id(g): g for g in (self.tp_group, self.dp_group, self.pp_group, self.embedding_group) if g is not None}
+        for g in (None, *own.values()):
+            dist.distributed_c10d._set_pg_timeout(timeout, g)
 
     def destroy(self) -> None:
         if self.distributed and dist.is_initialized():

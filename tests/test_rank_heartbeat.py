@@ -1,0 +1,171 @@
+"""The rank side of hang detection: the heartbeat file (hpcmeg/heartbeat.py), the trainer's phases in it,
+the stack dump on SIGUSR1 and the short collective timeout (ParallelContext.set_timeout).
+
+Real parts only: the heartbeat's writer thread in this process and its files on disk; a 2-rank gloo
+`hpcmeg train` (processes forked from tests/preloaded.py's server, as the other multi-rank tests) with
+HPCMEG_HEARTBEAT_DIR set, polled while it runs; a SIGUSR1 sent to a running rank; two gloo processes
+where one stays away from a collective. (tests/test_heartbeat.py is the test suite's own heartbeat
+plugin, a different thing.)
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import TINY_RECIPE, TRAIN_BASE, Ranks, free_port, stdlib_dataset
+from hpcmeg import heartbeat
+from hpcmeg.heartbeat import ENV_DIR, ENV_INTERVAL, PHASES, RECORD_BYTES, Heartbeat, beat_path, read_beats
+
+TRAINING_PHASES = {"data", "forward-backward", "optimizer", "sync"}
+
+
+def _wait_for(cond, timeout: float, what: str, step: float = 0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(step)
+    raise AssertionError(f"{what}: not seen within {timeout} s")
+
+
+# ----------------------------------------------------------------------------- the file itself
+
+def test_heartbeat_records_phases_and_beats_while_the_main_thread_sleeps(tmp_path):
+    d = tmp_path / "hb"  # created by start()
+    hb = Heartbeat(d, 3, interval_s=0.05, node="node7").start()
+    try:
+        (rec,) = read_beats(d)
+        assert os.path.getsize(beat_path(d, 3)) == RECORD_BYTES and open(beat_path(d, 3), "rb").read()[-1:] == b"\n"
+        assert (rec["rank"], rec["node"], rec["pid"], rec["phase"], rec["iteration"], rec["step_s"]) == \
+            (3, "node7", os.getpid(), "init", 0, None)
+        init_since = rec["since"]
+        hb.at("init", 40)  # the run resumes from 40: first_iteration follows, init keeps its start
+        hb.at("data", 41)
+        t_data = time.time()
+        # the main thread sleeps: the writer thread alone moves `beat` on, `since` stays
+        time.sleep(0.3)
+        rec = read_beats(d)[0]
+        assert (rec["phase"], rec["iteration"], rec["first_iteration"]) == ("data", 41, 40)
+        assert rec["since"] == pytest.approx(t_data, abs=0.05) and rec["since"] > init_since
+        assert rec["beat"] - rec["since"] >= 0.15  # rewritten after the phase began, by the thread
+        first_beat = rec["beat"]
+        _wait_for(lambda: read_beats(d)[0]["beat"] > first_beat, 5, "a later beat")
+        since = rec["since"]
+        hb.at("data", 41)  # same phase and iteration: since kept
+        hb.at("data")  # iteration None: the current one
+        for s in (0.4, 0.1, 0.3, 9.0, 0.2, 0.5):  # the last five: 0.1 0.3 9.0 0.2 0.5 -> median 0.3
+            hb.iteration_done(s)
+        rec = _wait_for(lambda: (r := read_beats(d)[0])["step_s"] is not None and r, 5, "step_s")
+        assert rec["since"] == since and rec["step_s"] == pytest.approx(0.3)
+        hb.at("optimizer")
+        rec = _wait_for(lambda: (r := read_beats(d)[0])["phase"] == "optimizer" and r, 5, "phase optimizer")
+        assert rec["since"] > since and rec["iteration"] == 41
+        with pytest.raises(ValueError, match="heartbeat phase 'backward'; use one of init, data"):
+            hb.at("backward")
+    finally:
+        hb.close()
+    rec = read_beats(d)[0]
+    assert rec["phase"] == "done"
+    time.sleep(0.15)  # the thread is gone: the record no longer changes
+    assert read_beats(d)[0]["beat"] == rec["beat"]
+    hb.close()  # twice is fine
+
+
+def test_a_torn_record_is_skipped_and_a_missing_directory_is_empty(tmp_path):
+    assert read_beats(tmp_path / "nowhere") == []
+
+    def rec(rank, beat, step_s):
+        return {"rank": rank, "node": "n", "pid": 1, "iteration": 12, "first_iteration": 0, "phase": "sync",
+                "since": 1796670400.0, "beat": beat, "step_s": step_s}
+
+    older, newer = heartbeat.encode(rec(0, 1796670400.125, 0.25)), heartbeat.encode(rec(0, 1796670405.13, 0.5))
+    # what a reader may catch of an in-place rewrite: the new record's start over the old one's end, cut
+    # inside `beat`. It is valid JSON with a beat neither record had; the crc gives it away
+    cut = newer.index(b'"beat":') + len('"beat":1796670405')
+    torn = newer[:cut] + older[cut:]
+    assert json.loads(torn)["beat"] not in (1796670400.125, 1796670405.13)
+    open(beat_path(tmp_path, 0), "wb").write(torn)
+    open(beat_path(tmp_path, 1), "wb").write(heartbeat.encode(rec(1, 1796670405.0, 0.5)))
+    open(beat_path(tmp_path, 2), "wb").write(newer[:100])  # cut short: not JSON
+    open(beat_path(tmp_path, 3), "wb").write(b"")  # created, not written yet
+    open(tmp_path / "notes.txt", "w").write("not a heartbeat")
+    assert [r["rank"] for r in read_beats(tmp_path)] == [1]
+    open(beat_path(tmp_path, 0), "wb").write(newer)  # the next beat repairs it
+    assert read_beats(tmp_path)[0] == rec(0, 1796670405.13, 0.5)  # the crc is checked and dropped
+
+
+def test_from_env_reads_the_supervisors_variables(tmp_path):
+    assert Heartbeat.from_env(0, {}) is None
+    hb = Heartbeat.from_env(2, {ENV_DIR: str(tmp_path), ENV_INTERVAL: "0.5", "SLURMD_NODENAME": "node3"})
+    assert (hb.directory, hb.rank, hb.interval_s, hb.node) == (str(tmp_path), 2, 0.5, "node3")
+    assert Heartbeat.from_env(0, {ENV_DIR: str(tmp_path)}).interval_s == 5.0
+    with pytest.raises(ValueError, match=f"{ENV_INTERVAL}='soon' is not a positive number of seconds"):
+        Heartbeat.from_env(0, {ENV_DIR: str(tmp_path), ENV_INTERVAL: "soon"})
+
+
+def test_heartbeat_imports_nothing_from_hpcmeg_and_no_torch():
+    """Both hpcmeg/train and hpcmeg/launch (which runs where torch may be missing) import it."""
+    tree = ast.parse(open(heartbeat.__file__, encoding="utf-8").read())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert [m for m in names if m.split(".")[0] in ("hpcmeg", "torch", "numpy", "") or m == "."] == []
+
+
+# ----------------------------------------------------------------------------- the collective timeout
+
+def _stay_away_rank(rank: int, port: int, results) -> None:
+    """A gloo rank of a 2-process world. Both shorten the timeout to 2 s and meet in one all-reduce;
+    then rank 1 stays away and rank 0 reports how long its next all-reduce waited, and why it ended.
+    An unexpected error on either rank is reported instead (the test would otherwise wait in vain)."""
+    import traceback
+
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from hpcmeg.megatron.parallel_dims import ParallelDims
+        from hpcmeg.parallel.context import context_for
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        ctx = context_for(ParallelDims(2), rank, rank, torch.device("cpu"))
+        ctx.set_timeout(2)
+        assert ctx.all_reduce_max(rank + 5) == 6  # both there: the shorter timeout changes nothing
+        if rank == 1:
+            time.sleep(120)  # stopped, as far as rank 0 can tell (the test kills it sooner)
+            os._exit(0)
+        t0 = time.monotonic()
+        try:
+            ctx.all_reduce_max(1)
+            results.put(("returned", time.monotonic() - t0))
+        except RuntimeError as e:
+            results.put((str(e).splitlines()[0][:300], time.monotonic() - t0))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((f"rank {rank} failed: {traceback.format_exc()}", None))
+    os._exit(0)
+
+
+def test_set_timeout_makes_a_collective_with_a_missing_peer_fail_fast():
+    """Without set_timeout the all-reduce would wait out the group's 30 minutes (init_distributed)."""
+    from preloaded import context
+
+    mp = context()
+    results = mp.Queue()
+    port = free_port()
+    procs = [mp.Process(target=_stay_away_rank, args=(r, port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        what, waited = results.get(timeout=180)  # generous: start-up on a loaded 2-core box
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+    assert waited is not None and what != "returned", what
+    assert 1.5 <= waited < 10, (what, waited)
+    assert "timed out" in what.lower() or "timeout" in what.lower(), what
