@@ -11,59 +11,12 @@ key and the retired keys live in ``hpcmeg.recipe_choices``.
 from __future__ import annotations
 
 import re
-from dataclasses import Field, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 # Re-exported so that ``recipe_schema`` stays the one import for "what a recipe may hold".
 from hpcmeg.recipe_choices import CHOICES, RETIRED  # noqa: F401
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric field accepts (None = that side unbounded); `hpcmeg.recipe.validate`
-    checks every field that carries one, so the range written next to a field is the only one."""
-
-    ge: Optional[float] = None
-    gt: Optional[float] = None
-    le: Optional[float] = None
-    lt: Optional[float] = None
-    zero: Optional[str] = None
-    """What 0 means for this field (shown in the message, e.g. 'no clipping')."""
-    null: Optional[str] = None
-    """What null means for an Optional field (shown in the message, e.g. 'keep all')."""
-
-    def accepts(self, v: float) -> bool:
-        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
-                and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
-
-    def describe(self) -> str:
-        """'at least 1', 'greater than 0', 'in [0, 1)', plus what 0 / null mean."""
-        lo = self.ge if self.ge is not None else self.gt
-        hi = self.le if self.le is not None else self.lt
-        if lo is not None and hi is not None:
-            text = f"in {'[' if self.ge is not None else '('}{_num(lo)}, {_num(hi)}{']' if self.le is not None else ')'}"
-        elif lo is not None:
-            text = f"of at least {_num(lo)}" if self.ge is not None else f"greater than {_num(lo)}"
-        else:
-            text = f"of at most {_num(hi)}" if self.le is not None else f"below {_num(hi)}"
-        if self.zero:
-            text += f" (0 = {self.zero})"
-        if self.null:
-            text += f", or null ({self.null})"
-        return text
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else repr(x)
-
-
-def ranged(default, **limits) -> Field:
-    """A field with a default and a `Range` (``ranged(10, ge=1)``: an integer count of at least 1)."""
-    return field(default=default, metadata={"range": Range(**limits)})
-
-
-def field_range(f: Field) -> Optional[Range]:
-    return f.metadata.get("range")
+from hpcmeg.recipe_ranges import Range, field_range, ranged  # noqa: F401
 
 
 @dataclass
@@ -289,7 +242,20 @@ class ClusterConfig:
     signal_lead_s: int = ranged(120, ge=1, le=65535)
     """Seconds before the time limit that Slurm sends the save-and-requeue signal."""
     max_requeues: int = ranged(3, ge=0)
-    """Restarts allowed after preemption/time-out before the job gives up."""
+    """Restarts allowed after preemption/time-out (or a hang) before the job gives up."""
+    hang_after_steps: float = ranged(10.0, gt=0)
+    """Slurm jobs: the training step hangs when no rank has advanced for this many step times (the
+    slowest rank's median), at least cluster.hang_min_s. Then the ranks' stacks go into their logs,
+    the step is cancelled and the job requeued without the node of the rank(s) behind."""
+    hang_min_s: float = ranged(300.0, gt=0)
+    """The shortest wait, in seconds, that counts as a hang once training steps run."""
+    hang_startup_s: float = ranged(1800.0, gt=0)
+    """The wait that counts as a hang before any rank finished its first step (start-up, data index,
+    checkpoint load, compilation), in seconds."""
+    hang_checkpoint_s: float = ranged(1800.0, gt=0)
+    """The wait that counts as a hang while a rank saves a checkpoint or evaluates, in seconds."""
+    heartbeat_s: float = ranged(5.0, gt=0)
+    """How often each rank's heartbeat file (``<run_dir>/health/``) is rewritten, in seconds."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run in the batch script before the job starts (module loads...). Shell by design:
     they are NOT quoted."""
@@ -324,6 +290,11 @@ class ClusterConfig:
     """Every stage checks at start that the hpcmeg it runs (the supervisor on the node, and the ranks
     inside the container) is the one that wrote the run (version and source hash, recorded in
     ``<run_dir>/hpcmeg_version.json`` at submit) and stops with one line if not. false = run anyway."""
+
+    def hang_policy(self) -> dict:
+        """hpcmeg.launch.health.HangPolicy's fields, as the supervisor's task carries them."""
+        return {"after_steps": self.hang_after_steps, "min_s": self.hang_min_s, "startup_s": self.hang_startup_s,
+                "checkpoint_s": self.hang_checkpoint_s, "beat_s": self.heartbeat_s}
 
     def tasks_per_node(self) -> int:
         return self.gpus_per_node if self.gpus_per_node > 0 else self.cpu_tasks_per_node

@@ -22,17 +22,21 @@ class RequeueDecision:
 
 
 def decide_requeue(*, restart_count: int, max_restarts: int, start_iteration: int | None,
-                   current_iteration: int | None, no_progress_streak: int, max_no_progress: int) -> RequeueDecision:
-    """Pure policy. Iterations are the checkpointed ones (tracker), None = no checkpoint yet."""
+                   current_iteration: int | None, no_progress_streak: int, max_no_progress: int,
+                   elsewhere: bool = False) -> RequeueDecision:
+    """Pure policy. Iterations are the checkpointed ones (tracker), None = no checkpoint yet.
+    elsewhere: the next attempt runs without the node this one hung on, so an attempt without
+    progress does not count toward max_no_progress (the restart cap still holds)."""
     progressed = (current_iteration if current_iteration is not None else -1) > \
         (start_iteration if start_iteration is not None else -1)
-    streak = 0 if progressed else no_progress_streak + 1
+    streak = 0 if progressed else (no_progress_streak if elsewhere else no_progress_streak + 1)
     if restart_count >= max_restarts:
         return RequeueDecision(False, f"restart cap reached ({restart_count} >= max_restarts {max_restarts})", streak)
     if streak >= max_no_progress:
         return RequeueDecision(False, f"no progress: checkpointed iteration stayed at {current_iteration} for "
                                       f"{streak} consecutive attempt(s) (max_no_progress {max_no_progress})", streak)
-    what = f"progress {start_iteration} -> {current_iteration}" if progressed else f"no progress (streak {streak})"
+    what = (f"progress {start_iteration} -> {current_iteration}" if progressed
+            else "no progress, the next attempt without the hung node" if elsewhere else f"no progress (streak {streak})")
     return RequeueDecision(True, f"restart {restart_count + 1}/{max_restarts}, {what}", streak)
 
 
@@ -62,12 +66,12 @@ class RequeueGuard:
         st.setdefault("no_progress_streak", 0)
         self._write(st)
 
-    def decide(self, restart_count: int, iteration: int | None) -> RequeueDecision:
+    def decide(self, restart_count: int, iteration: int | None, elsewhere: bool = False) -> RequeueDecision:
         st = self._read()
         d = decide_requeue(restart_count=restart_count, max_restarts=self.max_restarts,
                            start_iteration=st.get("start_iteration"), current_iteration=iteration,
                            no_progress_streak=int(st.get("no_progress_streak", 0)),
-                           max_no_progress=self.max_no_progress)
+                           max_no_progress=self.max_no_progress, elsewhere=elsewhere)
         st.update(no_progress_streak=d.no_progress_streak, last_decision=d.reason, last_iteration=iteration)
         self._write(st)
         return d

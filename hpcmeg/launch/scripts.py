@@ -352,7 +352,8 @@ def build_plan(recipe, derived, files: list[str], host_python: str,
             _plan_preprocess(plan, recipe, derived, run, files, host_python)
     if "train" in stages:
         task = {"stage": "train", "run_dir": str(run.root), "args": [], "checkpoint_dir": derived.checkpoint_dir,
-                "max_requeues": recipe.cluster.max_requeues, "train_iters": derived.train_iters}
+                "max_requeues": recipe.cluster.max_requeues, "train_iters": derived.train_iters,
+                "world_size": recipe.cluster.world_size(), "hang": recipe.cluster.hang_policy()}
         step = train_step(recipe, run, host_python, probe)
         plan.jobs.append(StageJob("train", train_params(recipe, run), None, [task], step))
     if "convert" in stages and recipe.convert.enabled:

@@ -9,7 +9,12 @@ ever reads it, so host/container Python versions never meet). It runs in the bat
      cluster.version_check is false): otherwise one line, a ``failed`` marker, and no step is run;
   1. writes ``markers/<stage>[.<task>].started`` (with this interpreter and hpcmeg version, which
      ``hpcmeg smoke`` reports) and a banner in the batch log (job id, restart);
-  2. runs ``scripts/<stage>_step.sh ARGS`` (one ``srun`` step; the ranks run in the container);
+  2. runs ``scripts/<stage>_step.sh ARGS`` (one ``srun`` step; the ranks run in the container). A train
+     step is watched through its ranks' heartbeats (``health/<job>.r<restart>/``, hpcmeg/heartbeat.py):
+     a hang (hpcmeg/launch/health.py: no rank advanced for the recipe's cluster.hang_* allowance) is
+     one line naming the rank(s) behind, their node, phase and iteration, in the batch log and in
+     ``health.json``; the ranks' stacks go into their logs, the step is cancelled and the job requeued
+     without the culprits' node (hpcmeg/launch/hang.py; counted against max_requeues) or failed;
   3. decides. Train: finished -> ``done``; the trainer saved for a requeue (exit code
      ``REQUEUE_EXIT_CODES`` or exit 0 before ``train_iters``) and restarts < ``max_requeues`` and the
      checkpointed iteration advanced during this attempt -> ``scontrol requeue $SLURM_JOB_ID`` (same
@@ -37,7 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from hpcmeg.heartbeat import ENV_DIR, ENV_INTERVAL
 from hpcmeg.launch.causes import failure_cause
+from hpcmeg.launch.hang import dump_and_cancel, requeue_excluding, usable_exclusion, watch_step
+from hpcmeg.launch.health import HangPolicy, excluded_nodes, record_event
 from hpcmeg.launch.rundir import (RunDir, input_manifest, read_json, write_manifest, write_marker)
 from hpcmeg.megatron.names import REQUEUE_EXIT_CODES, committed_iterations, latest_iteration
 from hpcmeg.procenv import slurm_job_end_time
@@ -141,10 +149,14 @@ def _banner(task: dict) -> None:
           f"{socket.gethostname()} | {time.strftime('%Y-%m-%d %H:%M:%S')} =====", flush=True)
 
 
-def _run_step(run: RunDir, stage: str, args: list[str], env: Optional[dict] = None) -> int:
+def _start_step(run: RunDir, stage: str, args: list[str], env: Optional[dict] = None) -> subprocess.Popen:
     cmd = ["bash", str(run.step_script(stage)), *[str(a) for a in args]]
     print("[hpcmeg supervisor] step:", " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+    return subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+
+
+def _run_step(run: RunDir, stage: str, args: list[str], env: Optional[dict] = None) -> int:
+    proc = _start_step(run, stage, args, env)
     while True:
         try:
             return proc.wait()
@@ -184,8 +196,16 @@ def run_train(task: dict) -> dict:
     end_time = None if os.environ.get("SLURM_JOB_END_TIME") else slurm_job_end_time(timeout_s=30)
     if end_time:
         env["SLURM_JOB_END_TIME"] = str(int(end_time))
+    policy = HangPolicy.of(task.get("hang"))
+    tag, _ = _tag()
+    beat_dir = run.root / "health" / f"{tag}.r{restart}"  # this attempt's heartbeats (hpcmeg/heartbeat.py)
+    env.update({ENV_DIR: str(beat_dir), ENV_INTERVAL: str(policy.beat_s)})
     attempt_start = time.time()
-    rc = effective_train_rc(_run_step(run, "train", [], env), run.root, attempt_start)
+    proc = _start_step(run, "train", [], env)
+    hang = watch_step(proc, str(beat_dir), int(task.get("world_size") or 1), policy)
+    if hang is not None:
+        _answer_hang(run, task, hang, proc, guard, restart, ends)
+    rc = effective_train_rc(proc.returncode, run.root, attempt_start)
     end_it = latest_iteration(ckpt)
     print(f"[hpcmeg supervisor] train step exit code {rc}; checkpointed iteration {start_it} -> {end_it}", flush=True)
     if ends.signal is not None:
@@ -212,6 +232,43 @@ def run_train(task: dict) -> dict:
         sys.exit(0)  # SystemExit: no result pickle, the same job id runs again
     write_marker(run, "train", "failed", exit_code=rc, iteration=end_it, reason=out.reason)
     raise StageFailed(f"train failed: {out.reason}")
+
+
+def _answer_hang(run: RunDir, task: dict, hang, proc: subprocess.Popen, guard, restart: int, ends) -> None:
+    """A hung step (hpcmeg/launch/hang.py): stacks dumped into the rank logs, the step cancelled, then
+    the job requeued without the culprits' node(s) when the restart cap and the partition allow, else
+    failed. Never returns: SystemExit (requeued) or StageFailed."""
+    job = os.environ["SLURM_JOB_ID"]
+    print(f"[hpcmeg supervisor] {hang.line}", flush=True)
+    record_event(run.root, "hang", hang.line, iteration=hang.iteration, nodes=hang.nodes,
+                 ranks=[c.rank for c in hang.culprits], job=job, restart=restart)
+    dump_and_cancel(job, proc)
+    end_it = latest_iteration(task["checkpoint_dir"])
+    before = excluded_nodes(run.root)
+    nodes, note = before, "no single node to blame"
+    if hang.nodes:
+        try:
+            nodes, note = usable_exclusion(job, hang.nodes, before)
+        except RuntimeError as e:
+            note = f"not excluding {', '.join(hang.nodes)}: {e}"
+    moved = bool(set(hang.nodes) & (set(nodes) - set(before)))  # the next attempt avoids a culprit's node
+    d = guard.decide(restart, end_it, elsewhere=moved)
+    print(f"[hpcmeg supervisor] {note}; decision: {'requeue' if d.requeue else 'fail'}: {d.reason}", flush=True)
+    if not d.requeue:
+        reason = f"{hang.line}; not requeued: {d.reason}"
+        write_marker(run, "train", "failed", exit_code=proc.returncode, iteration=end_it, reason=reason)
+        raise StageFailed(f"train failed: {reason}")
+    record_event(run.root, "excluded" if moved else "note", note, excluded=nodes, job=job)
+    write_marker(run, "train", "requeued", iteration=end_it, reason=f"{hang.line}; {note}; requeue: {d.reason}")
+    ends.on_first = None  # the requeue's SIGTERM must not turn the marker into 'interrupted'
+    try:
+        requeue_excluding(job, nodes)
+    except RuntimeError as e:
+        print(f"[hpcmeg supervisor] {e}", flush=True)
+        if "exclusion" not in str(e):
+            write_marker(run, "train", "failed", iteration=end_it, reason=f"{hang.line}; {e}")
+            raise StageFailed(f"train failed: {e}") from None
+    sys.exit(0)
 
 
 def convert_iteration(task: dict) -> Optional[int]:

@@ -10,7 +10,8 @@ Contract:
 - ``watch_run(run_dir, poll_s, heartbeat_s) -> exit code``: follows a Slurm chain until every stage
   is final: a line per stage transition (queued with the reason, running on which node, done or
   failed), the rank-0 / task-0 log lines ``shown`` picks from the logs of the stage's current job
-  only (never those of an earlier submit's job of the same run), and a heartbeat line when nothing else
+  only (never those of an earlier submit's job of the same run), each health event the supervisor
+  records meanwhile (a hang, whom it names, the node excluded), and a heartbeat line when nothing else
   was printed for ``heartbeat_s`` (default 10 s, so never 15 s of silence). Ends with the status
   table; when a stage failed, one last line on stderr names the stage, the failing task's own
   error line and log (hpcmeg.launch.causes) and the ``hpcmeg logs`` command. Ctrl-C stops watching
@@ -163,6 +164,7 @@ def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: floa
     started: dict[str, float] = {}
     st: dict = {"stages": {}}
     next_poll = 0.0
+    shown_until = time.time()  # health events: only those that happen while watching
     markers, markers_mtime, eager_until = RunDir(root).markers, None, 0.0
     try:
         while True:
@@ -180,6 +182,10 @@ def watch_run(run_dir: str | os.PathLike, poll_s: float = 5.0, heartbeat_s: floa
                     if s["state"] in ("RUNNING", "COMPLETING") or s["state"] in FINAL:
                         started.setdefault(stage, time.time())
                 done = all(s["state"] in FINAL for s in st["stages"].values())
+                for e in (st.get("health") or {}).get("events", []):  # a hang found by the supervisor, what it did
+                    if e.get("time", 0) > shown_until:
+                        tick.say(f"health: {e['line']}")
+                        shown_until = e["time"]
             else:
                 done = False
             _show_new_log_lines(root, st, started, followers, tick)

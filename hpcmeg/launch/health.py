@@ -1,0 +1,174 @@
+"""A training step's health, as the supervisor sees it from the ranks' heartbeats: is it hung, and
+which rank is the cause. Pure decisions and the run's health record; no Slurm calls (the supervisor's
+answer to a hang is hpcmeg/launch/hang.py).
+
+Contract
+- `HangPolicy` (the recipe's cluster.hang_* keys): a step hangs when no rank has advanced (entered
+  another phase or iteration, hpcmeg/heartbeat.py) for
+    * `startup_s` until some rank has finished an iteration (start-up: build, data index, checkpoint
+      load, the first step's compilation),
+    * `checkpoint_s` while any rank saves a checkpoint or evaluates,
+    * else max(`after_steps` x the slowest rank's median step time, `min_s`).
+- `diagnose(beats, world_size, now, started, policy) -> Hang | None` (pure; beats: read_beats' records,
+  `started`: when the step was launched, for ranks that never wrote one). The culprits, in order:
+    1. ranks without a heartbeat for `stale_s` (stopped or dead: their writer thread stopped too), or
+       that never wrote one;
+    2. else the ranks furthest behind (lowest iteration, then earliest phase): the others went on until
+       they waited for them in a collective;
+    3. else none: every rank is at the same place (a shared cause: filesystem, network).
+  `Hang.line` is the one line the batch log, `hpcmeg status` and `submit --wait` show.
+- The health record `<run_dir>/health.json`: {"events": [{"time", "kind", "line", ...}], "excluded":
+  [node, ...]}: `record_event`, `read_health`, `excluded_nodes`. Written atomically by the supervisor
+  (one writer: the job's batch shell).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hpcmeg.fsutil import write_text_atomic
+from hpcmeg.heartbeat import PHASES
+
+HEALTH_FILE = "health.json"
+_ORDER = {p: i for i, p in enumerate(PHASES)}
+_LONG = ("checkpoint", "eval")
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    after_steps: float = 10.0
+    min_s: float = 300.0
+    startup_s: float = 1800.0
+    checkpoint_s: float = 1800.0
+    beat_s: float = 5.0
+
+    @property
+    def stale_s(self) -> float:
+        """A heartbeat older than this: the rank's process is stopped or dead (its writer thread
+        beats every beat_s whatever the main thread does; 3 beats of slack for a slow filesystem)."""
+        return max(4 * self.beat_s, 15.0)
+
+    @classmethod
+    def of(cls, d: Optional[dict]) -> "HangPolicy":
+        return cls(**(d or {}))
+
+
+@dataclass(frozen=True)
+class Culprit:
+    rank: int
+    node: str
+    phase: str
+    iteration: Optional[int]
+    why: str
+
+
+@dataclass(frozen=True)
+class Hang:
+    phase: str  # where the step is: 'init' (no iteration finished yet), the culprits' phase, ...
+    iteration: Optional[int]
+    stuck_s: float
+    allowance_s: float
+    culprits: list[Culprit] = field(default_factory=list)
+    others: str = ""
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({c.node for c in self.culprits if c.node})
+
+    @property
+    def line(self) -> str:
+        where = "at start-up" if self.phase == "init" else f"at iteration {self.iteration}"
+        head = f"hang {where}: no rank advanced for {self.stuck_s:.0f} s (allowed {self.allowance_s:.0f} s)"
+        if not self.culprits:
+            return f"{head}; every rank is {self.others}: no rank is behind the others"
+        who = "; ".join(f"rank {c.rank} on {c.node or '?'} {c.why}" for c in self.culprits[:8])
+        more = f" (+{len(self.culprits) - 8} more)" if len(self.culprits) > 8 else ""
+        return f"{head}; {who}{more}" + (f"; the others wait {self.others}" if self.others else "")
+
+
+def _where(b: dict) -> str:
+    return "in start-up" if b["phase"] == "init" else f"in {b['phase']} at iteration {b['iteration']}"
+
+
+def allowance(beats: list[dict], policy: HangPolicy) -> tuple[float, str]:
+    """(seconds without progress that make a hang, what they are for)."""
+    steps = [b["step_s"] for b in beats if b.get("step_s")]
+    if not steps or any(b["phase"] == "init" for b in beats):
+        return policy.startup_s, "start-up"
+    if any(b["phase"] in _LONG for b in beats):
+        return policy.checkpoint_s, "checkpoint or evaluation"
+    return max(policy.after_steps * max(steps), policy.min_s), "training steps"
+
+
+def diagnose(beats: list[dict], world_size: int, now: float, started: float, policy: HangPolicy) -> Optional[Hang]:
+    """The hang, if the step is hung now (see the module docstring)."""
+    seen = {b["rank"] for b in beats}
+    missing = [r for r in range(world_size) if r not in seen]
+    last = max([started, *(b["since"] for b in beats)])
+    allowed, _ = allowance(beats, policy) if beats and not missing else (policy.startup_s, "start-up")
+    stuck = now - last
+    if stuck <= allowed:
+        return None
+    culprits = [Culprit(r, "", "init", None, "never reported (did not start, or died at start)") for r in missing]
+    culprits += [Culprit(b["rank"], b.get("node", ""), b["phase"], b.get("iteration"),
+                         f"{_where(b)}: no heartbeat for {now - b['beat']:.0f} s (stopped or dead)")
+                 for b in beats if now - b["beat"] > policy.stale_s]
+    fresh = [b for b in beats if now - b["beat"] <= policy.stale_s]
+    if not culprits and fresh:
+        pos = {b["rank"]: (b.get("iteration") or 0, _ORDER.get(b["phase"], 0)) for b in fresh}
+        low = min(pos.values())
+        if any(p != low for p in pos.values()):
+            culprits = [Culprit(b["rank"], b.get("node", ""), b["phase"], b.get("iteration"),
+                                f"{_where(b)} for {now - b['since']:.0f} s") for b in fresh if pos[b["rank"]] == low]
+    named = {c.rank for c in culprits}
+    rest = [b for b in fresh if b["rank"] not in named]
+    others = ""
+    if rest:
+        b = max(rest, key=lambda b: (b.get("iteration") or 0, _ORDER.get(b["phase"], 0)))
+        others = _where(b)
+    head = culprits[0] if culprits else (rest[0] if rest else None)
+    if head is None:
+        phase, it = "init", None
+    elif isinstance(head, Culprit):
+        phase, it = head.phase, head.iteration
+    else:
+        phase, it = head["phase"], head.get("iteration")
+    return Hang(phase, it, stuck, allowed, culprits, others)
+
+
+# ------------------------------------------------------------------------------ the health record
+
+
+def read_health(run_dir: str | os.PathLike) -> dict:
+    try:
+        with open(Path(run_dir) / HEALTH_FILE) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return {"events": [], "excluded": []}
+    return {"events": list(d.get("events") or []), "excluded": list(d.get("excluded") or [])}
+
+
+def record_event(run_dir: str | os.PathLike, kind: str, line: str, excluded: Optional[list[str]] = None,
+                 **info) -> dict:
+    """Append one event (kind: hang | dead | straggler | excluded | note) and, when given, the job's
+    excluded nodes now; returns the record."""
+    d = read_health(run_dir)
+    d["events"].append({"time": time.time(), "kind": kind, "line": line, **info})
+    d["events"] = d["events"][-50:]  # a bounded file: the newest events
+    if excluded is not None:
+        d["excluded"] = sorted(set(excluded))
+    write_text_atomic(str(Path(run_dir) / HEALTH_FILE), json.dumps(d, indent=1))
+    return d
+
+
+def excluded_nodes(run_dir: str | os.PathLike) -> list[str]:
+    return read_health(run_dir)["excluded"]
+
+
+def last_event(run_dir: str | os.PathLike, since: float = 0.0) -> Optional[dict]:
+    ev = [e for e in read_health(run_dir)["events"] if e.get("time", 0) >= since]
+    return ev[-1] if ev else None
