@@ -17,6 +17,8 @@ Contract
        they waited for them in a collective;
     3. else none: every rank is at the same place (a shared cause: filesystem, network).
   `Hang.line` is the one line the batch log, `hpcmeg status` and `submit --wait` show.
+- `died(srun_text, beats) -> [Culprit]`: after a failed step, the rank(s) srun saw die of a signal
+  first (its 'task N: Killed' lines in the batch log), with their last phase and iteration.
 - The health record `<run_dir>/health.json`: {"events": [{"time", "kind", "line", ...}], "excluded":
   [node, ...]}: `record_event`, `read_health`, `excluded_nodes`. Written atomically by the supervisor
   (one writer: the job's batch shell).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +143,42 @@ def diagnose(beats: list[dict], world_size: int, now: float, started: float, pol
     return Hang(phase, it, stuck, allowed, culprits, others)
 
 
+_SRUN_TASK = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,-]+): (?P<how>.+?)\s*$")
+_BY_ITSELF = ("Exited with exit code", "Terminated", "Done")
+
+
+def _ranks(spec: str) -> list[int]:
+    out = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def died(srun_text: str, beats: list[dict]) -> list[Culprit]:
+    """The rank(s) that ended a failed step by dying of a signal (kill -9, the OOM killer, a crash):
+    srun's first 'srun: error: NODE: task N: HOW' line in the batch log, when HOW is not an exit of
+    the task's own (an exit code; 'Terminated' is srun stopping the rest after the first). Phase and
+    iteration from the rank's last heartbeat. [] when the first task srun reports exited by itself
+    (its own error line then says why: hpcmeg.launch.causes)."""
+    last = {b["rank"]: b for b in beats}
+    for line in srun_text.splitlines():
+        m = _SRUN_TASK.match(line.strip())
+        if not m:
+            continue
+        if m["how"].startswith(_BY_ITSELF):
+            return []
+        out = []
+        for r in _ranks(m["tasks"]):
+            b = last.get(r)
+            where = f" {_where(b)}" if b else ""
+            out.append(Culprit(r, m["node"], b["phase"] if b else "?", b.get("iteration") if b else None,
+                               f"died{where} ({m['how']}: a signal, not an error of its own; kill -9, the OOM "
+                               f"killer or a crash)"))
+        return out
+    return []
+
+
 # ------------------------------------------------------------------------------ the health record
 
 
@@ -172,3 +211,12 @@ def excluded_nodes(run_dir: str | os.PathLike) -> list[str]:
 def last_event(run_dir: str | os.PathLike, since: float = 0.0) -> Optional[dict]:
     ev = [e for e in read_health(run_dir)["events"] if e.get("time", 0) >= since]
     return ev[-1] if ev else None
+
+
+def health_lines(record: dict, last: int = 3) -> list[str]:
+    """`hpcmeg status`'s lines: the newest events (hangs, dead ranks, what the supervisor did) and the
+    train job's excluded nodes."""
+    lines = [f"health: {e['line']}" for e in record.get("events", [])[-last:]]
+    if record.get("excluded"):
+        lines.append(f"health: the train job excludes {', '.join(record['excluded'])} (a rank hung or died there)")
+    return lines

@@ -350,21 +350,20 @@ def build_plan(recipe, derived, files: list[str], host_python: str,
             raise ScriptError("data.inputs: no input files to preprocess")
         else:
             _plan_preprocess(plan, recipe, derived, run, files, host_python)
+    c = recipe.cluster
     if "train" in stages:
         task = {"stage": "train", "run_dir": str(run.root), "args": [], "checkpoint_dir": derived.checkpoint_dir,
-                "max_requeues": recipe.cluster.max_requeues, "train_iters": derived.train_iters,
-                "world_size": recipe.cluster.world_size(), "hang": recipe.cluster.hang_policy()}
-        step = train_step(recipe, run, host_python, probe)
-        plan.jobs.append(StageJob("train", train_params(recipe, run), None, [task], step))
+                "max_requeues": c.max_requeues, "train_iters": derived.train_iters, "world_size": c.world_size(),
+                "hang": c.hang_policy()}
+        plan.jobs.append(StageJob("train", train_params(recipe, run), None, [task], train_step(recipe, run, host_python, probe)))
     if "convert" in stages and recipe.convert.enabled:
         n = convert_task_count(recipe, derived.train_iters)
         out_dir = recipe.convert.output_dir or str(run.root / "hf")
         tasks = [{"stage": "convert", "run_dir": str(run.root), "args": [], "checkpoint_dir": derived.checkpoint_dir,
                   "iterations": str(recipe.convert.iterations), "out_dir": out_dir, **({"task": i} if n > 1 else {})}
                  for i in range(n)]
-        step = convert_step(recipe, run, host_python, derived.checkpoint_dir)
-        plan.jobs.append(StageJob("convert", array_params(recipe, run, "convert", recipe.cluster.convert_time, n > 1),
-                                  n if n > 1 else None, tasks, step))
+        plan.jobs.append(StageJob("convert", array_params(recipe, run, "convert", c.convert_time, n > 1),
+                                  n if n > 1 else None, tasks, convert_step(recipe, run, host_python, derived.checkpoint_dir)))
         plan.notes.append(f"convert: {n} array task(s), iterations '{recipe.convert.iterations}' resolved at run time")
     for job in plan.jobs:  # the supervisor checks it is the hpcmeg that wrote the run (hpcmeg_version.json)
         for t in job.tasks:

@@ -1,8 +1,7 @@
 """`hpcmeg status | logs | cancel RUN`: watch, tail and stop a run's job chain.
 
 Contract: ``run_status(run_dir) -> dict`` ({"run_dir", "executor", "stages": {stage: {"job_id",
-"state", "tasks": {task: {...}}, "detail"}}, "health": hpcmeg.launch.health's record}); ``health_lines``
-(the hang events and excluded nodes the table ends with); ``cli_status(run, as_json)`` (1 when a stage failed, with one
+"state", "tasks": {task: {...}}, "detail"}}, "health": hpcmeg.launch.health's record, whose newest events end the table}); ``cli_status(run, as_json)`` (1 when a stage failed, with one
 stderr line naming the failing task's own cause and ``hpcmeg logs``), ``cli_logs(run, follow, stage,
 rank, lines)``, ``cli_cancel(run)`` (only jobs not yet final; an ended chain: "nothing to cancel" and
 the run is not marked cancelled) return exit codes (following a chain until every job is final is
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from hpcmeg.launch.causes import failure_lines
-from hpcmeg.launch.health import read_health
+from hpcmeg.launch.health import health_lines, read_health
 from hpcmeg.launch.job_states import BAD, FINAL
 from hpcmeg.launch.rundir import (STAGES, RunDir, marker_state, read_jobs, read_markers, write_atomic)
 from hpcmeg.megatron.names import latest_iteration
@@ -220,15 +219,6 @@ def run_status(run_dir: str | os.PathLike) -> dict:
             "health": read_health(run.root)}
 
 
-def health_lines(status: dict, last: int = 3) -> list[str]:
-    """The run's newest health events (hangs and what the supervisor did) and its excluded nodes."""
-    h = status.get("health") or {}
-    lines = [f"health: {e['line']}" for e in h.get("events", [])[-last:]]
-    if h.get("excluded"):
-        lines.append(f"health: the train job excludes {', '.join(h['excluded'])} (hung there)")
-    return lines
-
-
 def is_final(status: dict) -> bool:
     return all(s["state"] in FINAL for s in status["stages"].values())
 
@@ -261,7 +251,7 @@ def cli_status(run, as_json: bool = False, quiet: bool = False) -> int:
         reasons = sorted({t.get("reason", "") for t in s["tasks"].values() if t.get("reason") and t["reason"] not in s["detail"]})
         detail = "; ".join(x for x in [s["detail"], *reasons[:2]] if x)
         print(f"{stage:<11}{s['job_id']:<9}{s['state']:<14}{','.join(srcs):<10}{detail}")
-    for line in health_lines(st):
+    for line in health_lines(st["health"]):
         print(line)
     sys.stdout.flush()
     if bad:

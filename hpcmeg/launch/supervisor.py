@@ -14,7 +14,9 @@ ever reads it, so host/container Python versions never meet). It runs in the bat
      a hang (hpcmeg/launch/health.py: no rank advanced for the recipe's cluster.hang_* allowance) is
      one line naming the rank(s) behind, their node, phase and iteration, in the batch log and in
      ``health.json``; the ranks' stacks go into their logs, the step is cancelled and the job requeued
-     without the culprits' node (hpcmeg/launch/hang.py; counted against max_requeues) or failed;
+     without the culprits' node (hpcmeg/launch/hang.py; counted against max_requeues) or failed.
+     A step that failed because a rank died of a signal (srun's 'task N: Killed' line in this batch
+     log: kill -9, the OOM killer) is named and routed around the same way;
   3. decides. Train: finished -> ``done``; the trainer saved for a requeue (exit code
      ``REQUEUE_EXIT_CODES`` or exit 0 before ``train_iters``) and restarts < ``max_requeues`` and the
      checkpointed iteration advanced during this attempt -> ``scontrol requeue $SLURM_JOB_ID`` (same
@@ -42,10 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from hpcmeg.heartbeat import ENV_DIR, ENV_INTERVAL
+from hpcmeg.heartbeat import ENV_DIR, ENV_INTERVAL, read_beats
 from hpcmeg.launch.causes import failure_cause
 from hpcmeg.launch.hang import dump_and_cancel, requeue_excluding, usable_exclusion, watch_step
-from hpcmeg.launch.health import HangPolicy, excluded_nodes, record_event
+from hpcmeg.launch.health import HangPolicy, died, excluded_nodes, record_event
 from hpcmeg.launch.rundir import (RunDir, input_manifest, read_json, write_manifest, write_marker)
 from hpcmeg.megatron.names import REQUEUE_EXIT_CODES, committed_iterations, latest_iteration
 from hpcmeg.procenv import slurm_job_end_time
@@ -164,6 +166,15 @@ def _run_step(run: RunDir, stage: str, args: list[str], env: Optional[dict] = No
             proc.send_signal(signal.SIGINT)
 
 
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(1 << 20).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def _requeue_self() -> None:
     job = os.environ["SLURM_JOB_ID"]
     r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
@@ -201,11 +212,17 @@ def run_train(task: dict) -> dict:
     beat_dir = run.root / "health" / f"{tag}.r{restart}"  # this attempt's heartbeats (hpcmeg/heartbeat.py)
     env.update({ENV_DIR: str(beat_dir), ENV_INTERVAL: str(policy.beat_s)})
     attempt_start = time.time()
+    batch_log = run.logs("train") / f"train.{tag}.batch.log"  # where srun's own lines go (this process's output)
+    log_at = batch_log.stat().st_size if batch_log.exists() else 0
     proc = _start_step(run, "train", [], env)
     hang = watch_step(proc, str(beat_dir), int(task.get("world_size") or 1), policy)
     if hang is not None:
         _answer_hang(run, task, hang, proc, guard, restart, ends)
     rc = effective_train_rc(proc.returncode, run.root, attempt_start)
+    if rc not in REQUEUE_EXIT_CODES and rc != 0 and ends.signal is None:
+        dead = died(_read_from(batch_log, log_at), read_beats(beat_dir))
+        if dead:
+            _answer_death(run, task, dead, rc, guard, restart, ends)
     end_it = latest_iteration(ckpt)
     print(f"[hpcmeg supervisor] train step exit code {rc}; checkpointed iteration {start_it} -> {end_it}", flush=True)
     if ends.signal is not None:
@@ -236,37 +253,52 @@ def run_train(task: dict) -> dict:
 
 def _answer_hang(run: RunDir, task: dict, hang, proc: subprocess.Popen, guard, restart: int, ends) -> None:
     """A hung step (hpcmeg/launch/hang.py): stacks dumped into the rank logs, the step cancelled, then
-    the job requeued without the culprits' node(s) when the restart cap and the partition allow, else
-    failed. Never returns: SystemExit (requeued) or StageFailed."""
-    job = os.environ["SLURM_JOB_ID"]
+    routed around (_route_around). Never returns."""
     print(f"[hpcmeg supervisor] {hang.line}", flush=True)
     record_event(run.root, "hang", hang.line, iteration=hang.iteration, nodes=hang.nodes,
-                 ranks=[c.rank for c in hang.culprits], job=job, restart=restart)
-    dump_and_cancel(job, proc)
+                 ranks=[c.rank for c in hang.culprits], job=os.environ["SLURM_JOB_ID"], restart=restart)
+    dump_and_cancel(os.environ["SLURM_JOB_ID"], proc)
+    _route_around(run, task, hang.line, hang.nodes, proc.returncode, guard, restart, ends)
+
+
+def _answer_death(run: RunDir, task: dict, culprits, rc: int, guard, restart: int, ends) -> None:
+    """A step that failed because rank(s) died of a signal (health.died): named, then routed around."""
+    nodes = sorted({c.node for c in culprits})
+    line = "; ".join(f"rank {c.rank} on {c.node} {c.why}" for c in culprits[:8])
+    print(f"[hpcmeg supervisor] {line}", flush=True)
+    record_event(run.root, "dead", line, iteration=culprits[0].iteration, nodes=nodes,
+                 ranks=[c.rank for c in culprits], job=os.environ["SLURM_JOB_ID"], restart=restart)
+    _route_around(run, task, line, nodes, rc, guard, restart, ends)
+
+
+def _route_around(run: RunDir, task: dict, line: str, suspects: list[str], rc, guard, restart: int, ends) -> None:
+    """Requeue the job without the suspect node(s) when the restart cap and the partition allow
+    (hpcmeg/launch/hang.py), else fail with `line`. Never returns: SystemExit (requeued) or StageFailed."""
+    job = os.environ["SLURM_JOB_ID"]
     end_it = latest_iteration(task["checkpoint_dir"])
     before = excluded_nodes(run.root)
     nodes, note = before, "no single node to blame"
-    if hang.nodes:
+    if suspects:
         try:
-            nodes, note = usable_exclusion(job, hang.nodes, before)
+            nodes, note = usable_exclusion(job, suspects, before)
         except RuntimeError as e:
-            note = f"not excluding {', '.join(hang.nodes)}: {e}"
-    moved = bool(set(hang.nodes) & (set(nodes) - set(before)))  # the next attempt avoids a culprit's node
+            note = f"not excluding {', '.join(suspects)}: {e}"
+    moved = bool(set(suspects) & (set(nodes) - set(before)))  # the next attempt avoids a suspect's node
     d = guard.decide(restart, end_it, elsewhere=moved)
     print(f"[hpcmeg supervisor] {note}; decision: {'requeue' if d.requeue else 'fail'}: {d.reason}", flush=True)
     if not d.requeue:
-        reason = f"{hang.line}; not requeued: {d.reason}"
-        write_marker(run, "train", "failed", exit_code=proc.returncode, iteration=end_it, reason=reason)
+        reason = f"{line}; not requeued: {d.reason}"
+        write_marker(run, "train", "failed", exit_code=rc, iteration=end_it, reason=reason)
         raise StageFailed(f"train failed: {reason}")
     record_event(run.root, "excluded" if moved else "note", note, excluded=nodes, job=job)
-    write_marker(run, "train", "requeued", iteration=end_it, reason=f"{hang.line}; {note}; requeue: {d.reason}")
+    write_marker(run, "train", "requeued", iteration=end_it, reason=f"{line}; {note}; requeue: {d.reason}")
     ends.on_first = None  # the requeue's SIGTERM must not turn the marker into 'interrupted'
     try:
         requeue_excluding(job, nodes)
     except RuntimeError as e:
         print(f"[hpcmeg supervisor] {e}", flush=True)
         if "exclusion" not in str(e):
-            write_marker(run, "train", "failed", iteration=end_it, reason=f"{hang.line}; {e}")
+            write_marker(run, "train", "failed", iteration=end_it, reason=f"{line}; {e}")
             raise StageFailed(f"train failed: {e}") from None
     sys.exit(0)
 
