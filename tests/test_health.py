@@ -73,3 +73,18 @@ def test_a_requeue_away_from_the_hung_node_does_not_count_as_no_progress():
     d = decide_requeue(**kw, elsewhere=True)
     assert d.requeue and "without the hung node" in d.reason
     assert not decide_requeue(**dict(kw, restart_count=3), elsewhere=True).requeue  # the cap still holds
+
+
+def test_a_rank_that_died_of_a_signal_is_named_from_sruns_first_task_line():
+    from hpcmeg.launch.health import died
+
+    beats = [beat(0, "sync", 8, T), beat(1, "forward-backward", 8, T, node="node2")]
+    # what srun 22.05 printed on the local cluster for a 2-task step whose task 1 got kill -9
+    text = ("srun: error: node2: task 1: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=2520.0\n"
+            "srun: error: node2: task 0: Terminated\nsrun: Force Terminated StepId=2520.0\n")
+    (c,) = died(text, beats)
+    assert (c.rank, c.node, c.phase, c.iteration) == (1, "node2", "forward-backward", 8) and "Killed" in c.why
+    assert [x.rank for x in died("srun: error: node1: tasks 2-3: Out Of Memory\n", [])] == [2, 3]
+    # the first task srun reports exited by itself: its own error line is the cause, nobody died
+    assert died("srun: error: node1: task 0: Exited with exit code 1\nsrun: error: node1: task 1: Killed\n", beats) == []
+    assert died("", beats) == []
