@@ -147,18 +147,16 @@ class Heartbeat:
 
     def at(self, phase: str, iteration: int | None = None) -> None:
         """This rank entered `phase` at `iteration` (None: the current one). `since` moves only when
-        the phase or the iteration changes. While in init, the iteration given is where the run
-        starts from: first_iteration follows it, and `since` stays the start of init."""
+        the phase or the iteration changes. In init the iteration given is where the run starts
+        from: first_iteration follows it, and `since` stays the start of init."""
         where = self._where
         it = where[1] if iteration is None else iteration
         if phase == where[0] and it == where[1]:
             return
         if phase not in PHASES:
             raise ValueError(f"heartbeat phase {phase!r}; use one of {', '.join(PHASES)}")
-        if phase == "init" and where[0] == "init":
-            self._where = ("init", it, where[2], it)
-        else:
-            self._where = (phase, it, time.time(), where[3])
+        since = where[2] if phase == where[0] == "init" else time.time()
+        self._where = (phase, it, since, it if phase == "init" else where[3])
 
     def iteration_done(self, seconds: float) -> None:
         """One completed iteration's wall time (for step_s)."""

@@ -31,6 +31,12 @@ Contract
 - Signals: the handlers (hpcmeg/train/signals.py) are installed before anything slow (cli_train:
   before the recipe loads and torch imports). A stop asked before the first step ends the run there
   with one line ("stopping before the first step ...: resume me") and EXIT_REQUEUE: nothing new to save.
+  SIGUSR1 writes every thread's stack to stderr (faulthandler) and the run goes on: the supervisor's
+  way to see where a hung rank waits.
+- Heartbeat: with HPCMEG_HEARTBEAT_DIR set (the supervisor sets it), each rank writes its progress
+  file there (hpcmeg/heartbeat.py) from the start of `train` (phase init) to its end (phase done),
+  the trainer reporting its phases and step times; a bad HPCMEG_HEARTBEAT_S or a directory that
+  cannot be created is an error line, exit 1.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import warnings
 
 from hpcmeg.errors import one_line
 from hpcmeg.fsutil import write_text_atomic
+from hpcmeg.heartbeat import Heartbeat
 from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, EXIT_REQUEUE
 from hpcmeg.procenv import dist_env, slurm_job_end_time
 from hpcmeg.recipe import Recipe, RecipeError, data_plan, derive, load_recipe, run_paths
@@ -100,6 +107,22 @@ class _TrainJob:
         self.tag = f"hpcmeg train [rank {env.rank}]" if env.world_size > 1 else "hpcmeg train"
         self.run_dir = run_paths(recipe).run_dir  # for the status file; build_trainer derives the rest, once
         self.trainer = self.ctx = self.peers = None
+        self.heartbeat: Heartbeat | None = None
+
+    def start_heartbeat(self, environ) -> None:
+        """This rank's heartbeat when the supervisor asked for one (HPCMEG_HEARTBEAT_DIR), in phase init."""
+        self.heartbeat = Heartbeat.from_env(self.env.rank, os.environ if environ is None else environ)
+        if self.heartbeat is not None:
+            self.heartbeat.start()
+
+    def progress(self, phase: str, iteration: int | None = None) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.at(phase, iteration)
+
+    def step_time(self, seconds: float) -> None:
+        self.guard.record_step(seconds)
+        if self.heartbeat is not None:
+            self.heartbeat.iteration_done(seconds)
 
     def stop(self) -> str | None:
         if self.sig.flag:
@@ -154,16 +177,17 @@ class _TrainJob:
                 warnings.simplefilter("always", CheckpointWarning)
                 self.trainer, self.ctx = build_trainer(
                     self.recipe, self.env, stop=self.stop, exit_interval=exit_interval,
-                    on_step_time=self.guard.record_step, on_save_time=self.guard.record_save,
-                    on_context=self.on_context)
+                    on_step_time=self.step_time, on_save_time=self.guard.record_save,
+                    on_context=self.on_context, progress=self.progress)
         except (CheckpointLoadError, UnsafeCheckpointError, UnreadableCheckpointError):
             caught = [w for w in caught if not issubclass(w.category, CheckpointWarning)]
             raise
         finally:
             _show_warnings(caught, self.tag)
 
-    def run(self, exit_interval: int | None, on_built) -> int:
-        """Build, learn whether every rank started, then train; the exit code."""
+    def run(self, exit_interval: int | None, on_built, environ) -> int:
+        """Heartbeat, build, learn whether every rank started, then train; the exit code."""
+        self.start_heartbeat(environ)
         rank0 = self.env.rank == 0
         if rank0:
             _process_count_warning(self.recipe, self.env.world_size, self.tag)
@@ -199,6 +223,8 @@ class _TrainJob:
         finally:
             if self.ctx is not None:
                 self.ctx.destroy()
+            if self.heartbeat is not None:
+                self.heartbeat.close()  # after the last collective; lingering below is not a hang
             if self.peers is not None:
                 self.peers.linger()  # a failed rank waits for the others' lines (kill-on-bad-exit)
                 self.peers.close()  # rank 0, which serves the store, leaves after the others
@@ -215,14 +241,16 @@ def train(recipe: Recipe, *, environ=None, exit_interval: int | None = None, on_
     from hpcmeg.checkpoint.store import CheckpointLoadError
     from hpcmeg.train.data import TokenIdError
     from hpcmeg.train.peers import PeerFailed
-    from hpcmeg.train.signals import ExitSignal, WallTimeGuard
+    from hpcmeg.train.signals import ExitSignal, WallTimeGuard, dump_stacks_on_signal, stop_dumping_stacks
     from hpcmeg.train.trainer import TrainingDiverged
 
     env = dist_env(environ)
     sig = signals if signals is not None else ExitSignal().install()  # a SIGTERM in start-up is kept
+    if signals is None:
+        dump_stacks_on_signal()
     job = _TrainJob(recipe, env, sig, WallTimeGuard(None, WALLTIME_MARGIN_S))
     try:
-        return job.run(exit_interval, on_built)
+        return job.run(exit_interval, on_built, environ)
     except PeerFailed as e:
         return job.stopped_by(e)
     except RecipeError as e:
@@ -245,6 +273,7 @@ def train(recipe: Recipe, *, environ=None, exit_interval: int | None = None, on_
         finally:
             if signals is None:
                 sig.restore()
+                stop_dumping_stacks()
 
 
 def _process_count_warning(recipe: Recipe, running: int, tag: str) -> None:
@@ -263,13 +292,17 @@ def _process_count_warning(recipe: Recipe, running: int, tag: str) -> None:
 
 
 def cli_train(args) -> int:
-    from hpcmeg.train.signals import ExitSignal
+    from hpcmeg.train.signals import ExitSignal, dump_stacks_on_signal, stop_dumping_stacks
 
     # first: a SIGTERM while the recipe loads and torch imports is kept (the run then stops before
-    # its first step with a line), not fatal
-    with ExitSignal() as sig:
-        recipe = load_recipe(args.recipe, args.overrides, args.profile)
-        return train(recipe, signals=sig)
+    # its first step with a line), not fatal; a SIGUSR1 then shows where start-up waits
+    dump_stacks_on_signal()
+    try:
+        with ExitSignal() as sig:
+            recipe = load_recipe(args.recipe, args.overrides, args.profile)
+            return train(recipe, signals=sig)
+    finally:
+        stop_dumping_stacks()
 
 
 def cli_prepare_cache(args) -> int:

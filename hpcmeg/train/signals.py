@@ -2,10 +2,14 @@
 (spec: megatron-interop.md section 7.4, slurm-design.md "Preemption/timeout").
 
 Contract:
-* ExitSignal installs handlers (default SIGTERM and SIGUSR2; SIGUSR1 is left alone because NCCL and
-  other libraries may use it) that only record the signal: no I/O, no collectives in a handler. The
-  trainer polls it once per iteration (ranks agree through the trainer's all-reduced stop code) and
-  restores the old handlers at the end.
+* ExitSignal installs handlers (default SIGTERM and SIGUSR2) that only record the signal: no I/O, no
+  collectives in a handler. The trainer polls it once per iteration (ranks agree through the
+  trainer's all-reduced stop code) and restores the old handlers at the end.
+* SIGUSR1 (STACK_DUMP_SIGNAL) is the stack dump the supervisor sends every rank when it finds a hang:
+  dump_stacks_on_signal() registers faulthandler for it, which writes every thread's Python stack to
+  stderr (the rank log) from C, so it works while the main thread waits in a collective or a read
+  and the interpreter cannot run a Python handler. The rank keeps running (not chained to any earlier
+  handler, whose default would end the process).
 * WallTimeGuard says "save and exit now" once the time left before the job's end is smaller than
   margin_s + save_factor x (longest save so far) + 2 x (longest step so far): the margin grows with
   what was measured, so big checkpoints start early enough. Times are epoch seconds (time.time()).
@@ -14,11 +18,31 @@ Where the job's end time comes from (Slurm: hpcmeg/procenv.py) and whether to re
 """
 from __future__ import annotations
 
+import faulthandler
 import signal
+import sys
 import time
 from typing import Iterable
 
 DEFAULT_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks_on_signal(file=None) -> None:
+    """On STACK_DUMP_SIGNAL, write every thread's stack to `file` (default: stderr, the rank log).
+    faulthandler writes to a file descriptor: a sys.stderr without one (a caller capturing output
+    in memory) falls back to descriptor 2, the process's stderr."""
+    if file is None:
+        try:
+            file = sys.stderr.fileno()
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
+            file = 2
+    faulthandler.register(STACK_DUMP_SIGNAL, file=file, all_threads=True, chain=False)
+
+
+def stop_dumping_stacks() -> None:
+    """Undo dump_stacks_on_signal: the signal's earlier handler again."""
+    faulthandler.unregister(STACK_DUMP_SIGNAL)
 
 
 class ExitSignal:

@@ -23,6 +23,9 @@ Contract:
   The LR schedule is the caller's: set param_group["lr"] before launch(). NaN handling is the
   caller's too: the result holds the loss as computed. The trainer keeps one step in flight
   (it checks step k's numbers after queueing step k+1) so the GPU never waits for the host.
+  .on_phase(phase): told "optimizer" when launch() reaches the optimizer half (_apply), so a rank
+    stuck there is told from one stuck in its forward/backward; a no-op unless the trainer sets it
+    (its progress report, hpcmeg/heartbeat.py's phases).
 compile_layers: each transformer layer compiled on its own instead of the whole model
 (hpcmeg/parallel/overlap.py: the data-parallel reduction then overlaps the backward); its CUDA
 default is default_cuda_compile_options() without CUDA graphs (the buffer's collectives run between
@@ -137,6 +140,10 @@ class PendingStep:
         return self._extra
 
 
+def _no_phase(phase: str, iteration: int | None = None) -> None:
+    """TrainStep.on_phase of a step nobody watches."""
+
+
 class TrainStep:
     def __init__(self, model: nn.Module, buffer, optimizer, precision: str = "bf16",
                  grad_clip: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
@@ -169,6 +176,7 @@ class TrainStep:
         # low-precision parameters (fp32 masters in the optimizer) run as they are; fp32 parameters
         # with precision bf16/fp16 run under autocast
         self.autocast_dtype = _AUTOCAST[precision] if buffer.param_dtype == torch.float32 else None
+        self.on_phase = _no_phase
 
     def forward_module(self) -> nn.Module:
         """The module a step calls: the model, or its torch.compile wrapper (built once)."""
@@ -267,6 +275,7 @@ class TrainStep:
 
     def _apply(self, mean_loss: torch.Tensor, scale: float) -> PendingStep:
         """Unscale and check (fp16), clip, step: the optimizer half of a step, queued on the device."""
+        self.on_phase("optimizer")
         if self.loss_scaler is not None:
             found_inf = self.optimizer.unscale_and_check_(1.0 / scale)
             if found_inf.item() > 0:  # the one sync fp16 needs before stepping

@@ -31,11 +31,24 @@ Contract
   `load_state(ckpt)` restores all of it; `load_weights(ckpt)` only the model (a 'release' start).
 - Exactness on CPU: data order is a function of consumed samples, dropout draws come from the
   global torch RNG which is saved and restored, evaluation and data loading draw nothing from it.
+- Progress (hang detection, hpcmeg/heartbeat.py): `progress(phase, iteration=None)` is told where the
+  loop is: "init" with the iteration the run starts from, then per iteration N (in progress) "data"
+  (its batches; also the next batches' prefetch, issued after the launch: a rank stuck reading is
+  behind the ranks waiting for it), "forward-backward" (step.launch), "optimizer" (the step's own
+  on_phase, at the start of TrainStep._apply), "sync" (the ranks' agreement and the wait for the
+  step's numbers), then "eval" / "checkpoint" at the iteration just completed, "done" at the end.
+  Each call is a few attribute stores (the heartbeat's thread does the I/O).
+- Collective timeout: the process group starts with 30 minutes (init, loading, compiling). After this
+  process's COLLECTIVE_TIMEOUT_AFTER-th completed iteration it becomes collective_timeout_s(median step
+  time) for every later collective, and max(config.collective_timeout_long_s, that) while saving or
+  evaluating: a rank that stopped makes the others fail in minutes, not half an hour.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -48,6 +61,32 @@ from hpcmeg.megatron.args import checkpoint_models, make_checkpoint_dict
 from hpcmeg.parallel.pipeline.stages import load_megatron_models, megatron_models
 from hpcmeg.train.data import TrainBatches
 from hpcmeg.train.loop_state import LogWindow, LoopState
+
+
+# The collective timeout once steps are timed: a collective that waits much longer than a step means a
+# rank is gone or stuck. 10 x the median step: in a healthy iteration a rank waits for the slowest one
+# by a fraction of a step (a GC pause, rank 0's log line, a slow batch). Floor 300 s: a healthy step
+# can stall on a parallel filesystem's read for minutes (a metadata server under load), and a small
+# model's 0.1 s step must not turn that into a failure.
+COLLECTIVE_TIMEOUT_FACTOR = 10.0
+COLLECTIVE_TIMEOUT_FLOOR_S = 300.0
+# Around a checkpoint save and an evaluation: one rank writing its shard (or all of them, on a slow
+# filesystem) or running a long evaluation makes the others wait in the save's barrier for that long;
+# the start's 30 minutes again, as every save was allowed before the timeout was shortened.
+COLLECTIVE_TIMEOUT_LONG_S = 1800.0
+COLLECTIVE_TIMEOUT_AFTER = 3  # iterations of this process: the first one includes compiling and warm-up
+STEP_WINDOW = 5  # the median over this many of the last iterations
+
+
+def collective_timeout_s(step_s: float, factor: float = COLLECTIVE_TIMEOUT_FACTOR,
+                         floor_s: float = COLLECTIVE_TIMEOUT_FLOOR_S) -> int:
+    """The collective timeout for a median step of step_s seconds: max(factor x step_s, floor_s), whole
+    seconds rounded up."""
+    return math.ceil(max(factor * step_s, floor_s))
+
+
+def _no_progress(phase: str, iteration: int | None = None) -> None:
+    """The progress report of a run without a heartbeat."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -71,6 +110,9 @@ class LoopConfig:
     precision: str
     seed: int
     num_workers: int = 0
+    collective_timeout_factor: float = COLLECTIVE_TIMEOUT_FACTOR
+    collective_timeout_floor_s: float = COLLECTIVE_TIMEOUT_FLOOR_S
+    collective_timeout_long_s: float = COLLECTIVE_TIMEOUT_LONG_S
 
 
 @dataclass
@@ -94,7 +136,7 @@ class Trainer:
                  recipe_dict: dict, stop: Callable[[], str | None] = lambda: None,
                  on_step_time: Callable[[float], None] = lambda s: None,
                  on_save_time: Callable[[float], None] = lambda s: None, exit_interval: int | None = None,
-                 rng_streams=None):
+                 rng_streams=None, progress: Callable[..., None] = _no_progress):
         self.config, self.ctx = config, ctx
         self.model, self.optimizer = model, optimizer
         self.schedule, self.loss_scaler, self.step = schedule, loss_scaler, step
@@ -104,9 +146,15 @@ class Trainer:
         self.stop, self.on_step_time, self.on_save_time = stop, on_step_time, on_save_time
         self.exit_interval = exit_interval
         self.rng_streams = rng_streams  # the TP stream (hpcmeg/parallel/random.py), None at TP 1
+        self.progress = progress  # progress(phase, iteration=None): the heartbeat (module docstring)
+        step.on_phase = progress  # the step reports "optimizer" itself (TrainStep._apply)
         self.state = TrainState()
         self._pending = None  # async checkpoint handle
         self._last_saved = None
+        self._step_times: tuple[float, ...] = ()  # the last STEP_WINDOW iterations' wall times
+        self._steps_timed = 0  # iterations this process completed
+        self._collective_timeout: int | None = None  # seconds, once shortened
+        self._long_depth = 0  # nesting of _long_collectives
 
     # --------------------------------------------------------------------------------- loop
 
@@ -119,8 +167,10 @@ class Trainer:
     def _run(self) -> Outcome:
         config, state = self.config, self.state
         n_iters = config.train_iters
+        self.progress("init", state.iteration)  # where the run starts from (a resume is loaded by now)
         if state.iteration >= n_iters:
             self.metrics.print(f"already at iteration {state.iteration} of {n_iters}: nothing to train")
+            self.progress("done", state.iteration)
             return Outcome("finished", state.iteration)
         batches = TrainBatches(self.train_dataset, state.consumed_train_samples, config.micro_batch_size,
                                config.grad_accum_steps, self.ctx.dp_rank, self.ctx.dp_size, self.ctx.device,
@@ -147,22 +197,27 @@ class Trainer:
         if self._last_saved != state.iteration:
             self.save()
         self.wait_for_save()
+        self.progress("done", state.iteration)
         return Outcome("finished", state.iteration)
 
     def _launch_iteration(self, batches: TrainBatches, loop: LoopState) -> tuple:
         """Queue one iteration without a host sync: LR, the step, the next batches' prefetch, the
         counters, and behind the step this rank's agreement code (with its stop reason, if any).
         Returns (step handle, lr, whether this iteration is at the exit interval)."""
-        state, gbs = self.state, self.config.global_batch_size
+        state, gbs, progress = self.state, self.config.global_batch_size, self.progress
+        it = state.iteration + 1
         lr = self.schedule.apply(self.optimizer)
+        progress("data", it)
         try:
             micro = next(batches)
         except StopIteration:
             raise RuntimeError(f"the training dataset ran out at iteration {state.iteration} "
                                f"({state.consumed_train_samples} samples consumed)") from None
+        progress("forward-backward", it)
         handle = self.step.launch(micro)
+        progress("data", it)  # a stuck read here holds iteration `it`'s agreement back: reported at `it`
         batches.prefetch()  # the next step's loads/copies overlap this step's GPU work
-        state.iteration += 1
+        state.iteration = it
         state.consumed_train_samples += gbs
         if not handle.skipped:  # known at launch: fp16 decides its skip inside launch()
             self.schedule.step(gbs)
@@ -171,6 +226,7 @@ class Trainer:
         if reason is None and at_exit_interval:
             reason = f"exit interval {self.exit_interval}"
         loop.last_reason = reason or loop.last_reason
+        progress("sync", it)
         self._queue_check(handle, reason)
         return handle, lr, at_exit_interval
 
@@ -180,6 +236,7 @@ class Trainer:
         lag). `current` is settled too when check_now (a log, eval, save or exit interval comes next)
         or a rank asked to stop. Raises TrainingDiverged; True when every rank stops after `current`."""
         prev, loop.pending = loop.pending, current
+        self.progress("sync", current[1])
         stopping = False
         if prev is not None:
             code = self._settle(prev, loop.win)
@@ -201,7 +258,7 @@ class Trainer:
         due; eval and save time stay out of the step timing."""
         state = self.state
         now = time.perf_counter()
-        self.on_step_time(now - loop.t_iter)
+        self._timed(now - loop.t_iter)
         if do_log:
             self._log(loop.win, now)
             loop.win = LogWindow()
@@ -222,6 +279,40 @@ class Trainer:
             loop.win.t0 = now
         loop.t_iter = now
         return None
+
+    def _timed(self, seconds: float) -> None:
+        """One completed iteration's wall time: to the caller, and after COLLECTIVE_TIMEOUT_AFTER of
+        them the collective timeout from their median (module docstring)."""
+        self.on_step_time(seconds)
+        self._step_times = (*self._step_times[1 - STEP_WINDOW:], seconds)
+        self._steps_timed += 1
+        if self._steps_timed == COLLECTIVE_TIMEOUT_AFTER and self.ctx.distributed:
+            median = statistics.median(self._step_times)
+            cfg = self.config
+            self._collective_timeout = collective_timeout_s(median, cfg.collective_timeout_factor,
+                                                            cfg.collective_timeout_floor_s)
+            if self._long_depth == 0:
+                self.ctx.set_timeout(self._collective_timeout)
+            self.metrics.write({"kind": "event", "what": "collective_timeout", "iteration": self.state.iteration,
+                                "seconds": self._collective_timeout, "median_step_s": round(median, 6)})
+
+    @contextlib.contextmanager
+    def _long_collectives(self):
+        """The long collective timeout inside (saving, evaluating), the short one again after; nothing
+        before the timeout was shortened. Nests (save() waits for the previous save)."""
+        short = self._collective_timeout
+        if short is None:
+            yield
+            return
+        if self._long_depth == 0:
+            self.ctx.set_timeout(max(self.config.collective_timeout_long_s, short))
+        self._long_depth += 1
+        try:
+            yield
+        finally:
+            self._long_depth -= 1
+            if self._long_depth == 0:
+                self.ctx.set_timeout(short)
 
     def _queue_check(self, handle, reason: str | None) -> None:
         """Queue, behind the step just launched, this iteration's agreement code: 2 when this rank's
@@ -280,9 +371,14 @@ class Trainer:
 
     # --------------------------------------------------------------------------------- eval
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean per-token loss over the fixed evaluation set, averaged over data-parallel ranks."""
+        self.progress("eval", self.state.iteration)
+        with self._long_collectives():
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
         t0 = time.perf_counter()
         self.model.eval()
         dev = self.ctx.device
@@ -323,6 +419,11 @@ class Trainer:
                         "consumed_valid_samples": state.consumed_valid_samples})
 
     def save(self) -> None:
+        self.progress("checkpoint", self.state.iteration)
+        with self._long_collectives():
+            self._save()
+
+    def _save(self) -> None:
         self.wait_for_save()
         t0 = time.perf_counter()
         ctx, it, config = self.ctx, self.state.iteration, self.config
@@ -341,7 +442,9 @@ class Trainer:
 
     def wait_for_save(self) -> None:
         if self._pending is not None:
-            self._pending.wait()
+            self.progress("checkpoint")
+            with self._long_collectives():
+                self._pending.wait()
             self._pending = None
 
     def load_weights(self, state: dict) -> None:
