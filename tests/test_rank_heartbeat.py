@@ -3,9 +3,10 @@ the stack dump on SIGUSR1 and the short collective timeout (ParallelContext.set_
 
 Real parts only: the heartbeat's writer thread in this process and its files on disk; a 2-rank gloo
 `hpcmeg train` (processes forked from tests/preloaded.py's server, as the other multi-rank tests) with
-HPCMEG_HEARTBEAT_DIR set, polled while it runs; a SIGUSR1 sent to a running rank; two gloo processes
-where one stays away from a collective. (tests/test_heartbeat.py is the test suite's own heartbeat
-plugin, a different thing.)
+HPCMEG_HEARTBEAT_DIR set, polled while it runs; a SIGUSR1 sent to a running rank; a 2-rank `train`
+whose collectives note the process group's timeout as they start; two gloo processes where one stays
+away from a collective. (tests/test_heartbeat.py is the test suite's own heartbeat plugin, a different
+thing.)
 """
 from __future__ import annotations
 
@@ -179,6 +180,80 @@ def test_sigusr1_dumps_every_threads_stack_and_the_run_goes_on(watched_run):
 
 
 # ----------------------------------------------------------------------------- the collective timeout
+
+def _probed_rank(rank: int, port: int, out: str, prefix: str, results) -> None:
+    """One rank of a 2-rank `train` (8 iterations, eval and save at 4 and 8) whose collectives note the
+    default group's timeout as they start: the step's agreement all-reduce, the save's barrier, the
+    evaluation's loss (each wrapped on this run's own objects; what they do is unchanged)."""
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    from hpcmeg.recipe import load_recipe
+    from hpcmeg.train.entry import train
+
+    seen = []
+    try:
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(env)
+        recipe = load_recipe(TINY_RECIPE, [f"run.output_root={out}", "run.name=probed", f"data.data_path=[{prefix}]",
+                                           *TRAIN_BASE])
+
+        def timeout_s() -> float:
+            return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+        def noting(what, fn):
+            def wrapped(*a, **kw):
+                seen.append((what, trainer_state[0].state.iteration, timeout_s()))
+                return fn(*a, **kw)
+            return wrapped
+
+        trainer_state = []
+
+        def on_built(trainer):
+            trainer_state.append(trainer)
+            ctx = trainer.ctx
+            ctx.all_reduce_max_ = noting("step", ctx.all_reduce_max_)
+            ctx.barrier = noting("save", ctx.barrier)
+            trainer.step.eval_loss = noting("eval", trainer.step.eval_loss)
+
+        code = train(recipe, environ=env, on_built=on_built)
+        results.put((rank, code, seen))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((rank, traceback.format_exc(), seen))
+    results.close()
+    results.join_thread()
+
+
+def test_the_trainer_shortens_the_collective_timeout_after_three_steps_and_lengthens_it_to_save_and_evaluate(tmp_path):
+    from preloaded import context
+
+    prefix = stdlib_dataset(tmp_path / "data")
+    mp = context()
+    results = mp.Queue()
+    port = free_port()
+    procs = [mp.Process(target=_probed_rank, args=(r, port, str(tmp_path), prefix, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, (code, seen)) for r, code, seen in (results.get(timeout=300) for _ in range(2)))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        code, seen = got[rank]
+        assert code == 0, code
+        # (what, trainer.state.iteration when it started, timeout in seconds): the counter has moved to
+        # N when iteration N's agreement all-reduce starts, and is N at the save and eval after it
+        steps = {it: t for what, it, t in seen if what == "step"}
+        assert steps == {1: 1800, 2: 1800, 3: 1800, 4: 300, 5: 300, 6: 300, 7: 300, 8: 300}, seen
+        assert {t for what, _, t in seen if what in ("save", "eval")} == {1800}, seen
+        assert sorted({it for what, it, _ in seen if what in ("save", "eval")}) == [4, 8], seen
+
 
 def _stay_away_rank(rank: int, port: int, results) -> None:
     """A gloo rank of a 2-process world. Both meet in one all-reduce and shorten the timeout to 2 s
