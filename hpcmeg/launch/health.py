@@ -52,8 +52,9 @@ class HangPolicy:
     @property
     def stale_s(self) -> float:
         """A heartbeat older than this: the rank's process is stopped or dead (its writer thread
-        beats every beat_s whatever the main thread does; 3 beats of slack for a slow filesystem)."""
-        return max(4 * self.beat_s, 15.0)
+        beats every beat_s whatever the main thread does; 3 beats of slack for a slow filesystem).
+        Shorter than any hang allowance worth having, so a silent rank is named as such."""
+        return 4 * self.beat_s
 
     @classmethod
     def of(cls, d: Optional[dict]) -> "HangPolicy":

@@ -217,12 +217,12 @@ def run_train(task: dict) -> dict:
     proc = _start_step(run, "train", [], env)
     hang = watch_step(proc, str(beat_dir), int(task.get("world_size") or 1), policy)
     if hang is not None:
-        _answer_hang(run, task, hang, proc, guard, restart, ends)
+        _answer_hang(run, task, hang, proc, guard, restart)
     rc = effective_train_rc(proc.returncode, run.root, attempt_start)
     if rc not in REQUEUE_EXIT_CODES and rc != 0 and ends.signal is None:
         dead = died(_read_from(batch_log, log_at), read_beats(beat_dir))
         if dead:
-            _answer_death(run, task, dead, rc, guard, restart, ends)
+            _answer_death(run, task, dead, rc, guard, restart)
     end_it = latest_iteration(ckpt)
     print(f"[hpcmeg supervisor] train step exit code {rc}; checkpointed iteration {start_it} -> {end_it}", flush=True)
     if ends.signal is not None:
@@ -251,27 +251,27 @@ def run_train(task: dict) -> dict:
     raise StageFailed(f"train failed: {out.reason}")
 
 
-def _answer_hang(run: RunDir, task: dict, hang, proc: subprocess.Popen, guard, restart: int, ends) -> None:
+def _answer_hang(run: RunDir, task: dict, hang, proc: subprocess.Popen, guard, restart: int) -> None:
     """A hung step (hpcmeg/launch/hang.py): stacks dumped into the rank logs, the step cancelled, then
     routed around (_route_around). Never returns."""
     print(f"[hpcmeg supervisor] {hang.line}", flush=True)
     record_event(run.root, "hang", hang.line, iteration=hang.iteration, nodes=hang.nodes,
                  ranks=[c.rank for c in hang.culprits], job=os.environ["SLURM_JOB_ID"], restart=restart)
     dump_and_cancel(os.environ["SLURM_JOB_ID"], proc)
-    _route_around(run, task, hang.line, hang.nodes, proc.returncode, guard, restart, ends)
+    _route_around(run, task, hang.line, hang.nodes, proc.returncode, guard, restart)
 
 
-def _answer_death(run: RunDir, task: dict, culprits, rc: int, guard, restart: int, ends) -> None:
+def _answer_death(run: RunDir, task: dict, culprits, rc: int, guard, restart: int) -> None:
     """A step that failed because rank(s) died of a signal (health.died): named, then routed around."""
     nodes = sorted({c.node for c in culprits})
     line = "; ".join(f"rank {c.rank} on {c.node} {c.why}" for c in culprits[:8])
     print(f"[hpcmeg supervisor] {line}", flush=True)
     record_event(run.root, "dead", line, iteration=culprits[0].iteration, nodes=nodes,
                  ranks=[c.rank for c in culprits], job=os.environ["SLURM_JOB_ID"], restart=restart)
-    _route_around(run, task, line, nodes, rc, guard, restart, ends)
+    _route_around(run, task, line, nodes, rc, guard, restart)
 
 
-def _route_around(run: RunDir, task: dict, line: str, suspects: list[str], rc, guard, restart: int, ends) -> None:
+def _route_around(run: RunDir, task: dict, line: str, suspects: list[str], rc, guard, restart: int) -> None:
     """Requeue the job without the suspect node(s) when the restart cap and the partition allow
     (hpcmeg/launch/hang.py), else fail with `line`. Never returns: SystemExit (requeued) or StageFailed."""
     job = os.environ["SLURM_JOB_ID"]
@@ -292,7 +292,9 @@ def _route_around(run: RunDir, task: dict, line: str, suspects: list[str], rc, g
         raise StageFailed(f"train failed: {reason}")
     record_event(run.root, "excluded" if moved else "note", note, excluded=nodes, job=job)
     write_marker(run, "train", "requeued", iteration=end_it, reason=f"{line}; {note}; requeue: {d.reason}")
-    ends.on_first = None  # the requeue's SIGTERM must not turn the marker into 'interrupted'
+    # the requeue's SIGTERM reaches this shell and its children: ignored (inherited by the scontrol
+    # that follows), so the marker stays 'requeued' and the exclusion is set before KillWait ends
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         requeue_excluding(job, nodes)
     except RuntimeError as e:
