@@ -254,6 +254,8 @@ class ClusterConfig:
     checkpoint load, compilation), in seconds."""
     hang_checkpoint_s: float = ranged(1800.0, gt=0)
     """The wait that counts as a hang while a rank saves a checkpoint or evaluates, in seconds."""
+    # The ranks' collective timeout, after their third step, is twice these allowances (training steps;
+    # checkpoint and evaluation), so the supervisor acts first; under torchrun it is the only limit.
     heartbeat_s: float = ranged(5.0, gt=0)
     """How often each rank's heartbeat file (``<run_dir>/health/``) is rewritten, in seconds."""
     setup: list[str] = field(default_factory=list)

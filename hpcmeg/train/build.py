@@ -231,13 +231,16 @@ def resume(trainer, recipe: Recipe, derived: Derived, ctx) -> str:
 def loop_config(recipe: Recipe, derived: Derived):
     from hpcmeg.train.trainer import LoopConfig
 
-    train, ckpt = recipe.train, recipe.checkpoint
+    train, ckpt, c = recipe.train, recipe.checkpoint, recipe.cluster
+    # the ranks' own collective timeout is twice the supervisor's hang allowance (cluster.hang_*): on
+    # Slurm the supervisor finds and names the culprit first; under torchrun it is the only limit
     return LoopConfig(train_iters=derived.train_iters, global_batch_size=train.global_batch_size,
                       micro_batch_size=train.micro_batch_size, grad_accum_steps=derived.grad_accum_steps,
                       log_interval=train.log_interval, eval_interval=train.eval_interval, eval_iters=train.eval_iters,
                       save_interval=ckpt.save_interval, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
                       checkpoint_dir=derived.checkpoint_dir, precision=train.precision, seed=train.seed,
-                      num_workers=recipe.data.num_workers)
+                      num_workers=recipe.data.num_workers, collective_timeout_factor=2 * c.hang_after_steps,
+                      collective_timeout_floor_s=2 * c.hang_min_s, collective_timeout_long_s=2 * c.hang_checkpoint_s)
 
 
 def _write_recipe_copies(recipe: Recipe, run_dir: str) -> None:
