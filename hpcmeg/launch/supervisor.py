@@ -211,6 +211,10 @@ def run_train(task: dict) -> dict:
     tag, _ = _tag()
     beat_dir = run.root / "health" / f"{tag}.r{restart}"  # this attempt's heartbeats (hpcmeg/heartbeat.py)
     env.update({ENV_DIR: str(beat_dir), ENV_INTERVAL: str(policy.beat_s)})
+    # NCCL's Flight Recorder (GPU ranks): each rank's last collectives, dumped beside the heartbeats
+    # when a collective times out (unless the recipe's cluster.env says otherwise)
+    env.update({k: v for k, v in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{beat_dir}/nccl_trace_rank_")) if k not in os.environ})
     attempt_start = time.time()
     batch_log = run.logs("train") / f"train.{tag}.batch.log"  # where srun's own lines go (this process's output)
     log_at = batch_log.stat().st_size if batch_log.exists() else 0
