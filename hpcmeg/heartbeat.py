@@ -15,7 +15,11 @@ Contract
                        iteration the run starts from),
       first_iteration  the iteration this process started from (what init reported),
       phase            one of PHASES,
-      since            epoch seconds when this phase (at this iteration) was entered,
+      waiting          true while this rank waits for the other ranks in a barrier or collective
+                       outside the training step (the start-up's rendezvous and agreement, a save's
+                       barriers, the evaluation's all-reduce): a rank still working in the same phase
+                       is the one they wait for (a record without it reads as false),
+      since            epoch seconds when this phase (at this iteration, waiting or not) was entered,
       beat             epoch seconds when this record was written,
       step_s           this rank's median wall time of its last STEP_WINDOW completed iterations, or null,
       crc              CRC-32 of the record's JSON without this field (read_beats checks and drops it).
@@ -25,9 +29,10 @@ Contract
 - PHASES in order: "init" comes before the first iteration; inside an iteration "data" (its
   batches), "forward-backward", "optimizer", "sync" (waiting for the device and the ranks'
   agreement) follow each other; "eval" and "checkpoint" come after an iteration; "done" at the end.
-  A rank whose (iteration, phase) is behind the others' is the one they wait for.
+  A rank whose (iteration, phase, waiting) is behind the others' (working where they wait) is the
+  one they wait for.
 - `Heartbeat(directory, rank, interval_s, node)`: start() creates the directory, writes the first
-  record (phase init) and starts the daemon writer thread; at(phase, iteration=None) and
+  record (phase init) and starts the daemon writer thread; at(phase, iteration=None, waiting=False) and
   iteration_done(seconds) are the main thread's reports (a few attribute stores, no I/O, no lock);
   close() writes phase done and stops the thread. `read_beats(directory)` -> every rank's record
   that parses, sorted by rank.
@@ -112,8 +117,8 @@ class Heartbeat:
         self.directory, self.rank, self.interval_s = os.fspath(directory), int(rank), float(interval_s)
         self.node = (node or socket.gethostname())[:_NODE_CHARS]
         self.path = beat_path(self.directory, self.rank)
-        # (phase, iteration, since, first_iteration): replaced whole by at(), read whole by the thread
-        self._where = ("init", 0, time.time(), 0)
+        # (phase, iteration, since, first_iteration, waiting): replaced whole by at(), read whole by the thread
+        self._where = ("init", 0, time.time(), 0, False)
         self._steps: tuple[float, ...] = ()  # the last STEP_WINDOW iteration times, replaced whole
         self._fd: int | None = None
         self._pid = os.getpid()
@@ -145,18 +150,19 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def at(self, phase: str, iteration: int | None = None) -> None:
-        """This rank entered `phase` at `iteration` (None: the current one). `since` moves only when
-        the phase or the iteration changes. In init the iteration given is where the run starts
-        from: first_iteration follows it, and `since` stays the start of init."""
-        where = self._where
+    def at(self, phase: str, iteration: int | None = None, waiting: bool = False) -> None:
+        """This rank entered `phase` at `iteration` (None: the current one), waiting for the other
+        ranks or working. `since` moves only when the phase, the iteration or `waiting` changes. In
+        init the iteration given is where the run starts from: first_iteration follows it, and a new
+        iteration alone keeps `since`."""
+        where, waiting = self._where, bool(waiting)
         it = where[1] if iteration is None else iteration
-        if phase == where[0] and it == where[1]:
+        if phase == where[0] and it == where[1] and waiting == where[4]:
             return
         if phase not in PHASES:
             raise ValueError(f"heartbeat phase {phase!r}; use one of {', '.join(PHASES)}")
-        since = where[2] if phase == where[0] == "init" else time.time()
-        self._where = (phase, it, since, it if phase == "init" else where[3])
+        since = where[2] if phase == where[0] == "init" and waiting == where[4] else time.time()
+        self._where = (phase, it, since, it if phase == "init" else where[3], waiting)
 
     def iteration_done(self, seconds: float) -> None:
         """One completed iteration's wall time (for step_s)."""
@@ -184,10 +190,11 @@ class Heartbeat:
 
     def record(self) -> dict:
         """The record as the next beat will write it."""
-        phase, iteration, since, first = self._where
+        phase, iteration, since, first, waiting = self._where
         steps = self._steps
         return {"rank": self.rank, "node": self.node, "pid": self._pid, "iteration": iteration,
-                "first_iteration": first, "phase": phase, "since": round(since, 3), "beat": round(time.time(), 3),
+                "first_iteration": first, "phase": phase, "waiting": waiting, "since": round(since, 3),
+                "beat": round(time.time(), 3),
                 "step_s": round(statistics.median(steps), 6) if steps else None}
 
     def _write(self) -> None:
@@ -206,8 +213,9 @@ class Heartbeat:
 
 
 def read_beats(directory: str | os.PathLike) -> list[dict]:
-    """Every rank's record in `directory` that parses, sorted by rank. A record caught half written
-    (in-place writes: see the module docstring) is skipped for this read; no directory: []."""
+    """Every rank's record in `directory` that parses (`waiting` always present), sorted by rank. A
+    record caught half written (in-place writes: see the module docstring) is skipped for this read;
+    no directory: []."""
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -226,5 +234,6 @@ def read_beats(directory: str | os.PathLike) -> list[dict]:
         crc = rec.pop("crc", None)
         # json keeps the key order and Python's floats round-trip, so the writer's bytes come back
         if crc == zlib.crc32(_json(rec)) and isinstance(rec.get("rank"), int) and rec.get("phase") in PHASES:
+            rec["waiting"] = rec.get("waiting") is True  # a record of a writer without the field: false
             out.append(rec)
     return sorted(out, key=lambda r: r["rank"])

@@ -39,6 +39,32 @@ def test_the_rank_behind_is_named_with_its_node_phase_and_iteration():
     assert "rank 1 on node7 in data at iteration 8" in h.line and "the others wait in forward-backward" in h.line
 
 
+def test_in_one_phase_the_rank_still_working_is_named_not_the_ones_waiting_for_it():
+    # a save: rank 0 waits in the barrier after its shard write, rank 1 never got there
+    ck = [beat(0, "checkpoint", 15, T - 1000, step_s=0.2), beat(1, "checkpoint", 15, T - 1001, step_s=0.2)]
+    ck[0]["waiting"] = True
+    h = diagnose(ck, 2, T, T - 5000, P)
+    assert [c.rank for c in h.culprits] == [1] and (h.phase, h.iteration, h.allowance_s) == ("checkpoint", 15, 900)
+    assert "rank 1 on node1 in checkpoint at iteration 15 for 1001 s; the others wait in checkpoint at iteration 15" \
+        in h.line, h.line
+    # without `waiting` (a writer of an older hpcmeg) nobody is behind: the shared stall is said as such
+    assert not diagnose([dict(b, waiting=False) for b in ck], 2, T, T - 5000, P).culprits
+    # start-up: rank 0 waits in the process group's rendezvous for rank 1, stuck before it
+    init = [beat(0, "init", 0, T - 650, step_s=None), beat(1, "init", 0, T - 700, step_s=None)]
+    init[0]["waiting"] = True
+    h = diagnose(init, 2, T, T - 700, P)
+    assert [c.rank for c in h.culprits] == [1] and h.allowance_s == 600 and h.phase == "init"
+    assert h.line.startswith("hang at start-up: no rank advanced for 650 s (allowed 600 s); rank 1 on node1 in "
+                             "start-up for 700 s; the others wait in start-up"), h.line
+    # every rank waiting (a collective none of them leaves): said as where they all wait
+    both = [dict(b, waiting=True) for b in ck]
+    assert "every rank is waiting in checkpoint at iteration 15" in diagnose(both, 2, T, T - 5000, P).line
+    # a stopped rank's line says it was waiting
+    stale = [dict(ck[0], beat=T - 50), ck[1]]
+    assert "rank 0 on node1 waiting in checkpoint at iteration 15: no heartbeat for 50 s" in \
+        diagnose(stale, 2, T, T - 5000, P).line
+
+
 def test_a_stopped_or_dead_rank_is_named_by_its_stale_heartbeat_before_position():
     # rank 1 is AHEAD in position but its heartbeat stopped (SIGSTOP): it is the cause, not rank 0
     beats = [beat(0, "sync", 8, T - 60), beat(1, "forward-backward", 9, T - 61, beat=T - 58)]

@@ -105,7 +105,33 @@ def test_a_torn_record_is_skipped_and_a_missing_directory_is_empty(tmp_path):
     open(tmp_path / "notes.txt", "w").write("not a heartbeat")
     assert [r["rank"] for r in read_beats(tmp_path)] == [1]
     open(beat_path(tmp_path, 0), "wb").write(newer)  # the next beat repairs it
-    assert read_beats(tmp_path)[0] == rec(0, 1796670405.13, 0.5)  # the crc is checked and dropped
+    # the crc is checked and dropped; a record without `waiting` (an older writer's) reads as not waiting
+    assert read_beats(tmp_path)[0] == {**rec(0, 1796670405.13, 0.5), "waiting": False}
+
+
+def test_waiting_for_the_other_ranks_is_recorded_and_moves_since(tmp_path):
+    hb = Heartbeat(tmp_path, 0, interval_s=0.02, node="n").start()
+    try:
+        rec = _record(tmp_path)
+        assert (rec["phase"], rec["waiting"]) == ("init", False)
+        time.sleep(0.05)
+        hb.at("init", waiting=True)  # the process group's rendezvous: a wait, and a change the supervisor sees
+        waiting = _record(tmp_path, lambda r: r["waiting"], "waiting in init")
+        assert waiting["since"] > rec["since"] and waiting["iteration"] == 0
+        hb.at("init", 30, waiting=True)  # in init a new start iteration alone keeps since
+        assert _record(tmp_path, lambda r: r["iteration"] == 30, "init at 30")["since"] == waiting["since"]
+        hb.at("checkpoint", 31)
+        working = _record(tmp_path, lambda r: r["phase"] == "checkpoint", "checkpoint")
+        assert not working["waiting"]
+        time.sleep(0.05)
+        hb.at("checkpoint", waiting=True)  # the save's barrier
+        rec = _record(tmp_path, lambda r: r["waiting"], "waiting in checkpoint")
+        assert (rec["phase"], rec["iteration"]) == ("checkpoint", 31) and rec["since"] > working["since"]
+        hb.at("checkpoint", waiting=True)  # the same: since kept
+        hb.at("checkpoint")  # the barrier passed: working again
+        assert _record(tmp_path, lambda r: not r["waiting"], "working")["since"] > rec["since"]
+    finally:
+        hb.close()
 
 
 def test_from_env_reads_the_supervisors_variables(tmp_path):

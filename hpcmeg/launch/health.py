@@ -13,8 +13,9 @@ Contract
   `started`: when the step was launched, for ranks that never wrote one). The culprits, in order:
     1. ranks without a heartbeat for `stale_s` (stopped or dead: their writer thread stopped too), or
        that never wrote one;
-    2. else the ranks furthest behind (lowest iteration, then earliest phase): the others went on until
-       they waited for them in a collective;
+    2. else the ranks furthest behind (lowest iteration, then earliest phase, then working before
+       waiting: heartbeat `waiting`): the others went on until they waited for them in a collective;
+       so when every rank is in the same phase (a save, start-up), the one still in it is named;
     3. else none: every rank is at the same place (a shared cause: filesystem, network).
   `Hang.line` is the one line the batch log, `hpcmeg status` and `submit --wait` show.
 - `died(srun_text, beats) -> [Culprit]`: after a failed step, the rank(s) srun saw die of a signal
@@ -95,7 +96,13 @@ class Hang:
 
 
 def _where(b: dict) -> str:
-    return "in start-up" if b["phase"] == "init" else f"in {b['phase']} at iteration {b['iteration']}"
+    where = "in start-up" if b["phase"] == "init" else f"in {b['phase']} at iteration {b['iteration']}"
+    return f"waiting {where}" if b.get("waiting") else where
+
+
+def _position(b: dict) -> tuple:
+    """Where a rank is: a rank still working in a phase is behind one waiting in it for the others."""
+    return b.get("iteration") or 0, _ORDER.get(b["phase"], 0), bool(b.get("waiting"))
 
 
 def allowance(beats: list[dict], policy: HangPolicy) -> tuple[float, str]:
@@ -123,7 +130,7 @@ def diagnose(beats: list[dict], world_size: int, now: float, started: float, pol
                  for b in beats if now - b["beat"] > policy.stale_s]
     fresh = [b for b in beats if now - b["beat"] <= policy.stale_s]
     if not culprits and fresh:
-        pos = {b["rank"]: (b.get("iteration") or 0, _ORDER.get(b["phase"], 0)) for b in fresh}
+        pos = {b["rank"]: _position(b) for b in fresh}
         low = min(pos.values())
         if any(p != low for p in pos.values()):
             culprits = [Culprit(b["rank"], b.get("node", ""), b["phase"], b.get("iteration"),
@@ -132,8 +139,8 @@ def diagnose(beats: list[dict], world_size: int, now: float, started: float, pol
     rest = [b for b in fresh if b["rank"] not in named]
     others = ""
     if rest:
-        b = max(rest, key=lambda b: (b.get("iteration") or 0, _ORDER.get(b["phase"], 0)))
-        others = _where(b)
+        b = max(rest, key=_position)
+        others = _where(dict(b, waiting=False) if culprits else b)  # "the others wait in ..." says it
     head = culprits[0] if culprits else (rest[0] if rest else None)
     if head is None:
         phase, it = "init", None

@@ -332,10 +332,11 @@ def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, pla
 
 def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=None, on_step_time=lambda s: None,
                   on_save_time=lambda s: None, on_context=lambda ctx: None,
-                  progress=lambda phase, iteration=None: None):
+                  progress=lambda phase, iteration=None, waiting=False: None, fault=lambda point, iteration=None: None):
     """Everything from the recipe (module docstring); resumes if it can. Returns (trainer, ctx).
     on_context(ctx) runs as soon as the process group exists (the caller's failure report uses it);
-    progress(phase, iteration=None) is the trainer's progress report (a heartbeat, hpcmeg/heartbeat.py)."""
+    progress(phase, iteration=None, waiting=False) is the trainer's progress report (a heartbeat,
+    hpcmeg/heartbeat.py); fault(point, iteration=None) its injected fault (hpcmeg/train/faults.py)."""
     from hpcmeg.parallel.context import init_distributed
     from hpcmeg.train.metrics import MetricsLogger, Throughput
     from hpcmeg.train.rank_model import rank_model, rank_step
@@ -374,7 +375,7 @@ def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_inter
                                                 flops.peak),
                           megatron_args=megatron_args_fn(recipe, derived, dims), recipe_dict=to_dict(recipe), stop=stop,
                           on_step_time=on_step_time, on_save_time=on_save_time, exit_interval=exit_interval,
-                          rng_streams=rng, progress=progress)
+                          rng_streams=rng, progress=progress, fault=fault)
         resumed = resume(trainer, recipe, derived, ctx)
         _announce(trainer, recipe, derived, dims, plan, buffer, flops, resumed)
         return trainer, ctx

@@ -36,7 +36,12 @@ Contract
 - Heartbeat: with HPCMEG_HEARTBEAT_DIR set (the supervisor sets it), each rank writes its progress
   file there (hpcmeg/heartbeat.py) from the start of `train` (phase init) to its end (phase done),
   the trainer reporting its phases and step times; a bad HPCMEG_HEARTBEAT_S or a directory that
-  cannot be created is an error line, exit 1.
+  cannot be created is an error line, exit 1. Start-up's waits for the other ranks are reported as
+  waiting (the process group's rendezvous, the start-up agreement and the collectives after it), so
+  a rank that never gets there is told apart from the ranks waiting for it.
+- HPCMEG_FAULT (tests only, hpcmeg/train/faults.py): parsed at the start of `train` (a malformed
+  value: one line naming it, exit 1); a fault at init blocks this rank right after its heartbeat
+  started, before the process group exists.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ from hpcmeg.heartbeat import Heartbeat
 from hpcmeg.megatron.names import EXIT_BAD_RECIPE, EXIT_ERROR, EXIT_OK, EXIT_REQUEUE
 from hpcmeg.procenv import dist_env, slurm_job_end_time
 from hpcmeg.recipe import Recipe, RecipeError, data_plan, derive, load_recipe, run_paths
+from hpcmeg.train.faults import Faults
 
 STATUS_FILE = "train_status.json"
 WALLTIME_MARGIN_S = 60.0  # plus the measured longest save and step (WallTimeGuard)
@@ -102,8 +108,8 @@ class _TrainJob:
     """One `train` call on this rank: what its failure report and status file read at any point (the
     trainer and context once built, the peers once the process group exists)."""
 
-    def __init__(self, recipe: Recipe, env, sig, guard):
-        self.recipe, self.env, self.sig, self.guard = recipe, env, sig, guard
+    def __init__(self, recipe: Recipe, env, sig, guard, fault: Faults):
+        self.recipe, self.env, self.sig, self.guard, self.fault = recipe, env, sig, guard, fault
         self.tag = f"hpcmeg train [rank {env.rank}]" if env.world_size > 1 else "hpcmeg train"
         self.run_dir = run_paths(recipe).run_dir  # for the status file; build_trainer derives the rest, once
         self.trainer = self.ctx = self.peers = None
@@ -115,9 +121,9 @@ class _TrainJob:
         if self.heartbeat is not None:
             self.heartbeat.start()
 
-    def progress(self, phase: str, iteration: int | None = None) -> None:
+    def progress(self, phase: str, iteration: int | None = None, waiting: bool = False) -> None:
         if self.heartbeat is not None:
-            self.heartbeat.at(phase, iteration)
+            self.heartbeat.at(phase, iteration, waiting)
 
     def step_time(self, seconds: float) -> None:
         self.guard.record_step(seconds)
@@ -135,6 +141,7 @@ class _TrainJob:
         from hpcmeg.train.peers import PeerReport
 
         self.peers = PeerReport.of(context)  # from here on a failure on any rank is seen by every rank
+        self.progress("init")  # every rank joined the process group: building, no longer waiting
 
     def iteration(self):
         return self.trainer.state.iteration if self.trainer else None
@@ -172,13 +179,14 @@ class _TrainJob:
         from hpcmeg.train.build import build_trainer
 
         caught: list = []
+        self.progress("init", waiting=True)  # until on_context: the process group's rendezvous waits for every rank
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", CheckpointWarning)
                 self.trainer, self.ctx = build_trainer(
                     self.recipe, self.env, stop=self.stop, exit_interval=exit_interval,
                     on_step_time=self.step_time, on_save_time=self.guard.record_save,
-                    on_context=self.on_context, progress=self.progress)
+                    on_context=self.on_context, progress=self.progress, fault=self.fault)
         except (CheckpointLoadError, UnsafeCheckpointError, UnreadableCheckpointError):
             caught = [w for w in caught if not issubclass(w.category, CheckpointWarning)]
             raise
@@ -188,11 +196,13 @@ class _TrainJob:
     def run(self, exit_interval: int | None, on_built, environ) -> int:
         """Heartbeat, build, learn whether every rank started, then train; the exit code."""
         self.start_heartbeat(environ)
+        self.fault("init")
         rank0 = self.env.rank == 0
         if rank0:
             _process_count_warning(self.recipe, self.env.world_size, self.tag)
         self.build(exit_interval)
         if self.peers is not None:
+            self.progress("init", waiting=True)  # for the others, then their collectives (the trainer's init ends it)
             self.peers.startup_done()  # every rank learns here whether another one failed to start
         self.guard.end_time = _wall_clock_end(self.recipe, self.ctx)
         if self.ctx.all_reduce_max(self.sig.flag):  # a stop asked before the first step: nothing new to save
@@ -245,10 +255,16 @@ def train(recipe: Recipe, *, environ=None, exit_interval: int | None = None, on_
     from hpcmeg.train.trainer import TrainingDiverged
 
     env = dist_env(environ)
+    try:
+        fault = Faults.from_env(env.rank, environ)
+    except ValueError as e:  # every rank reads the same value: rank 0 says it
+        if env.rank == 0:
+            print(f"hpcmeg train: {e}", file=sys.stderr)
+        return EXIT_ERROR
     sig = signals if signals is not None else ExitSignal().install()  # a SIGTERM in start-up is kept
     if signals is None:
         dump_stacks_on_signal()
-    job = _TrainJob(recipe, env, sig, WallTimeGuard(None, WALLTIME_MARGIN_S))
+    job = _TrainJob(recipe, env, sig, WallTimeGuard(None, WALLTIME_MARGIN_S), fault)
     try:
         return job.run(exit_interval, on_built, environ)
     except PeerFailed as e:

@@ -38,17 +38,19 @@ Contract
   on_phase, at the start of TrainStep._apply), "sync" (the ranks' agreement and the wait for the
   step's numbers), then "eval" / "checkpoint" at the iteration just completed, "done" at the end.
   Each call is a few attribute stores (the heartbeat's thread does the I/O).
-- Collective timeout: the process group starts with 30 minutes (init, loading, compiling). After this
-  process's COLLECTIVE_TIMEOUT_AFTER-th completed iteration it becomes collective_timeout_s(median step
-  time) for every later collective, and max(config.collective_timeout_long_s, that) while saving or
-  evaluating: a rank that stopped makes the others fail in minutes, not half an hour.
+  Waits for the other ranks outside the step are reported with waiting=True (the heartbeat's
+  `waiting`): the save's barriers (hpcmeg/train/waits.py SaveBarrier) and the evaluation's all-reduce.
+  `fault(point, iteration)` (hpcmeg/train/faults.py, a test's injected hang; a no-op otherwise) is
+  called in the data fetch of each iteration and at the save's barrier after the shard write.
+- Collective timeout (hpcmeg/train/waits.py CollectiveTimeout): 30 minutes until this process's third
+  completed iteration, then max(10 x median step, 300 s) (config.collective_timeout_*), and
+  max(config.collective_timeout_long_s, that) while saving or evaluating: a rank that stopped makes
+  the others fail in minutes, not half an hour.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -61,32 +63,16 @@ from hpcmeg.megatron.args import checkpoint_models, make_checkpoint_dict
 from hpcmeg.parallel.pipeline.stages import load_megatron_models, megatron_models
 from hpcmeg.train.data import TrainBatches
 from hpcmeg.train.loop_state import LogWindow, LoopState
+from hpcmeg.train.waits import (COLLECTIVE_TIMEOUT_FACTOR, COLLECTIVE_TIMEOUT_FLOOR_S, COLLECTIVE_TIMEOUT_LONG_S,
+                                CollectiveTimeout, SaveBarrier)
 
 
-# The collective timeout once steps are timed: a collective that waits much longer than a step means a
-# rank is gone or stuck. 10 x the median step: in a healthy iteration a rank waits for the slowest one
-# by a fraction of a step (a GC pause, rank 0's log line, a slow batch). Floor 300 s: a healthy step
-# can stall on a parallel filesystem's read for minutes (a metadata server under load), and a small
-# model's 0.1 s step must not turn that into a failure.
-COLLECTIVE_TIMEOUT_FACTOR = 10.0
-COLLECTIVE_TIMEOUT_FLOOR_S = 300.0
-# Around a checkpoint save and an evaluation: one rank writing its shard (or all of them, on a slow
-# filesystem) or running a long evaluation makes the others wait in the save's barrier for that long;
-# the start's 30 minutes again, as every save was allowed before the timeout was shortened.
-COLLECTIVE_TIMEOUT_LONG_S = 1800.0
-COLLECTIVE_TIMEOUT_AFTER = 3  # iterations of this process: the first one includes compiling and warm-up
-STEP_WINDOW = 5  # the median over this many of the last iterations
-
-
-def collective_timeout_s(step_s: float, factor: float = COLLECTIVE_TIMEOUT_FACTOR,
-                         floor_s: float = COLLECTIVE_TIMEOUT_FLOOR_S) -> int:
-    """The collective timeout for a median step of step_s seconds: max(factor x step_s, floor_s), whole
-    seconds rounded up."""
-    return math.ceil(max(factor * step_s, floor_s))
-
-
-def _no_progress(phase: str, iteration: int | None = None) -> None:
+def _no_progress(phase: str, iteration: int | None = None, waiting: bool = False) -> None:
     """The progress report of a run without a heartbeat."""
+
+
+def _no_fault(point: str, iteration: int | None = None) -> None:
+    """No injected fault (hpcmeg/train/faults.py)."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -136,7 +122,8 @@ class Trainer:
                  recipe_dict: dict, stop: Callable[[], str | None] = lambda: None,
                  on_step_time: Callable[[float], None] = lambda s: None,
                  on_save_time: Callable[[float], None] = lambda s: None, exit_interval: int | None = None,
-                 rng_streams=None, progress: Callable[..., None] = _no_progress):
+                 rng_streams=None, progress: Callable[..., None] = _no_progress,
+                 fault: Callable[..., None] = _no_fault):
         self.config, self.ctx = config, ctx
         self.model, self.optimizer = model, optimizer
         self.schedule, self.loss_scaler, self.step = schedule, loss_scaler, step
@@ -146,15 +133,13 @@ class Trainer:
         self.stop, self.on_step_time, self.on_save_time = stop, on_step_time, on_save_time
         self.exit_interval = exit_interval
         self.rng_streams = rng_streams  # the TP stream (hpcmeg/parallel/random.py), None at TP 1
-        self.progress = progress  # progress(phase, iteration=None): the heartbeat (module docstring)
+        self.progress, self.fault = progress, fault  # the heartbeat, an injected fault (module docstring)
         step.on_phase = progress  # the step reports "optimizer" itself (TrainStep._apply)
         self.state = TrainState()
         self._pending = None  # async checkpoint handle
         self._last_saved = None
-        self._step_times: tuple[float, ...] = ()  # the last STEP_WINDOW iterations' wall times
-        self._steps_timed = 0  # iterations this process completed
-        self._collective_timeout: int | None = None  # seconds, once shortened
-        self._long_depth = 0  # nesting of _long_collectives
+        self.timeout = CollectiveTimeout(ctx, config.collective_timeout_factor, config.collective_timeout_floor_s,
+                                         config.collective_timeout_long_s)
 
     # --------------------------------------------------------------------------------- loop
 
@@ -208,6 +193,7 @@ class Trainer:
         it = state.iteration + 1
         lr = self.schedule.apply(self.optimizer)
         progress("data", it)
+        self.fault("data", it)
         try:
             micro = next(batches)
         except StopIteration:
@@ -281,38 +267,12 @@ class Trainer:
         return None
 
     def _timed(self, seconds: float) -> None:
-        """One completed iteration's wall time: to the caller, and after COLLECTIVE_TIMEOUT_AFTER of
-        them the collective timeout from their median (module docstring)."""
+        """One completed iteration's wall time: to the caller and the collective timeout."""
         self.on_step_time(seconds)
-        self._step_times = (*self._step_times[1 - STEP_WINDOW:], seconds)
-        self._steps_timed += 1
-        if self._steps_timed == COLLECTIVE_TIMEOUT_AFTER and self.ctx.distributed:
-            median = statistics.median(self._step_times)
-            cfg = self.config
-            self._collective_timeout = collective_timeout_s(median, cfg.collective_timeout_factor,
-                                                            cfg.collective_timeout_floor_s)
-            if self._long_depth == 0:
-                self.ctx.set_timeout(self._collective_timeout)
+        shortened = self.timeout.timed(seconds)
+        if shortened is not None:
             self.metrics.write({"kind": "event", "what": "collective_timeout", "iteration": self.state.iteration,
-                                "seconds": self._collective_timeout, "median_step_s": round(median, 6)})
-
-    @contextlib.contextmanager
-    def _long_collectives(self):
-        """The long collective timeout inside (saving, evaluating), the short one again after; nothing
-        before the timeout was shortened. Nests (save() waits for the previous save)."""
-        short = self._collective_timeout
-        if short is None:
-            yield
-            return
-        if self._long_depth == 0:
-            self.ctx.set_timeout(max(self.config.collective_timeout_long_s, short))
-        self._long_depth += 1
-        try:
-            yield
-        finally:
-            self._long_depth -= 1
-            if self._long_depth == 0:
-                self.ctx.set_timeout(short)
+                                "seconds": shortened[0], "median_step_s": round(shortened[1], 6)})
 
     def _queue_check(self, handle, reason: str | None) -> None:
         """Queue, behind the step just launched, this iteration's agreement code: 2 when this rank's
@@ -374,7 +334,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean per-token loss over the fixed evaluation set, averaged over data-parallel ranks."""
         self.progress("eval", self.state.iteration)
-        with self._long_collectives():
+        with self.timeout.long():
             return self._evaluate()
 
     @torch.no_grad()
@@ -388,6 +348,7 @@ class Trainer:
             mask = mask.to(dev, non_blocking=True)
             total += self.step.eval_loss(tokens, labels, mask)  # (masked loss sum, tokens) in fp64
         self.model.train()
+        self.progress("eval", waiting=True)  # the loss's all-reduces: a wait for the slowest rank
         if self.ctx.distributed and self.ctx.pp_size > 1:  # only the last stage computed it
             torch.distributed.all_reduce(total, group=self.ctx.pp_group)
         if self.ctx.distributed and self.ctx.dp_size > 1:
@@ -420,7 +381,7 @@ class Trainer:
 
     def save(self) -> None:
         self.progress("checkpoint", self.state.iteration)
-        with self._long_collectives():
+        with self.timeout.long():
             self._save()
 
     def _save(self) -> None:
@@ -431,7 +392,8 @@ class Trainer:
         self._pending = save_checkpoint(
             config.checkpoint_dir, it, state or {}, tp_rank=ctx.tp_rank,
             pp_rank=ctx.pp_rank, tp_size=ctx.tp_size, pp_size=ctx.pp_size, is_shard_writer=state is not None,
-            barrier=ctx.barrier, is_global_rank0=ctx.is_rank0, keep_last=config.keep_last, async_save=config.async_save)
+            barrier=SaveBarrier(ctx.barrier, self.progress, self.fault, it), is_global_rank0=ctx.is_rank0,
+            keep_last=config.keep_last, async_save=config.async_save)
         self._last_saved = it
         dt = time.perf_counter() - t0
         self.on_save_time(dt)
@@ -443,7 +405,7 @@ class Trainer:
     def wait_for_save(self) -> None:
         if self._pending is not None:
             self.progress("checkpoint")
-            with self._long_collectives():
+            with self.timeout.long():
                 self._pending.wait()
             self._pending = None
 
