@@ -1,21 +1,16 @@
 """The 'local' executor (no Slurm): the same chain, run directory, markers and status as on Slurm.
 
 preprocess (2 shards -> merge) -> train with 2 local rank processes (RANK/WORLD_SIZE env, gloo) ->
-convert; the converted model loads in transformers. `hpcmeg cancel` stops a running local chain:
-the ranks save and the run can be resumed.
+convert; the converted model loads in transformers. That `hpcmeg cancel` stops a running local chain
+(the ranks save, the run can be resumed) is tests/test_user_trips.py's local chain test.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import time
 
 import pytest
 
-from conftest import REPO, hpcmeg_cmd
-from hpcmeg.launch.rundir import read_markers
-from hpcmeg.megatron.names import latest_iteration
+from conftest import REPO
 from cli_helpers import TINY, corpus_shards, hpcmeg, longest_silence, sets, status, timed
 
 
@@ -55,27 +50,3 @@ def test_local_chain_end_to_end(tmp_path):
     dry = hpcmeg("submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile", "local", *sets(over),
                  "--dry-run", cwd=tmp_path)
     assert "preprocess] skipped" in dry.stdout and "[train] 2 process(es)" in dry.stdout
-
-
-def test_local_cancel_saves_and_resume_continues(tmp_path, tiny_dataset):
-    over = TINY + ["run.output_root=" + str(tmp_path), f"data.data_path=[{tiny_dataset}]", "train.train_iters=400",
-                   "checkpoint.save_interval=0", "convert.enabled=false"]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([*hpcmeg_cmd(), "submit", str(REPO / "recipes" / "codeparrot_tiny.yaml"), "--profile",
-                             "local", *sets(over)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    run = tmp_path / "codeparrot-tiny"
-    log = run / "logs" / "train" / "train.local.r0.0.log"
-    end = time.time() + 180
-    while not (log.exists() and "iteration" in log.read_text()):  # training is under way
-        assert proc.poll() is None and time.time() < end, proc.communicate()
-        time.sleep(0.5)
-    assert "sent SIGTERM" in hpcmeg("cancel", str(run)).stdout
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
-    it = latest_iteration(run / "checkpoints")
-    assert it is not None and 0 < it < 400  # saved on the signal although save_interval is 0
-    assert read_markers(run)["train"]["interrupted"]["iteration"] == it
-    st = status(run)
-    assert st["stages"]["train"]["state"] == "CANCELLED" and st["cancelled"]
-    assert json.loads((run / "train_status.json").read_text())["status"] == "preempted"

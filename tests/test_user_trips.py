@@ -1,6 +1,8 @@
 """Small things a new user trips on, each run for real: the CLI, the local chain, the local Slurm cluster.
 
 - `hpcmeg status` before the first checkpoint says so ('checkpoint none yet (0/40)'), not 'None/40'.
+- `hpcmeg cancel` stops a running local chain: the ranks save (save_interval 0 notwithstanding), the
+  markers, status and train_status.json say it was cancelled, and the same command resumes it.
 - A chain started again after a cancel (a resume by hand) shows only its own attempt's lines: the
   local chain appends to the same rank-0 log, the Slurm watcher sees the earlier job's logs beside
   the new job's; neither may echo the earlier attempt's lines as if they were new.
@@ -20,8 +22,9 @@ import time
 import pytest
 
 from conftest import REPO, hpcmeg_cmd
-from cli_helpers import TINY, hpcmeg, sets, wait_states
+from cli_helpers import TINY, hpcmeg, sets, status, wait_states
 from helpers import train_cli
+from hpcmeg.launch.rundir import read_markers
 from hpcmeg.megatron.names import latest_iteration
 from hpcmeg.train.metrics import read_metrics
 
@@ -74,12 +77,17 @@ def test_local_chain_status_then_cancel_and_resume(tmp_path, tiny_dataset):
     # no checkpoint yet (save_interval 0): status says so in words
     st = hpcmeg("status", str(run)).stdout
     assert f"checkpoint none yet (0/{ITERS})" in st and "None" not in st, st
-    hpcmeg("cancel", str(run))
+    assert "sent SIGTERM" in hpcmeg("cancel", str(run)).stdout
     first, err = proc.communicate(timeout=180)
     assert proc.returncode == 143, first[-2000:] + err[-2000:]
     assert "fresh start" in first
+    # the ranks saved on the signal although save_interval is 0, and the run says it was cancelled
     it = latest_iteration(run / "checkpoints")
     assert it is not None and LOG_EVERY <= it < ITERS
+    assert read_markers(run)["train"]["interrupted"]["iteration"] == it
+    st = status(run)
+    assert st["stages"]["train"]["state"] == "CANCELLED" and st["cancelled"]
+    assert json.loads((run / "train_status.json").read_text())["status"] == "preempted"
     # the same command again: the chain resumes and shows only the new attempt
     again = hpcmeg("submit", RECIPE, "--profile", "local", *sets(over), cwd=tmp_path, timeout=600)
     _check_resumed_output(again.stdout, it)
