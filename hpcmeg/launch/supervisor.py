@@ -9,14 +9,12 @@ ever reads it, so host/container Python versions never meet). It runs in the bat
      cluster.version_check is false): otherwise one line, a ``failed`` marker, and no step is run;
   1. writes ``markers/<stage>[.<task>].started`` (with this interpreter and hpcmeg version, which
      ``hpcmeg smoke`` reports) and a banner in the batch log (job id, restart);
-  2. runs ``scripts/<stage>_step.sh ARGS`` (one ``srun`` step; the ranks run in the container). A train
-     step is watched through its ranks' heartbeats (``health/<job>.r<restart>/``, hpcmeg/heartbeat.py):
-     a hang (hpcmeg/launch/health.py: no rank advanced for the recipe's cluster.hang_* allowance) is
-     one line naming the rank(s) behind, their node, phase and iteration, in the batch log and in
-     ``health.json``; the ranks' stacks go into their logs, the step is cancelled and the job requeued
-     without the culprits' node (hpcmeg/launch/hang.py; counted against max_requeues) or failed.
-     A step that failed because a rank died of a signal (srun's 'task N: Killed' line in this batch
-     log: kill -9, the OOM killer) is named and routed around the same way;
+  2. runs ``scripts/<stage>_step.sh ARGS`` (one ``srun`` step; the ranks run in the container), a train
+     step watched through its ranks' heartbeats (``health/<job>.r<restart>/``): a hang (hpcmeg/launch/
+     health.py) is one line naming the rank(s) behind with node, phase and iteration (batch log,
+     ``health.json``); stacks dumped, step cancelled, job requeued without the culprits' node
+     (hpcmeg/launch/hang.py; counts against max_requeues) or failed. A rank that died of a signal
+     (srun's 'task N: Killed' line in this batch log) is named and routed around the same way;
   3. decides. Train: finished -> ``done``; the trainer saved for a requeue (exit code
      ``REQUEUE_EXIT_CODES`` or exit 0 before ``train_iters``) and restarts < ``max_requeues`` and the
      checkpointed iteration advanced during this attempt -> ``scontrol requeue $SLURM_JOB_ID`` (same
@@ -52,7 +50,6 @@ from hpcmeg.launch.rundir import (RunDir, input_manifest, read_json, write_manif
 from hpcmeg.megatron.names import REQUEUE_EXIT_CODES, committed_iterations, latest_iteration
 from hpcmeg.procenv import slurm_job_end_time
 from hpcmeg.launch.scripts import parse_iteration_list
-
 
 
 @dataclass(frozen=True)
@@ -128,9 +125,7 @@ class _SlurmEnds:
         self.on_first = on_first
 
     def __call__(self, signum, frame) -> None:  # noqa: ARG002
-        first = self.signal is None
-        if first:
-            self.signal = signum
+        first, self.signal = self.signal is None, self.signal or signum
         if first and self.on_first is not None:
             self.on_first()  # a Python-level handler: runs in the main thread between bytecodes
         print(f"[hpcmeg supervisor] got {signal.Signals(signum).name}: Slurm is ending this job; waiting for the "
@@ -190,6 +185,20 @@ def _requeue_guard(run: RunDir, max_requeues: int):
     return RequeueGuard(str(run.markers / "train.requeue-state.json"), max_restarts=max_requeues, max_no_progress=1)
 
 
+def _train_env(beat_dir: Path, policy) -> dict:
+    """What the train step's ranks get besides the job's environment."""
+    env = {ENV_DIR: str(beat_dir), ENV_INTERVAL: str(policy.beat_s)}
+    # the trainer's wall-time guard reads the end time from the environment (containers have no scontrol)
+    end_time = None if os.environ.get("SLURM_JOB_END_TIME") else slurm_job_end_time(timeout_s=30)
+    if end_time:
+        env["SLURM_JOB_END_TIME"] = str(int(end_time))
+    # NCCL's Flight Recorder (GPU ranks): each rank's last collectives, dumped beside the heartbeats
+    # when a collective times out (unless the recipe's cluster.env says otherwise)
+    env.update({k: v for k, v in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{beat_dir}/nccl_trace_rank_")) if k not in os.environ})
+    return env
+
+
 def run_train(task: dict) -> dict:
     run = RunDir(Path(task["run_dir"]))
     ckpt = task["checkpoint_dir"]
@@ -202,19 +211,10 @@ def run_train(task: dict) -> dict:
         run, "train", "interrupted", exit_code=None, iteration=latest_iteration(ckpt),
         reason="Slurm ended the job (requeue, preemption, cancel or time limit); written at the signal, "
                "before the step had ended")).install()
-    env = {}
-    # the trainer's wall-time guard reads the end time from the environment (containers have no scontrol)
-    end_time = None if os.environ.get("SLURM_JOB_END_TIME") else slurm_job_end_time(timeout_s=30)
-    if end_time:
-        env["SLURM_JOB_END_TIME"] = str(int(end_time))
     policy = HangPolicy.of(task.get("hang"))
     tag, _ = _tag()
     beat_dir = run.root / "health" / f"{tag}.r{restart}"  # this attempt's heartbeats (hpcmeg/heartbeat.py)
-    env.update({ENV_DIR: str(beat_dir), ENV_INTERVAL: str(policy.beat_s)})
-    # NCCL's Flight Recorder (GPU ranks): each rank's last collectives, dumped beside the heartbeats
-    # when a collective times out (unless the recipe's cluster.env says otherwise)
-    env.update({k: v for k, v in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
-                ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{beat_dir}/nccl_trace_rank_")) if k not in os.environ})
+    env = _train_env(beat_dir, policy)
     attempt_start = time.time()
     batch_log = run.logs("train") / f"train.{tag}.batch.log"  # where srun's own lines go (this process's output)
     log_at = batch_log.stat().st_size if batch_log.exists() else 0

@@ -52,7 +52,6 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -62,58 +61,9 @@ from hpcmeg.checkpoint.store import save_checkpoint
 from hpcmeg.megatron.args import checkpoint_models, make_checkpoint_dict
 from hpcmeg.parallel.pipeline.stages import load_megatron_models, megatron_models
 from hpcmeg.train.data import TrainBatches
-from hpcmeg.train.loop_state import LogWindow, LoopState
-from hpcmeg.train.waits import (COLLECTIVE_TIMEOUT_FACTOR, COLLECTIVE_TIMEOUT_FLOOR_S, COLLECTIVE_TIMEOUT_LONG_S,
-                                CollectiveTimeout, SaveBarrier)
-
-
-def _no_progress(phase: str, iteration: int | None = None, waiting: bool = False) -> None:
-    """The progress report of a run without a heartbeat."""
-
-
-def _no_fault(point: str, iteration: int | None = None) -> None:
-    """No injected fault (hpcmeg/train/faults.py)."""
-
-
-class TrainingDiverged(RuntimeError):
-    """Loss or gradient norm became NaN/inf on an applied step."""
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    """What the loop reads (built from the recipe by build.py; the loop never sees the recipe)."""
-    train_iters: int
-    global_batch_size: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    log_interval: int
-    eval_interval: int
-    eval_iters: int
-    save_interval: int
-    keep_last: int | None
-    async_save: bool
-    checkpoint_dir: str
-    precision: str
-    seed: int
-    num_workers: int = 0
-    collective_timeout_factor: float = COLLECTIVE_TIMEOUT_FACTOR
-    collective_timeout_floor_s: float = COLLECTIVE_TIMEOUT_FLOOR_S
-    collective_timeout_long_s: float = COLLECTIVE_TIMEOUT_LONG_S
-
-
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-
-
-@dataclass
-class Outcome:
-    status: str
-    """'finished' (train_iters reached) or 'preempted' (saved on a stop request; resume me)."""
-    iteration: int
-    reason: str = ""
+from hpcmeg.train.loop_state import (LogWindow, LoopConfig, LoopState, Outcome, TrainingDiverged,  # noqa: F401
+                                     TrainState, no_fault, no_progress)
+from hpcmeg.train.waits import CollectiveTimeout, SaveBarrier
 
 
 class Trainer:
@@ -122,8 +72,8 @@ class Trainer:
                  recipe_dict: dict, stop: Callable[[], str | None] = lambda: None,
                  on_step_time: Callable[[float], None] = lambda s: None,
                  on_save_time: Callable[[float], None] = lambda s: None, exit_interval: int | None = None,
-                 rng_streams=None, progress: Callable[..., None] = _no_progress,
-                 fault: Callable[..., None] = _no_fault):
+                 rng_streams=None, progress: Callable[..., None] = no_progress,
+                 fault: Callable[..., None] = no_fault):
         self.config, self.ctx = config, ctx
         self.model, self.optimizer = model, optimizer
         self.schedule, self.loss_scaler, self.step = schedule, loss_scaler, step
