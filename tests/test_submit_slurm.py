@@ -57,7 +57,7 @@ def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
     digest = ['printf %s "$HPCMEG_T_SECRET" | sha256sum > ' + str(run) + '/secret.sha',
               'printf %s "$HPCMEG_T_PASSED" | sha256sum > ' + str(run) + '/passed.sha']
     over = TINY + ["run.output_root=" + str(tmp_path / "runs"), f"data.inputs=[{tmp_path}/shard*.jsonl]",
-                   "train.train_iters=20", "checkpoint.save_interval=10", "convert.iterations=all",
+                   "train.train_iters=10", "checkpoint.save_interval=5", "convert.iterations=all",
                    "cluster.env={OMP_NUM_THREADS: '1', HPCMEG_T_SECRET: " + SECRET + "}",
                    "cluster.secret_env=[HPCMEG_T_SECRET]", "cluster.env_passthrough=[HPCMEG_T_PASSED]",
                    "cluster.setup=" + json.dumps(digest)]
@@ -69,7 +69,7 @@ def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
     assert rc == 0, out[-3000:] + err[-3000:]
     gap, after = longest_silence(lines)
     assert gap < 15, f"{gap:.1f} s without a line before {after!r}"
-    assert "train: RUNNING on node" in out and "train: iteration 20/20" in out and "| ETA " in out
+    assert "train: RUNNING on node" in out and "train: iteration 10/10" in out and "| ETA " in out
     assert "preprocess: COMPLETED" in out and "convert: COMPLETED" in out
     assert f"run directory: {run}" in out and "submitted convert" in out
     # the values reached the batch shell (digests match) and are in no file of the run directory
@@ -96,7 +96,7 @@ def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
     assert states == {"preprocess": "COMPLETED", "merge": "COMPLETED", "train": "COMPLETED",
                       "convert": "COMPLETED"}, (states, elapsed)
     assert len(st["stages"]["preprocess"]["tasks"]) == 2 and len(st["stages"]["convert"]["tasks"]) == 2
-    assert "checkpoint iteration 20/20" in st["stages"]["train"]["detail"]
+    assert "checkpoint iteration 10/10" in st["stages"]["train"]["detail"]
     # every job wrote its markers; the dataset manifest makes a resubmission skip preprocessing
     names = {p.name for p in (run / "markers").iterdir()}
     assert {"preprocess.0.done", "preprocess.1.done", "merge.done", "train.done", "convert.0.done",
@@ -110,13 +110,13 @@ def test_chain_end_to_end(slurm_cluster, tmp_path, no_sacct):
     assert all(t["source"] != "sacct" for v in st2["stages"].values() for t in v["tasks"].values())
     # logs: rank 0's metrics by default, rank 1 on request, batch logs with the supervisor's decisions
     logs = hpcmeg("logs", str(run), "--stage", "train", "-n", "200").stdout
-    assert "iteration 20/20" in logs and "decision: done" in logs and ".r0.0.log" in logs and ".r0.1.log" not in logs
+    assert "iteration 10/10" in logs and "decision: done" in logs and ".r0.0.log" in logs and ".r0.1.log" not in logs
     assert ".r0.1.log" in hpcmeg("logs", str(run), "--stage", "train", "--rank", "1").stdout
     # the converted checkpoints load in transformers and predict finite logits
     import torch
     from transformers import GPT2LMHeadModel
 
-    for it in (10, 20):
+    for it in (5, 10):
         model = GPT2LMHeadModel.from_pretrained(run / "hf" / f"iter_{it:07d}").eval()
         with torch.no_grad():
             logits = model(torch.tensor([[15496, 995, 198]])).logits
