@@ -1,6 +1,6 @@
 """Small things a new user trips on, each run for real: the CLI, the local chain, the local Slurm cluster.
 
-- `hpcmeg status` before the first checkpoint says so ('checkpoint none yet (0/40)'), not 'None/40'.
+- `hpcmeg status` before the first checkpoint says so ('checkpoint none yet (0/30)'), not 'None/30'.
 - `hpcmeg cancel` stops a running local chain: the ranks save (save_interval 0 notwithstanding), the
   markers, status and train_status.json say it was cancelled, and the same command resumes it.
 - A chain started again after a cancel (a resume by hand) shows only its own attempt's lines: the
@@ -29,7 +29,7 @@ from hpcmeg.megatron.names import latest_iteration
 from hpcmeg.train.metrics import read_metrics
 
 RECIPE = str(REPO / "recipes" / "codeparrot_tiny.yaml")
-LOG_EVERY, ITERS = 10, 40
+LOG_EVERY, ITERS = 10, 30
 
 
 def _overrides(tmp_path, dataset) -> list[str]:
@@ -64,7 +64,7 @@ def _check_resumed_output(out: str, resumed_at: int) -> None:
         assert f"(avg of {n} iteration{'s' if n != 1 else ''} since resume)" in first, first
     else:
         assert "avg of" not in first, first
-    assert all("avg of" not in ln for ln in lines[1:]), lines  # full windows; 40 is a multiple of 10
+    assert all("avg of" not in ln for ln in lines[1:]), lines  # full windows; 30 is a multiple of 10
 
 
 def test_local_chain_status_then_cancel_and_resume(tmp_path, tiny_dataset):
