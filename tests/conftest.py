@@ -28,6 +28,10 @@ from pathlib import Path
 # bit-for-bit DP2 == one process failed in every run on such a machine without this (and with
 # MKL_CBWR=AVX2) and passed 6 out of 6 with it. "AUTO,STRICT" keeps the auto-detected code path and makes it alignment-independent.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# Inductor compiles in this process, not in a pool of compile workers (its default on 2 cores is a
+# pool of 2 subprocesses, each importing torch: ~2 s of CPU per process that compiles, the test
+# processes and every rank process the tests start). The generated code is the same either way.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest
 
