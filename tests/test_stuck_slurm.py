@@ -28,10 +28,10 @@ from hpcmeg.launch.rundir import read_markers
 pytestmark = pytest.mark.slurm
 ITERS = 20
 # a healthy attempt here, on 2 busy cores: ~7 s from the step's launch to the first heartbeat (srun, imports),
-# then ~5 s of start-up whose clock restarts at each of its waits; 30 s leaves room for a loaded CI machine
-STARTUP_S = 30
-HANG = ["cluster.hang_min_s=8", "cluster.hang_after_steps=5", f"cluster.hang_startup_s={STARTUP_S}",
-        "cluster.hang_checkpoint_s=10", "cluster.heartbeat_s=0.5"]
+# then ~5 s of start-up whose clock restarts at each of its waits; 45 s leaves room for a loaded CI machine
+STARTUP_S = 45
+HANG = ["cluster.hang_min_s=15", "cluster.hang_after_steps=5", f"cluster.hang_startup_s={STARTUP_S}",
+        "cluster.hang_checkpoint_s=15", "cluster.heartbeat_s=0.5"]
 FAULT = ";".join(["rank=1,restart=0,at=init,action=block", "rank=1,restart=1,at=data,iteration=8,action=block",
                   "rank=1,restart=2,at=checkpoint,iteration=15,action=block"])
 
@@ -39,7 +39,7 @@ FAULT = ";".join(["rank=1,restart=0,at=init,action=block", "rank=1,restart=1,at=
 def _over(tmp_path, name, dataset, *extra):
     return TINY + [f"run.name={name}", "run.output_root=" + str(tmp_path), f"data.data_path=[{dataset}]",
                    f"train.train_iters={ITERS}", "checkpoint.save_interval=5", "checkpoint.keep_last=null",
-                   "cluster.max_requeues=3", *HANG, *extra]
+                   "cluster.max_requeues=3", *extra]
 
 
 def _weights(run):
@@ -68,7 +68,7 @@ def test_a_rank_stuck_at_start_up_in_data_and_in_a_save_is_named_each_time_and_t
            "--stages", "train", cwd=tmp_path)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([*hpcmeg_cmd(), "submit", recipe, "--profile", "local-slurm",
-                          *sets(_over(tmp_path, "stuck", tiny_dataset, f"cluster.env.HPCMEG_FAULT={FAULT}")),
+                          *sets(_over(tmp_path, "stuck", tiny_dataset, *HANG, f"cluster.env.HPCMEG_FAULT={FAULT}")),
                           "--stages", "train", "--wait"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=420)
     run = tmp_path / "stuck"
@@ -87,7 +87,7 @@ def test_a_rank_stuck_at_start_up_in_data_and_in_a_save_is_named_each_time_and_t
     assert data["line"].startswith("hang at iteration 8: ") and data["ranks"] == [1], data
     assert f"rank 1 on {node_b} in data at iteration 8 for " in data["line"], data
     # attempt 2: stuck in the save of iteration 15; rank 0 in the same phase, waiting in the barrier
-    assert save["line"].startswith("hang at iteration 15: ") and "(allowed 10 s)" in save["line"], save
+    assert save["line"].startswith("hang at iteration 15: ") and "(allowed 15 s)" in save["line"], save
     assert f"rank 1 on {node_b} in checkpoint at iteration 15 for " in save["line"], save
     assert save["line"].endswith("the others wait in checkpoint at iteration 15") and save["ranks"] == [1], save
     for e in (init, data, save):
