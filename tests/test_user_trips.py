@@ -1,6 +1,6 @@
 """Small things a new user trips on, each run for real: the CLI, the local chain, the local Slurm cluster.
 
-- `hpcmeg status` before the first checkpoint says so ('checkpoint none yet (0/30)'), not 'None/30'.
+- `hpcmeg status` before the first checkpoint says so ('checkpoint none yet (0/20)'), not 'None/20'.
 - `hpcmeg cancel` stops a running local chain: the ranks save (save_interval 0 notwithstanding), the
   markers, status and train_status.json say it was cancelled, and the same command resumes it.
 - A chain started again after a cancel (a resume by hand) shows only its own attempt's lines: the
@@ -29,7 +29,8 @@ from hpcmeg.megatron.names import latest_iteration
 from hpcmeg.train.metrics import read_metrics
 
 RECIPE = str(REPO / "recipes" / "codeparrot_tiny.yaml")
-LOG_EVERY, ITERS = 10, 30
+LOG_EVERY, ITERS = 5, 20
+FIRST_LOG = f"iteration {LOG_EVERY:>{len(str(ITERS))}}/{ITERS}"  # as the log pads it: "iteration  5/20"
 
 
 def _overrides(tmp_path, dataset) -> list[str]:
@@ -64,7 +65,7 @@ def _check_resumed_output(out: str, resumed_at: int) -> None:
         assert f"(avg of {n} iteration{'s' if n != 1 else ''} since resume)" in first, first
     else:
         assert "avg of" not in first, first
-    assert all("avg of" not in ln for ln in lines[1:]), lines  # full windows; 30 is a multiple of 10
+    assert all("avg of" not in ln for ln in lines[1:]), lines  # full windows; 20 is a multiple of 5
 
 
 def test_local_chain_status_then_cancel_and_resume(tmp_path, tiny_dataset):
@@ -73,7 +74,7 @@ def test_local_chain_status_then_cancel_and_resume(tmp_path, tiny_dataset):
     proc = subprocess.Popen([*hpcmeg_cmd(), "submit", RECIPE, "--profile", "local", *sets(over)], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "codeparrot-tiny"
-    _wait_for(run / "logs" / "train" / "train.local.r0.0.log", f"iteration {LOG_EVERY}/{ITERS}", proc)
+    _wait_for(run / "logs" / "train" / "train.local.r0.0.log", FIRST_LOG, proc)
     # no checkpoint yet (save_interval 0): status says so in words
     st = hpcmeg("status", str(run)).stdout
     assert f"checkpoint none yet (0/{ITERS})" in st and "None" not in st, st
@@ -134,7 +135,7 @@ def test_slurm_resubmit_after_cancel_watches_only_the_new_job(slurm_cluster, tmp
     hpcmeg("submit", RECIPE, "--profile", "local-slurm", *sets(over), cwd=tmp_path)
     logs = run / "logs" / "train"
     end = time.time() + 600  # the job may wait for nodes that other tests' jobs hold
-    while not any(f"iteration {LOG_EVERY}/{ITERS}" in p.read_text(errors="replace") for p in logs.glob("train.*.0.log")):
+    while not any(FIRST_LOG in p.read_text(errors="replace") for p in logs.glob("train.*.0.log")):
         assert time.time() < end, (sorted(p.name for p in logs.iterdir()) if logs.is_dir() else "no logs",
                                    hpcmeg("status", str(run), check=False).stdout)
         time.sleep(1)
