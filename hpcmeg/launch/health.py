@@ -105,14 +105,14 @@ def _position(b: dict) -> tuple:
     return b.get("iteration") or 0, _ORDER.get(b["phase"], 0), bool(b.get("waiting"))
 
 
-def allowance(beats: list[dict], policy: HangPolicy) -> tuple[float, str]:
-    """(seconds without progress that make a hang, what they are for)."""
+def allowance(beats: list[dict], policy: HangPolicy) -> float:
+    """Seconds without progress that make a hang (module docstring)."""
     steps = [b["step_s"] for b in beats if b.get("step_s")]
     if not steps or any(b["phase"] == "init" for b in beats):
-        return policy.startup_s, "start-up"
+        return policy.startup_s
     if any(b["phase"] in _LONG for b in beats):
-        return policy.checkpoint_s, "checkpoint or evaluation"
-    return max(policy.after_steps * max(steps), policy.min_s), "training steps"
+        return policy.checkpoint_s
+    return max(policy.after_steps * max(steps), policy.min_s)
 
 
 def diagnose(beats: list[dict], world_size: int, now: float, started: float, policy: HangPolicy) -> Optional[Hang]:
@@ -120,7 +120,7 @@ def diagnose(beats: list[dict], world_size: int, now: float, started: float, pol
     seen = {b["rank"] for b in beats}
     missing = [r for r in range(world_size) if r not in seen]
     last = max([started, *(b["since"] for b in beats)])
-    allowed, _ = allowance(beats, policy) if beats and not missing else (policy.startup_s, "start-up")
+    allowed = allowance(beats, policy) if beats and not missing else policy.startup_s
     stuck = now - last
     if stuck <= allowed:
         return None
@@ -141,13 +141,10 @@ def diagnose(beats: list[dict], world_size: int, now: float, started: float, pol
     if rest:
         b = max(rest, key=_position)
         others = _where(dict(b, waiting=False) if culprits else b)  # "the others wait in ..." says it
-    head = culprits[0] if culprits else (rest[0] if rest else None)
-    if head is None:
-        phase, it = "init", None
-    elif isinstance(head, Culprit):
-        phase, it = head.phase, head.iteration
+    if culprits:
+        phase, it = culprits[0].phase, culprits[0].iteration
     else:
-        phase, it = head["phase"], head.get("iteration")
+        phase, it = (rest[0]["phase"], rest[0].get("iteration")) if rest else ("init", None)
     return Hang(phase, it, stuck, allowed, culprits, others)
 
 

@@ -29,6 +29,7 @@ import torch
 from hpcmeg.megatron.parallel_dims import ParallelDims
 from hpcmeg.procenv import DistEnv
 from hpcmeg.recipe import Derived, Recipe, RecipeError, data_plan, derive, recipe_dims, to_dict, write_resolved
+from hpcmeg.train.loop_state import no_fault, no_progress
 
 
 def runtime_layout(recipe: Recipe, world_size: int) -> tuple[ParallelDims, Derived]:
@@ -332,7 +333,7 @@ def _announce(trainer, recipe: Recipe, derived: Derived, dims: ParallelDims, pla
 
 def build_trainer(recipe: Recipe, env: DistEnv, *, stop=lambda: None, exit_interval=None, on_step_time=lambda s: None,
                   on_save_time=lambda s: None, on_context=lambda ctx: None,
-                  progress=lambda phase, iteration=None, waiting=False: None, fault=lambda point, iteration=None: None):
+                  progress=no_progress, fault=no_fault):
     """Everything from the recipe (module docstring); resumes if it can. Returns (trainer, ctx).
     on_context(ctx) runs as soon as the process group exists (the caller's failure report uses it);
     progress(phase, iteration=None, waiting=False) is the trainer's progress report (a heartbeat,

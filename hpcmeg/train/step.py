@@ -51,6 +51,7 @@ import torch
 import torch.nn as nn
 
 from hpcmeg.parallel import overlap
+from hpcmeg.train.loop_state import no_progress
 from hpcmeg.train.loss_scale import DynamicLossScaler
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -140,10 +141,6 @@ class PendingStep:
         return self._extra
 
 
-def _no_phase(phase: str, iteration: int | None = None) -> None:
-    """TrainStep.on_phase of a step nobody watches."""
-
-
 class TrainStep:
     def __init__(self, model: nn.Module, buffer, optimizer, precision: str = "bf16",
                  grad_clip: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
@@ -176,7 +173,7 @@ class TrainStep:
         # low-precision parameters (fp32 masters in the optimizer) run as they are; fp32 parameters
         # with precision bf16/fp16 run under autocast
         self.autocast_dtype = _AUTOCAST[precision] if buffer.param_dtype == torch.float32 else None
-        self.on_phase = _no_phase
+        self.on_phase = no_progress
 
     def forward_module(self) -> nn.Module:
         """The module a step calls: the model, or its torch.compile wrapper (built once)."""

@@ -43,9 +43,10 @@ Contract
   `fault(point, iteration)` (hpcmeg/train/faults.py, a test's injected hang; a no-op otherwise) is
   called in the data fetch of each iteration and at the save's barrier after the shard write.
 - Collective timeout (hpcmeg/train/waits.py CollectiveTimeout): 30 minutes until this process's third
-  completed iteration, then max(10 x median step, 300 s) (config.collective_timeout_*), and
-  max(config.collective_timeout_long_s, that) while saving or evaluating: a rank that stopped makes
-  the others fail in minutes, not half an hour.
+  completed iteration, then max(config.collective_timeout_factor x median step,
+  config.collective_timeout_floor_s), and max(config.collective_timeout_long_s, that) while saving or
+  evaluating (build.py: twice the recipe's cluster.hang_* allowances): a rank that stopped makes the
+  others fail in minutes, not half an hour.
 """
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ import math
 import statistics
 from typing import Callable
 
+from hpcmeg.heartbeat import STEP_WINDOW  # the median over this many of the last iterations, as the heartbeat's
+
 # The collective timeout once steps are timed: a collective that waits much longer than a step means a
 # rank is gone or stuck. 10 x the median step: in a healthy iteration a rank waits for the slowest one
 # by a fraction of a step (a GC pause, rank 0's log line, a slow batch). Floor 300 s: a healthy step
@@ -37,7 +39,6 @@ COLLECTIVE_TIMEOUT_FLOOR_S = 300.0
 # the start's 30 minutes again, as every save was allowed before the timeout was shortened.
 COLLECTIVE_TIMEOUT_LONG_S = 1800.0
 COLLECTIVE_TIMEOUT_AFTER = 3  # iterations of this process: the first one includes compiling and warm-up
-STEP_WINDOW = 5  # the median over this many of the last iterations
 _SAVE_WRITE_BARRIER = 2  # save_checkpoint's barrier after the shard write (the first one precedes it)
 
 
